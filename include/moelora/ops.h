@@ -1,0 +1,158 @@
+// moelora public API: one function per op.
+//
+// Conventions shared by every op:
+// - Inputs and outputs are TensorViews on one device; the op runs on that device's
+//   backend (CPU, or CUDA on `stream`). CPU ops are synchronous.
+// - Floating-point activations and weights are bf16, fp16 or fp32 (all of one op's
+//   float tensors share a dtype unless said); accumulation is always fp32.
+// - Nothing allocates: the caller passes every output and workspace. Sizes are
+//   queryable (moe_align_block_size_capacity, fused_experts_workspace_size).
+// - No op synchronises the host with the device, so every CUDA op can be captured
+//   in a CUDA graph. Counts that depend on data (num_tokens_post_padded) stay on
+//   the device.
+// - A bad argument throws moelora::Error naming the op, the argument, what was
+//   expected and what was given; nothing is written then.
+#pragma once
+
+#include <cstdint>
+
+#include "moelora/tensor.h"
+
+namespace moelora {
+
+// Largest expert count (global, with expert parallelism) any op accepts.
+constexpr int64_t kMaxNumExperts = 4095;
+
+// ---------------------------------------------------------------------------------
+// moe_align_block_size
+//
+// topk_ids [M, top_k] int32|int64: the experts each token is routed to. Slot s = m*top_k+j.
+// Output, for num_slots = M*top_k:
+//   sorted_token_ids [capacity.max_num_tokens_padded] int32: slot ids grouped by expert
+//       (ascending expert id), each group padded with the sentinel num_slots up to a
+//       multiple of block_size. Every entry past the groups is the sentinel too.
+//   expert_ids [capacity.max_num_blocks] int32: the expert of each block of block_size
+//       entries; the local id expert_map[e] when expert_map is given, -1 for a block
+//       whose expert is not on this rank (the GEMM writes zeros there). Entries past
+//       the last block are -1.
+//   num_tokens_post_padded [1] int32: the used length of sorted_token_ids (a multiple
+//       of block_size), on the device.
+// topk_ids == -1 marks a dropped slot: it is grouped in a trailing block with expert -1,
+// so the layer gives it zero weight. On CPU any other id outside [0, num_experts)
+// throws; the CUDA backend cannot read ids on the host and treats them as -1.
+// expert_map [num_experts] int32 (optional): global expert -> local expert or -1.
+// block_size: 16 to 256.
+struct AlignCapacity {
+  int64_t max_num_tokens_padded;
+  int64_t max_num_blocks;
+};
+AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_size,
+                                            int64_t num_experts);
+
+void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_t num_experts,
+                          const TensorView* expert_map, const TensorView& sorted_token_ids,
+                          const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
+                          Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
+// fused_moe: the grouped expert GEMM over aligned blocks.
+//
+// For every entry i < num_tokens_post_padded of sorted_token_ids with slot s < num_slots:
+//   out[s, :] = a[s / top_k, :] · w[expert_ids[i / block_size], :, :]ᵀ  (× topk_weights.flat[s]
+//   when mul_routed_weight), accumulated in fp32, rounded to out's dtype.
+// Rows of blocks whose expert is -1 are written with zeros; rows of slots that no
+// block holds are not written.
+//   a [num_rows, K]          bf16|fp16|fp32, any strides (rows gathered by slot / top_k;
+//                            top_k = 1 when a already holds one row per slot)
+//   w [E, N, K]              a's dtype, any strides
+//   out [num_slots, N]       a's dtype, any strides; num_slots = num_rows * top_k,
+//                            or topk_weights.numel() when mul_routed_weight
+//   topk_weights [M, top_k'] fp32 (read only when mul_routed_weight), indexed by slot
+//   sorted_token_ids, expert_ids, num_tokens_post_padded: from moe_align_block_size
+//                            with the same block_size; block_size a multiple of 16.
+struct FusedMoeArgs {
+  TensorView a;
+  TensorView w;
+  TensorView out;
+  TensorView sorted_token_ids;
+  TensorView expert_ids;
+  TensorView num_tokens_post_padded;
+  const TensorView* topk_weights = nullptr;
+  bool mul_routed_weight = false;
+  int64_t top_k = 1;
+  int64_t block_size = 64;
+};
+void fused_moe(const FusedMoeArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
+// Activations: input [T, 2I] -> out [T, I], rank 2, any row strides, unit column stride.
+//   silu_and_mul:  out = silu(gate) * up, gate = input[:, :I], up = input[:, I:]
+//   gelu_and_mul:  out = gelu(gate) * up, exact (erf) GELU
+//   swiglu_oai_and_mul (gpt-oss): gate = input[:, 0::2], up = input[:, 1::2] (interleaved);
+//       gate = min(gate, limit); up = clamp(up, -limit, limit);
+//       out = (up + 1) * gate * sigmoid(alpha * gate)
+void silu_and_mul(const TensorView& input, const TensorView& out, Stream stream = nullptr);
+void gelu_and_mul(const TensorView& input, const TensorView& out, Stream stream = nullptr);
+void swiglu_oai_and_mul(const TensorView& input, const TensorView& out, float alpha = 1.702f,
+                        float limit = 7.0f, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
+// moe_sum_reduce: input [M, top_k, H] -> out [M, H] = routed_scaling_factor * Σ_j input[:, j, :]
+// fp32 accumulation in slot order (deterministic). Any strides, unit stride on H.
+void moe_sum_reduce(const TensorView& input, const TensorView& out, float routed_scaling_factor = 1.0f,
+                    Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
+// fused_experts: the whole MoE layer.
+//   hidden_states [M, H]; w13 [E_local, 2I, H] (gate rows first, then up; interleaved for
+//   swiglu_oai); w2 [E_local, H, I]; topk_weights [M, top_k] fp32; topk_ids [M, top_k]
+//   int32|int64 (global ids); expert_map [E_global] int32 optional (else E_global = E_local).
+//   out [M, H], or [M, top_k, H] with no_combine. out may be hidden_states itself (inplace).
+//   workspace: fused_experts_workspace_size(...) bytes on the same device, 256-byte aligned.
+// Per chunk of at most chunk_size tokens: align -> GEMM1 -> activation -> GEMM2 -> reduce.
+enum class Activation : int8_t { kSilu, kGelu, kSwigluOai };
+
+struct FusedExpertsOptions {
+  Activation activation = Activation::kSilu;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+  bool apply_router_weight_on_input = false;  // weight GEMM1's rows instead of GEMM2's
+  bool no_combine = false;                    // out is [M, top_k, H]: no reduction
+  float routed_scaling_factor = 1.0f;         // applied by the reduction (not with no_combine)
+  int64_t chunk_size = 64 * 1024;             // tokens per chunk
+  int64_t block_size = 0;                     // 0: chosen from the chunk's token count
+};
+
+struct FusedExpertsShape {
+  int64_t num_tokens;      // M
+  int64_t top_k;
+  int64_t num_experts;     // E_global
+  int64_t hidden_size;     // H
+  int64_t intermediate_size;  // I
+  DType dtype;
+};
+int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
+                                     const FusedExpertsOptions& options = {});
+// The block size fused_experts uses for a chunk of num_tokens tokens.
+int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                 const FusedExpertsOptions& options = {});
+
+struct FusedExpertsArgs {
+  TensorView hidden_states;
+  TensorView w13;
+  TensorView w2;
+  TensorView topk_weights;
+  TensorView topk_ids;
+  TensorView out;
+  TensorView workspace;  // 1-D, any dtype; only its bytes count
+  const TensorView* expert_map = nullptr;
+};
+void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options = {},
+                   Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
+// Build facts.
+bool cuda_available();  // built with the CUDA backend and a CUDA device is visible
+const char* version();
+
+}  // namespace moelora

@@ -1,0 +1,554 @@
+// The C++ API: validate every argument, fill the backend's parameter struct, dispatch
+// on the tensors' device. fused_experts is composed here from the backend ops, so both
+// backends share one orchestration.
+#include "moelora/ops.h"
+
+#include <algorithm>
+#include <string>
+
+#include "api/validate.h"
+#include "common/params.h"
+
+namespace moelora {
+
+using detail::ArgCheck;
+using detail::fail;
+
+namespace {
+
+
+ArgCheck& float_dtype(ArgCheck& c) {
+  return c.dtype_in({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool on_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }
+
+void require_cuda_backend(const char* op) {
+#ifndef MOELORA_WITH_CUDA
+  fail(op, "tensors are on a CUDA device but moelora was built without the CUDA backend");
+#else
+  (void)op;
+#endif
+}
+
+void check_block_size(const char* op, int64_t block_size, bool multiple_of_16) {
+  if (block_size < 16 || block_size > 256 || (multiple_of_16 && block_size % 16 != 0)) {
+    fail(op, std::string("argument 'block_size' expected ") +
+                 (multiple_of_16 ? "a multiple of 16 in [16, 256]" : "a value in [16, 256]") + ", got " +
+                 std::to_string(block_size));
+  }
+}
+
+// On the CPU the ids are readable: reject out-of-range ones with a clear message.
+// (The CUDA backend cannot read them without a host sync; see ops.h.)
+void check_cpu_ids(const char* op, const char* name, const TensorView& ids, int64_t lo, int64_t hi) {
+  if (on_cuda(ids) || ids.numel() == 0) return;
+  for (int64_t i = 0; i < ids.shape[0]; ++i) {
+    for (int64_t j = 0; j < (ids.rank > 1 ? ids.shape[1] : 1); ++j) {
+      const int64_t offset = i * ids.strides[0] + (ids.rank > 1 ? j * ids.strides[1] : 0);
+      const int64_t v = ids.dtype == DType::kInt64 ? static_cast<const int64_t*>(ids.data)[offset]
+                                                   : static_cast<const int32_t*>(ids.data)[offset];
+      if (v < lo || v >= hi) {
+        fail(op, std::string("argument '") + name + "' expected values in [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "), got " + std::to_string(v) + " at [" + std::to_string(i) +
+                     (ids.rank > 1 ? ", " + std::to_string(j) : std::string()) + "]");
+      }
+    }
+  }
+}
+
+detail::AlignParams align_params(const TensorView& topk_ids, int64_t block_size, int64_t num_experts,
+                                 const TensorView* expert_map, const TensorView& sorted_token_ids,
+                                 const TensorView& expert_ids, const TensorView& num_tokens_post_padded) {
+  return detail::AlignParams{
+      .topk_ids = topk_ids.data,
+      .topk_ids_int64 = topk_ids.dtype == DType::kInt64,
+      .topk_ids_stride_token = topk_ids.strides[0],
+      .topk_ids_stride_k = topk_ids.strides[1],
+      .num_tokens = topk_ids.shape[0],
+      .top_k = topk_ids.shape[1],
+      .block_size = block_size,
+      .num_experts = num_experts,
+      .expert_map = expert_map ? static_cast<const int32_t*>(expert_map->data) : nullptr,
+      .sorted_token_ids = static_cast<int32_t*>(sorted_token_ids.data),
+      .max_num_tokens_padded = sorted_token_ids.shape[0],
+      .expert_ids = static_cast<int32_t*>(expert_ids.data),
+      .max_num_blocks = expert_ids.shape[0],
+      .num_tokens_post_padded = static_cast<int32_t*>(num_tokens_post_padded.data),
+  };
+}
+
+void run_align(const detail::AlignParams& p, Device device, Stream stream) {
+  if (device.type == DeviceType::kCPU) {
+    cpu::moe_align_block_size(p);
+  } else {
+#ifdef MOELORA_WITH_CUDA
+    cuda::moe_align_block_size(p, stream);
+#else
+    (void)stream;
+#endif
+  }
+}
+
+void run_gemm(const detail::GemmParams& p, Device device, Stream stream) {
+  if (device.type == DeviceType::kCPU) {
+    cpu::fused_moe(p);
+  } else {
+#ifdef MOELORA_WITH_CUDA
+    cuda::fused_moe(p, stream);
+#else
+    (void)stream;
+#endif
+  }
+}
+
+void run_activation(const detail::ActivationParams& p, Device device, Stream stream) {
+  if (device.type == DeviceType::kCPU) {
+    cpu::activation(p);
+  } else {
+#ifdef MOELORA_WITH_CUDA
+    cuda::activation(p, stream);
+#else
+    (void)stream;
+#endif
+  }
+}
+
+void run_sum_reduce(const detail::SumReduceParams& p, Device device, Stream stream) {
+  if (device.type == DeviceType::kCPU) {
+    cpu::moe_sum_reduce(p);
+  } else {
+#ifdef MOELORA_WITH_CUDA
+    cuda::moe_sum_reduce(p, stream);
+#else
+    (void)stream;
+#endif
+  }
+}
+
+// A 2-D view [rows, cols] of a tensor's storage.
+TensorView view2d(void* data, DType dtype, int64_t rows, int64_t cols, int64_t stride_row, int64_t stride_col,
+                  Device device) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = 2;
+  t.shape[0] = rows;
+  t.shape[1] = cols;
+  t.strides[0] = stride_row;
+  t.strides[1] = stride_col;
+  t.device = device;
+  return t;
+}
+
+void* byte_offset(void* p, int64_t bytes) { return static_cast<char*>(p) + bytes; }
+
+int64_t round_up(int64_t v, int64_t to) { return ceil_div(v, to) * to; }
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------
+AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts) {
+  // Every group (num_experts experts + the trailing dropped-slot group) pads by at most
+  // block_size - 1 entries.
+  const int64_t max_padded = num_slots + (num_experts + 1) * (block_size - 1);
+  return {max_padded, ceil_div(max_padded, block_size)};
+}
+
+void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_t num_experts,
+                          const TensorView* expert_map, const TensorView& sorted_token_ids,
+                          const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
+                          Stream stream) {
+  const char* op = "moe_align_block_size";
+  ArgCheck(op, "topk_ids", topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64});
+  check_block_size(op, block_size, /*multiple_of_16=*/false);
+  if (num_experts < 1 || num_experts > kMaxNumExperts) {
+    fail(op, "argument 'num_experts' expected a value in [1, " + std::to_string(kMaxNumExperts) + "], got " +
+                 std::to_string(num_experts));
+  }
+  const Device device = topk_ids.device;
+  const AlignCapacity cap = moe_align_block_size_capacity(topk_ids.numel(), block_size, num_experts);
+  ArgCheck(op, "sorted_token_ids", sorted_token_ids)
+      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+      .dim_at_least(0, cap.max_num_tokens_padded, "moe_align_block_size_capacity().max_num_tokens_padded");
+  ArgCheck(op, "expert_ids", expert_ids)
+      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+      .dim_at_least(0, cap.max_num_blocks, "moe_align_block_size_capacity().max_num_blocks")
+      .no_overlap(sorted_token_ids, "sorted_token_ids");
+  ArgCheck(op, "num_tokens_post_padded", num_tokens_post_padded)
+      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
+      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
+  if (expert_map) {
+    ArgCheck(op, "expert_map", *expert_map)
+        .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
+  }
+  if (int64_t(cap.max_num_tokens_padded) > INT32_MAX) {
+    fail(op, "argument 'topk_ids' expected fewer slots (sorted ids are int32), got " + topk_ids.shape_string());
+  }
+  check_cpu_ids(op, "topk_ids", topk_ids, -1, num_experts);
+  if (on_cuda(topk_ids)) require_cuda_backend(op);
+  run_align(align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
+                         num_tokens_post_padded),
+            device, stream);
+}
+
+// ---------------------------------------------------------------------------------
+namespace {
+
+detail::GemmParams gemm_params(const TensorView& a, const TensorView& w, const TensorView& out,
+                               const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                               const TensorView& num_tokens_post_padded, const TensorView* topk_weights,
+                               int64_t top_k, int64_t block_size) {
+  return detail::GemmParams{
+      .dtype = a.dtype,
+      .a = a.data,
+      .a_stride_row = a.strides[0],
+      .a_stride_k = a.strides[1],
+      .w = w.data,
+      .w_stride_expert = w.strides[0],
+      .w_stride_n = w.strides[1],
+      .w_stride_k = w.strides[2],
+      .out = out.data,
+      .out_stride_row = out.strides[0],
+      .out_stride_n = out.strides[1],
+      .topk_weights = topk_weights ? static_cast<const float*>(topk_weights->data) : nullptr,
+      .topk_weights_cols = topk_weights ? topk_weights->shape[1] : 1,
+      .topk_weights_stride_row = topk_weights ? topk_weights->strides[0] : 0,
+      .topk_weights_stride_col = topk_weights ? topk_weights->strides[1] : 0,
+      .sorted_token_ids = static_cast<const int32_t*>(sorted_token_ids.data),
+      .sorted_token_ids_size = sorted_token_ids.shape[0],
+      .expert_ids = static_cast<const int32_t*>(expert_ids.data),
+      .num_tokens_post_padded = static_cast<const int32_t*>(num_tokens_post_padded.data),
+      .max_num_blocks = std::min<int64_t>(expert_ids.shape[0], ceil_div(sorted_token_ids.shape[0], block_size)),
+      .num_rows = a.shape[0],
+      .num_slots = out.shape[0],
+      .num_experts = w.shape[0],
+      .N = w.shape[1],
+      .K = w.shape[2],
+      .top_k = top_k,
+      .block_size = block_size,
+  };
+}
+
+}  // namespace
+
+void fused_moe(const FusedMoeArgs& args, Stream stream) {
+  const char* op = "fused_moe";
+  const TensorView& a = args.a;
+  float_dtype(ArgCheck(op, "a", a).rank(2));
+  const Device device = a.device;
+  ArgCheck(op, "w", args.w).rank(3).same_dtype(a, "a").on(device, "a").dim(2, a.shape[1], "K, from 'a'");
+  if (args.top_k < 1) fail(op, "argument 'top_k' expected >= 1, got " + std::to_string(args.top_k));
+  ArgCheck(op, "out", args.out)
+      .rank(2).same_dtype(a, "a").on(device, "a")
+      .dim(0, a.shape[0] * args.top_k, "num_slots = a rows * top_k")
+      .dim(1, args.w.shape[1], "N, from 'w'")
+      .no_overlap(a, "a").no_overlap(args.w, "w");
+  check_block_size(op, args.block_size, /*multiple_of_16=*/true);
+  ArgCheck(op, "sorted_token_ids", args.sorted_token_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a");
+  ArgCheck(op, "expert_ids", args.expert_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a")
+      .dim_at_least(0, ceil_div(args.sorted_token_ids.shape[0], args.block_size),
+                    "one expert per block of 'sorted_token_ids'");
+  ArgCheck(op, "num_tokens_post_padded", args.num_tokens_post_padded)
+      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "a");
+  const TensorView* topk_weights = nullptr;
+  if (args.mul_routed_weight) {
+    if (!args.topk_weights) fail(op, "argument 'topk_weights' expected a tensor when mul_routed_weight, got none");
+    ArgCheck(op, "topk_weights", *args.topk_weights).rank(2).dtype(DType::kFloat32).on(device, "a");
+    if (args.topk_weights->numel() != args.out.shape[0]) {
+      fail(op, "argument 'topk_weights' expected " + std::to_string(args.out.shape[0]) +
+                   " elements (one per slot), got shape " + args.topk_weights->shape_string());
+    }
+    topk_weights = args.topk_weights;
+  }
+  if (on_cuda(a)) require_cuda_backend(op);
+  if (!on_cuda(a)) {
+    // On the CPU the block experts are readable: an id outside [-1, E) would index past w.
+    const int64_t used_blocks =
+        std::min<int64_t>(args.expert_ids.shape[0],
+                          ceil_div(*static_cast<const int32_t*>(args.num_tokens_post_padded.data), args.block_size));
+    TensorView used = args.expert_ids;
+    used.shape[0] = std::max<int64_t>(used_blocks, 0);
+    check_cpu_ids(op, "expert_ids", used, -1, args.w.shape[0]);
+  }
+  run_gemm(gemm_params(a, args.w, args.out, args.sorted_token_ids, args.expert_ids, args.num_tokens_post_padded,
+                       topk_weights, args.top_k, args.block_size),
+           device, stream);
+}
+
+// ---------------------------------------------------------------------------------
+namespace {
+
+void run_activation_op(const char* op, detail::ActivationKind kind, const TensorView& input, const TensorView& out,
+                       float alpha, float limit, Stream stream) {
+  float_dtype(ArgCheck(op, "input", input).rank(2).unit_stride(1));
+  if (input.shape[1] % 2 != 0) {
+    fail(op, "argument 'input' expected an even last dim (gate and up halves), got shape " + input.shape_string());
+  }
+  ArgCheck(op, "out", out)
+      .rank(2).same_dtype(input, "input").on(input.device, "input").unit_stride(1)
+      .dim(0, input.shape[0], "rows of 'input'").dim(1, input.shape[1] / 2, "half the last dim of 'input'")
+      .no_overlap(input, "input");
+  if (on_cuda(input)) require_cuda_backend(op);
+  const detail::ActivationParams p{
+      .dtype = input.dtype,
+      .kind = kind,
+      .input = input.data,
+      .input_stride_row = input.strides[0],
+      .out = out.data,
+      .out_stride_row = out.strides[0],
+      .num_rows = input.shape[0],
+      .width = out.shape[1],
+      .alpha = alpha,
+      .limit = limit,
+  };
+  run_activation(p, input.device, stream);
+}
+
+}  // namespace
+
+void silu_and_mul(const TensorView& input, const TensorView& out, Stream stream) {
+  run_activation_op("silu_and_mul", detail::ActivationKind::kSiluAndMul, input, out, 0.f, 0.f, stream);
+}
+
+void gelu_and_mul(const TensorView& input, const TensorView& out, Stream stream) {
+  run_activation_op("gelu_and_mul", detail::ActivationKind::kGeluAndMul, input, out, 0.f, 0.f, stream);
+}
+
+void swiglu_oai_and_mul(const TensorView& input, const TensorView& out, float alpha, float limit, Stream stream) {
+  if (!(limit > 0.f)) fail("swiglu_oai_and_mul", "argument 'limit' expected > 0, got " + std::to_string(limit));
+  run_activation_op("swiglu_oai_and_mul", detail::ActivationKind::kSwigluOai, input, out, alpha, limit, stream);
+}
+
+// ---------------------------------------------------------------------------------
+void moe_sum_reduce(const TensorView& input, const TensorView& out, float routed_scaling_factor, Stream stream) {
+  const char* op = "moe_sum_reduce";
+  float_dtype(ArgCheck(op, "input", input).rank(3).unit_stride(2));
+  ArgCheck(op, "out", out)
+      .rank(2).same_dtype(input, "input").on(input.device, "input").unit_stride(1)
+      .dim(0, input.shape[0], "tokens of 'input'").dim(1, input.shape[2], "hidden size of 'input'")
+      .no_overlap(input, "input");
+  if (on_cuda(input)) require_cuda_backend(op);
+  const detail::SumReduceParams p{
+      .dtype = input.dtype,
+      .input = input.data,
+      .input_stride_token = input.strides[0],
+      .input_stride_k = input.strides[1],
+      .out = out.data,
+      .out_stride_token = out.strides[0],
+      .num_tokens = input.shape[0],
+      .top_k = input.shape[1],
+      .hidden = input.shape[2],
+      .scale = routed_scaling_factor,
+  };
+  run_sum_reduce(p, input.device, stream);
+}
+
+// ---------------------------------------------------------------------------------
+// fused_experts
+
+int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                 const FusedExpertsOptions& options) {
+  if (options.block_size > 0) return options.block_size;
+  // NOTE: monotone in num_tokens, so the first (largest) chunk's block size bounds the
+  // workspace of every later chunk. Tiles of 16 rows waste least padding when each
+  // expert sees few slots (decode); 64 once experts see dozens of slots.
+  const int64_t slots_per_expert = ceil_div(std::max<int64_t>(num_tokens, 1) * top_k, std::max<int64_t>(num_experts, 1));
+  if (slots_per_expert <= 16) return 16;
+  if (slots_per_expert <= 48) return 32;
+  return 64;
+}
+
+namespace {
+
+// Workspace layout, each piece 256-byte aligned.
+struct WorkspaceLayout {
+  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, cache1, cache2, cache3, total;
+  AlignCapacity capacity;
+};
+
+WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+  const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
+  const int64_t slots = chunk_tokens * s.top_k;
+  const int64_t block_size = fused_experts_block_size(chunk_tokens, s.top_k, s.num_experts, o);
+  const int64_t elem = int64_t(dtype_size(s.dtype));
+  WorkspaceLayout l{};
+  l.capacity = moe_align_block_size_capacity(slots, block_size, s.num_experts);
+  int64_t at = 0;
+  auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
+  l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
+  l.expert_ids = take(l.capacity.max_num_blocks * 4);
+  l.num_tokens_post_padded = take(4);
+  l.cache1 = take(slots * 2 * s.intermediate_size * elem);
+  l.cache2 = take(slots * s.intermediate_size * elem);
+  l.cache3 = take(slots * s.hidden_size * elem);
+  l.total = at;
+  return l;
+}
+
+}  // namespace
+
+int64_t fused_experts_workspace_size(const FusedExpertsShape& shape, const FusedExpertsOptions& options) {
+  return workspace_layout(shape, options).total;
+}
+
+void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options, Stream stream) {
+  const char* op = "fused_experts";
+  const TensorView& x = args.hidden_states;
+  float_dtype(ArgCheck(op, "hidden_states", x).rank(2).unit_stride(1));
+  const Device device = x.device;
+  const int64_t M = x.shape[0], H = x.shape[1];
+  ArgCheck(op, "w13", args.w13).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+      .dim(2, H, "hidden size, from 'hidden_states'");
+  if (args.w13.shape[1] % 2 != 0) {
+    fail(op, "argument 'w13' expected an even dim 1 (2 * intermediate size), got shape " + args.w13.shape_string());
+  }
+  const int64_t E_local = args.w13.shape[0], I = args.w13.shape[1] / 2;
+  if (E_local < 1 || E_local > kMaxNumExperts) {
+    fail(op, "argument 'w13' expected 1 to " + std::to_string(kMaxNumExperts) + " experts on dim 0, got shape " +
+                 args.w13.shape_string());
+  }
+  ArgCheck(op, "w2", args.w2).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+      .dim(0, E_local, "experts, from 'w13'").dim(1, H, "hidden size").dim(2, I, "intermediate size, from 'w13'");
+  ArgCheck(op, "topk_ids", args.topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64})
+      .on(device, "hidden_states").dim(0, M, "tokens, from 'hidden_states'");
+  const int64_t top_k = args.topk_ids.shape[1];
+  if (top_k < 1) fail(op, "argument 'topk_ids' expected top_k >= 1, got shape " + args.topk_ids.shape_string());
+  ArgCheck(op, "topk_weights", args.topk_weights).rank(2).dtype(DType::kFloat32).on(device, "hidden_states")
+      .dim(0, M, "tokens").dim(1, top_k, "top_k, from 'topk_ids'");
+  int64_t E_global = E_local;
+  if (args.expert_map) {
+    ArgCheck(op, "expert_map", *args.expert_map).rank(1).dtype(DType::kInt32).unit_stride(0)
+        .on(device, "hidden_states");
+    E_global = args.expert_map->shape[0];
+    if (E_global < 1 || E_global > kMaxNumExperts) {
+      fail(op, "argument 'expert_map' expected 1 to " + std::to_string(kMaxNumExperts) + " experts, got shape " +
+                   args.expert_map->shape_string());
+    }
+    check_cpu_ids(op, "expert_map", *args.expert_map, -1, E_local);
+  }
+  check_cpu_ids(op, "topk_ids", args.topk_ids, -1, E_global);
+  if (options.no_combine) {
+    ArgCheck(op, "out", args.out).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(2)
+        .dim(0, M, "tokens").dim(1, top_k, "top_k (no_combine)").dim(2, H, "hidden size");
+    if (top_k > 1 && args.out.strides[0] != top_k * args.out.strides[1]) {
+      fail(op, "argument 'out' expected dims 0 and 1 to merge (stride0 == top_k * stride1) with no_combine, got strides [" +
+                   std::to_string(args.out.strides[0]) + ", " + std::to_string(args.out.strides[1]) + ", 1]");
+    }
+  } else {
+    ArgCheck(op, "out", args.out).rank(2).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(1)
+        .dim(0, M, "tokens").dim(1, H, "hidden size");
+  }
+  const bool inplace = detail::same_view(args.out, x);
+  if (!inplace) ArgCheck(op, "out", args.out).no_overlap(x, "hidden_states");
+  for (const auto& [w, name] : {std::pair{&args.w13, "w13"}, std::pair{&args.w2, "w2"}}) {
+    ArgCheck(op, "out", args.out).no_overlap(*w, name);
+  }
+  if (options.chunk_size < 1) fail(op, "argument 'chunk_size' expected >= 1, got " + std::to_string(options.chunk_size));
+  if (options.block_size != 0) check_block_size(op, options.block_size, /*multiple_of_16=*/true);
+  if (options.activation == Activation::kSwigluOai && !(options.swiglu_limit > 0.f)) {
+    fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
+  }
+
+  const FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype};
+  const WorkspaceLayout layout = workspace_layout(shape, options);
+  ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
+  const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
+  if (workspace_bytes < layout.total) {
+    fail(op, "argument 'workspace' expected at least " + std::to_string(layout.total) +
+                 " bytes (fused_experts_workspace_size), got " + std::to_string(workspace_bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
+    fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
+  }
+  for (const auto* t : {&x, &args.w13, &args.w2, &args.topk_ids, &args.topk_weights, &args.out}) {
+    if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
+  }
+  if (on_cuda(x)) require_cuda_backend(op);
+  if (M == 0) return;
+
+  const DType dtype = x.dtype;
+  const int64_t elem = int64_t(dtype_size(dtype));
+  void* ws = args.workspace.data;
+  const int64_t chunk = std::max<int64_t>(options.chunk_size, 1);
+  auto i32 = [&](int64_t offset, int64_t n) {
+    TensorView t = TensorView::contiguous(byte_offset(ws, offset), DType::kInt32, {n}, device);
+    return t;
+  };
+  const TensorView sorted_ids = i32(layout.sorted_token_ids, layout.capacity.max_num_tokens_padded);
+  const TensorView expert_ids = i32(layout.expert_ids, layout.capacity.max_num_blocks);
+  const TensorView ntpp = i32(layout.num_tokens_post_padded, 1);
+
+  for (int64_t begin = 0; begin < M; begin += chunk) {
+    const int64_t tokens = std::min(chunk, M - begin);
+    const int64_t slots = tokens * top_k;
+    const int64_t block_size = fused_experts_block_size(tokens, top_k, E_global, options);
+    const AlignCapacity cap = moe_align_block_size_capacity(slots, block_size, E_global);
+
+    TensorView ids = args.topk_ids;
+    ids.shape[0] = tokens;
+    ids.data = byte_offset(ids.data, begin * ids.strides[0] * int64_t(dtype_size(ids.dtype)));
+    TensorView weights = args.topk_weights;
+    weights.shape[0] = tokens;
+    weights.data = byte_offset(weights.data, begin * weights.strides[0] * 4);
+    TensorView sorted_chunk = sorted_ids;
+    sorted_chunk.shape[0] = cap.max_num_tokens_padded;
+    TensorView expert_chunk = expert_ids;
+    expert_chunk.shape[0] = cap.max_num_blocks;
+    run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device, stream);
+
+    // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]
+    const TensorView x_chunk = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H,
+                                      x.strides[0], 1, device);
+    const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
+    run_gemm(gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp,
+                         options.apply_router_weight_on_input ? &weights : nullptr, top_k, block_size),
+             device, stream);
+
+    // activation: cache2 = act(cache1)   [slots, I]
+    const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
+    const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul
+                                        : options.activation == Activation::kGelu ? detail::ActivationKind::kGeluAndMul
+                                                                                  : detail::ActivationKind::kSwigluOai;
+    run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
+                                            .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
+                                            .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
+                                            .limit = options.swiglu_limit},
+                   device, stream);
+
+    // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
+    const TensorView* gemm2_weights = options.apply_router_weight_on_input ? nullptr : &weights;
+    const bool direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);
+    TensorView cache3;
+    if (direct) {
+      const int64_t row_stride = options.no_combine ? args.out.strides[1] : args.out.strides[0];
+      cache3 = view2d(byte_offset(args.out.data, begin * args.out.strides[0] * elem), dtype, slots, H,
+                      top_k == 1 ? args.out.strides[0] : row_stride, 1, device);
+    } else {
+      cache3 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
+    }
+    run_gemm(gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size),
+             device, stream);
+
+    if (!direct) {
+      run_sum_reduce(detail::SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,
+                                             .input_stride_k = H,
+                                             .out = byte_offset(args.out.data, begin * args.out.strides[0] * elem),
+                                             .out_stride_token = args.out.strides[0], .num_tokens = tokens,
+                                             .top_k = top_k, .hidden = H, .scale = options.routed_scaling_factor},
+                     device, stream);
+    }
+  }
+}
+
+bool cuda_available() {
+#ifdef MOELORA_WITH_CUDA
+  return cuda::device_available();
+#else
+  return false;
+#endif
+}
+
+}  // namespace moelora

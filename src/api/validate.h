@@ -1,0 +1,45 @@
+// Argument validation for the C++ API. Every failure throws moelora::Error with
+// "<op>: argument '<name>' expected <what>, got <given>".
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "moelora/tensor.h"
+
+namespace moelora::detail {
+
+[[noreturn]] void fail(const char* op, const std::string& message);
+
+// Fluent checks on one tensor argument. The constructor checks what holds for every
+// tensor: rank within [0, kMaxRank], non-negative shape and strides, data present when
+// the tensor has elements.
+class ArgCheck {
+ public:
+  ArgCheck(const char* op, const char* name, const TensorView& t);
+
+  ArgCheck& rank(int expected);
+  ArgCheck& dtype(DType expected);
+  ArgCheck& dtype_in(std::initializer_list<DType> allowed);
+  ArgCheck& same_dtype(const TensorView& other, const char* other_name);
+  // shape[dim] == expected; `what` names the dimension, e.g. "K (from 'a')".
+  ArgCheck& dim(int d, int64_t expected, const char* what);
+  ArgCheck& dim_at_least(int d, int64_t minimum, const char* what);
+  ArgCheck& unit_stride(int d);
+  ArgCheck& contiguous();
+  ArgCheck& on(const Device& device, const char* other_name);
+  ArgCheck& no_overlap(const TensorView& other, const char* other_name);
+
+ private:
+  [[noreturn]] void fail_expected(const std::string& expected, const std::string& given) const;
+  const char* op_;
+  const char* name_;
+  const TensorView& t_;
+};
+
+// Byte range [first, last) a view touches; empty views touch nothing.
+bool views_overlap(const TensorView& a, const TensorView& b);
+bool same_view(const TensorView& a, const TensorView& b);
+
+}  // namespace moelora::detail

@@ -1,0 +1,101 @@
+// The contract between the C++ API (src/api) and the backends (src/cpu, src/cuda).
+//
+// The API validates every argument and fills these structs with raw pointers, sizes
+// and element strides; a backend trusts them and only computes. Backends never see a
+// TensorView and never allocate.
+#pragma once
+
+#include <cstdint>
+
+#include "moelora/tensor.h"
+
+namespace moelora::detail {
+
+// moe_align_block_size. See include/moelora/ops.h for the contract.
+struct AlignParams {
+  const void* topk_ids;          // [num_tokens, top_k] int32 or int64
+  bool topk_ids_int64;
+  int64_t topk_ids_stride_token;  // elements
+  int64_t topk_ids_stride_k;
+  int64_t num_tokens;
+  int64_t top_k;
+  int64_t block_size;             // 16..256
+  int64_t num_experts;            // global expert count (the range of valid ids)
+  const int32_t* expert_map;      // [num_experts] global -> local or -1; null = identity
+  int32_t* sorted_token_ids;      // [max_num_tokens_padded]
+  int64_t max_num_tokens_padded;
+  int32_t* expert_ids;            // [max_num_blocks]
+  int64_t max_num_blocks;
+  int32_t* num_tokens_post_padded;  // [1]
+};
+
+// fused_moe: out[s] = a[s / top_k] · w[e]ᵀ (× routed weight) over aligned blocks.
+struct GemmParams {
+  DType dtype;                    // of a, w and out
+  const void* a;                  // [num_rows, K]
+  int64_t a_stride_row, a_stride_k;
+  const void* w;                  // [num_experts, N, K]
+  int64_t w_stride_expert, w_stride_n, w_stride_k;
+  void* out;                      // [num_slots, N]
+  int64_t out_stride_row, out_stride_n;
+  const float* topk_weights;      // [*, topk_weights_cols], indexed by slot; null = no multiply
+  int64_t topk_weights_cols;
+  int64_t topk_weights_stride_row, topk_weights_stride_col;
+  const int32_t* sorted_token_ids;  // [sorted_token_ids_size]
+  int64_t sorted_token_ids_size;
+  const int32_t* expert_ids;        // [max_num_blocks]
+  const int32_t* num_tokens_post_padded;  // [1], device-side count
+  int64_t max_num_blocks;           // grid bound; blocks past *num_tokens_post_padded exit
+  int64_t num_rows;                 // rows of a
+  int64_t num_slots;                // rows of out; also the padding sentinel
+  int64_t num_experts;              // E of w
+  int64_t N, K;
+  int64_t top_k;                    // a row = slot / top_k
+  int64_t block_size;               // entries per expert block of sorted_token_ids
+};
+
+enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
+
+// input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
+struct ActivationParams {
+  DType dtype;
+  ActivationKind kind;
+  const void* input;
+  int64_t input_stride_row;
+  void* out;
+  int64_t out_stride_row;
+  int64_t num_rows;
+  int64_t width;  // I
+  float alpha;    // swiglu_oai only
+  float limit;    // swiglu_oai only
+};
+
+// input [num_tokens, top_k, hidden] -> out [num_tokens, hidden]; unit stride on hidden.
+struct SumReduceParams {
+  DType dtype;
+  const void* input;
+  int64_t input_stride_token, input_stride_k;
+  void* out;
+  int64_t out_stride_token;
+  int64_t num_tokens, top_k, hidden;
+  float scale;
+};
+
+}  // namespace moelora::detail
+
+// Backend entry points. Each has the same signature in both backends; CPU ignores the
+// stream.
+namespace moelora::cpu {
+void moe_align_block_size(const detail::AlignParams& p);
+void fused_moe(const detail::GemmParams& p);
+void activation(const detail::ActivationParams& p);
+void moe_sum_reduce(const detail::SumReduceParams& p);
+}  // namespace moelora::cpu
+
+namespace moelora::cuda {
+bool device_available();
+void moe_align_block_size(const detail::AlignParams& p, Stream stream);
+void fused_moe(const detail::GemmParams& p, Stream stream);
+void activation(const detail::ActivationParams& p, Stream stream);
+void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
+}  // namespace moelora::cuda

@@ -1,0 +1,90 @@
+// fused_moe on CUDA cores: the general path for fp32 and for operands the tensor-core
+// kernel cannot load with 16-byte copies (odd K, unit-stride-less or unaligned rows).
+// Any strides. Tile: 16 entries of sorted_token_ids x 64 columns, fp32 in smem.
+#pragma once
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda {
+
+constexpr int kSimtBlockM = 16;  // divides every valid block_size (a multiple of 16)
+constexpr int kSimtBlockN = 64;
+constexpr int kSimtBlockK = 32;
+constexpr int kSimtThreads = 256;  // thread t: row t / 16, columns (t % 16) * 4 .. +4
+
+template <typename T>
+__global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const detail::GemmParams p) {
+  __shared__ float a_tile[kSimtBlockK][kSimtBlockM + 1];  // [BLK_K, BLK_M], +1 against bank conflicts
+  __shared__ float b_tile[kSimtBlockK][kSimtBlockN + 1];  // [BLK_K, BLK_N]
+  __shared__ int32_t tile_slot[kSimtBlockM];
+  __shared__ float tile_weight[kSimtBlockM];
+
+  const int64_t num_n_tiles = (p.N + kSimtBlockN - 1) / kSimtBlockN;
+  const int64_t entry0 = (blockIdx.x / num_n_tiles) * kSimtBlockM;
+  const int64_t n0 = (blockIdx.x % num_n_tiles) * kSimtBlockN;
+  if (entry0 >= *p.num_tokens_post_padded) return;
+  const int expert = p.expert_ids[entry0 / p.block_size];
+  if (threadIdx.x < kSimtBlockM) {
+    const int64_t entry = entry0 + threadIdx.x;
+    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
+    const bool valid = slot >= 0 && slot < p.num_slots;
+    tile_slot[threadIdx.x] = valid ? slot : -1;
+    tile_weight[threadIdx.x] = valid && p.topk_weights
+                                   ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
+                                                    (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
+                                   : 1.f;
+  }
+  __syncthreads();
+
+  const int row = threadIdx.x / 16;
+  const int col = (threadIdx.x % 16) * 4;
+  const bool has_expert = expert >= 0 && expert < p.num_experts;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (has_expert) {
+    const T* a = static_cast<const T*>(p.a);
+    const T* w = static_cast<const T*>(p.w) + expert * p.w_stride_expert;
+    for (int64_t k0 = 0; k0 < p.K; k0 += kSimtBlockK) {
+      for (int i = threadIdx.x; i < kSimtBlockK * kSimtBlockM; i += kSimtThreads) {
+        const int r = i / kSimtBlockK, k = i % kSimtBlockK;
+        const int32_t slot = tile_slot[r];
+        a_tile[k][r] = (slot >= 0 && k0 + k < p.K)
+                           ? to_float(a[(slot / p.top_k) * p.a_stride_row + (k0 + k) * p.a_stride_k])
+                           : 0.f;
+      }
+      for (int i = threadIdx.x; i < kSimtBlockK * kSimtBlockN; i += kSimtThreads) {
+        const int c = i / kSimtBlockK, k = i % kSimtBlockK;
+        b_tile[k][c] = (n0 + c < p.N && k0 + k < p.K) ? to_float(w[(n0 + c) * p.w_stride_n + (k0 + k) * p.w_stride_k])
+                                                      : 0.f;
+      }
+      __syncthreads();
+#pragma unroll 8
+      for (int k = 0; k < kSimtBlockK; ++k) {
+        const float av = a_tile[k][row];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[j] += av * b_tile[k][col + j];
+      }
+      __syncthreads();
+    }
+  }
+  const int32_t slot = tile_slot[row];
+  if (slot < 0) return;
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t n = n0 + col + j;
+    // Rows of a block whose expert is not on this rank are written as zeros.
+    if (n < p.N) out[slot * p.out_stride_row + n * p.out_stride_n] = from_float<T>(has_expert ? acc[j] * tile_weight[row] : 0.f);
+  }
+}
+
+template <typename T>
+void launch_fused_moe_simt(const detail::GemmParams& p, cudaStream_t stream) {
+  const int64_t num_tiles = p.max_num_blocks * (p.block_size / kSimtBlockM) * ((p.N + kSimtBlockN - 1) / kSimtBlockN);
+  if (num_tiles == 0) return;
+  fused_moe_simt_kernel<T><<<unsigned(num_tiles), kSimtThreads, 0, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::cuda

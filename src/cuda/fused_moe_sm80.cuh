@@ -1,0 +1,214 @@
+// fused_moe on the tensor cores with mma.sync (sm_80; also runs on sm_90).
+//
+// One CTA computes a [kBlockM, kBlockN] tile of out for kBlockM consecutive entries of
+// sorted_token_ids (all of one expert, since kBlockM divides the alignment block size)
+// and kBlockN output columns. Activation rows are gathered (row = slot / top_k) with
+// cp.async into a kStages-deep shared-memory ring; the expert's weight rows [N, K]
+// are K-contiguous, so both operands are "TN" for the MMA. The fp32 accumulators are
+// scaled by the routed weight and stored straight from registers.
+//
+// NOTE: this is the foundation kernel. The Hopper kernels (wgmma, TMA, swapped A/B for
+// decode) replace it for sm_90a in the next step; it stays as the sm_80 path.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+
+namespace moelora::cuda {
+
+template <class Element_, int kBlockM_>
+struct FusedMoeSm80Config {
+  using Element = Element_;  // cute::bfloat16_t or cute::half_t
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = 128;
+  static constexpr int kBlockK = 64;  // 128 bytes of bf16: one swizzled smem row
+  static constexpr int kStages = 3;
+  static constexpr int kThreads = 128;
+  static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64, "kBlockM must be 16, 32 or 64");
+
+  // 4 warps: 2x2 when the tile has >= 32 rows, else 1x4 along N.
+  static constexpr int kWarpsM = kBlockM >= 32 ? 2 : 1;
+  static constexpr int kWarpsN = 4 / kWarpsM;
+  using MmaOp = std::conditional_t<std::is_same_v<Element, cute::bfloat16_t>,
+                                   cute::SM80_16x8x16_F32BF16BF16F32_TN, cute::SM80_16x8x16_F32F16F16F32_TN>;
+  // NOTE: the Tile permutation gives each warp 16 columns (two n8 atoms), so one
+  // ldmatrix.x4 feeds B as well as A.
+  using TiledMma = decltype(cute::make_tiled_mma(
+      MmaOp{}, cute::Layout<cute::Shape<cute::Int<kWarpsM>, cute::Int<kWarpsN>, cute::_1>>{},
+      cute::Tile<cute::Int<16 * kWarpsM>, cute::Int<16 * kWarpsN>, cute::_16>{}));
+
+  // 8 rows x 64 halves, XOR-swizzled so ldmatrix reads are bank-conflict free.
+  using SmemAtom = decltype(cute::composition(
+      cute::Swizzle<3, 3, 3>{},
+      cute::Layout<cute::Shape<cute::_8, cute::Int<kBlockK>>, cute::Stride<cute::Int<kBlockK>, cute::_1>>{}));
+  using SmemLayoutA = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  using SmemLayoutB = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  using SmemCopyAtom = cute::Copy_Atom<cute::SM75_U32x4_LDSM_N, Element>;
+
+  static constexpr int kSmemElementsA = cute::cosize(SmemLayoutA{});
+  static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
+  static constexpr size_t kSmemBytes =
+      (kSmemElementsA + kSmemElementsB) * sizeof(Element) + kBlockM * (sizeof(int32_t) + sizeof(float));
+
+  // 16-byte chunks per operand row per K tile, and the chunks each thread copies.
+  static constexpr int kChunksPerRow = kBlockK * int(sizeof(Element)) / 16;
+  static_assert(kThreads % kChunksPerRow == 0, "a thread keeps one K column across its chunks");
+  static constexpr int kChunksA = kBlockM * kChunksPerRow / kThreads;
+  static constexpr int kChunksB = kBlockN * kChunksPerRow / kThreads;
+  static_assert(kChunksA >= 1 && kChunksB >= 1, "tile too small for the thread count");
+};
+
+template <class Config>
+__global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const detail::GemmParams p) {
+  using namespace cute;
+  using T = typename Config::Element;
+  constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kBlockK = Config::kBlockK;
+  constexpr int kStages = Config::kStages, kThreads = Config::kThreads;
+
+  extern __shared__ uint128_t smem_raw[];
+  T* smem_a = reinterpret_cast<T*>(smem_raw);
+  T* smem_b = smem_a + Config::kSmemElementsA;
+  int32_t* tile_slot = reinterpret_cast<int32_t*>(smem_b + Config::kSmemElementsB);  // [kBlockM], -1 = padding
+  float* tile_weight = reinterpret_cast<float*>(tile_slot + kBlockM);                  // [kBlockM]
+
+  const int64_t num_n_tiles = (p.N + kBlockN - 1) / kBlockN;
+  const int64_t m_tile = blockIdx.x / num_n_tiles;
+  const int64_t n0 = (blockIdx.x % num_n_tiles) * kBlockN;
+  const int64_t entry0 = m_tile * kBlockM;  // first entry of sorted_token_ids in this tile
+  // Device-side count: tiles past the used length exit (the grid is sized from capacity).
+  if (entry0 >= *p.num_tokens_post_padded) return;
+  const int expert = p.expert_ids[entry0 / p.block_size];
+
+  for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
+    const int64_t entry = entry0 + r;
+    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
+    const bool valid = slot >= 0 && slot < p.num_slots;
+    tile_slot[r] = valid ? slot : -1;
+    tile_weight[r] = valid && p.topk_weights
+                         ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
+                                          (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
+                         : 1.f;
+  }
+  __syncthreads();
+
+  T* out = static_cast<T*>(p.out);
+  if (expert < 0 || expert >= p.num_experts) {
+    // Expert not on this rank (or a dropped slot): its rows are zeros.
+    for (int i = threadIdx.x; i < kBlockM * kBlockN; i += kThreads) {
+      const int r = i / kBlockN;
+      const int64_t n = n0 + i % kBlockN;
+      if (tile_slot[r] >= 0 && n < p.N) out[tile_slot[r] * p.out_stride_row + n * p.out_stride_n] = T(0.f);
+    }
+    return;
+  }
+
+  // ---- gmem -> smem: each thread copies fixed rows at one fixed K column ----------
+  const T* a_base = static_cast<const T*>(p.a);
+  const T* w_expert = static_cast<const T*>(p.w) + expert * p.w_stride_expert;
+  const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
+  const T* a_row[Config::kChunksA];  // null for padding rows
+  const T* b_row[Config::kChunksB];  // null past N
+#pragma unroll
+  for (int i = 0; i < Config::kChunksA; ++i) {
+    const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+    a_row[i] = tile_slot[r] >= 0 ? a_base + (tile_slot[r] / p.top_k) * p.a_stride_row : nullptr;
+  }
+#pragma unroll
+  for (int i = 0; i < Config::kChunksB; ++i) {
+    const int64_t n = n0 + (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+    b_row[i] = n < p.N ? w_expert + n * p.w_stride_n : nullptr;
+  }
+
+  Tensor sA = make_tensor(make_smem_ptr(smem_a), typename Config::SmemLayoutA{});  // (BLK_M, BLK_K, STAGES)
+  Tensor sB = make_tensor(make_smem_ptr(smem_b), typename Config::SmemLayoutB{});  // (BLK_N, BLK_K, STAGES)
+  using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
+
+  const int64_t num_k_tiles = (p.K + kBlockK - 1) / kBlockK;
+  auto load_stage = [&](int stage, int64_t k_tile) {
+    const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+    for (int i = 0; i < Config::kChunksA; ++i) {
+      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      const bool ok = a_row[i] != nullptr && k < p.K;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_row[i] + k : a_base),
+                    *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
+    }
+#pragma unroll
+    for (int i = 0; i < Config::kChunksB; ++i) {
+      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      const bool ok = b_row[i] != nullptr && k < p.K;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_row[i] + k : w_expert),
+                    *reinterpret_cast<uint128_t*>(&sB(r, k_col, stage)), ok);
+    }
+    cp_async_fence();
+  };
+
+  // ---- MMA partitions ----------------------------------------------------------
+  typename Config::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_slice(threadIdx.x);
+  Tensor tCrA = thr_mma.partition_fragment_A(sA(_, _, 0));  // (MMA, MMA_M, MMA_K)
+  Tensor tCrB = thr_mma.partition_fragment_B(sB(_, _, 0));  // (MMA, MMA_N, MMA_K)
+  Tensor acc = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+  clear(acc);
+
+  auto s2r_copy_a = make_tiled_copy_A(typename Config::SmemCopyAtom{}, tiled_mma);
+  auto s2r_thr_a = s2r_copy_a.get_slice(threadIdx.x);
+  Tensor tXsA = s2r_thr_a.partition_S(sA);  // (CPY, CPY_M, CPY_K, STAGES)
+  Tensor tXrA = s2r_thr_a.retile_D(tCrA);   // (CPY, CPY_M, CPY_K)
+  auto s2r_copy_b = make_tiled_copy_B(typename Config::SmemCopyAtom{}, tiled_mma);
+  auto s2r_thr_b = s2r_copy_b.get_slice(threadIdx.x);
+  Tensor tXsB = s2r_thr_b.partition_S(sB);  // (CPY, CPY_N, CPY_K, STAGES)
+  Tensor tXrB = s2r_thr_b.retile_D(tCrB);   // (CPY, CPY_N, CPY_K)
+
+  // ---- mainloop: kStages-1 tiles in flight while one is multiplied --------------
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_k_tiles) load_stage(s, s); else cp_async_fence();
+  }
+  for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+    cp_async_wait<kStages - 2>();
+    // NOTE: this barrier also retires the reads of the stage refilled just below,
+    // which was consumed in the previous iteration.
+    __syncthreads();
+    const int64_t next = k_tile + kStages - 1;
+    if (next < num_k_tiles) load_stage(int(next % kStages), next); else cp_async_fence();
+    const int stage = int(k_tile % kStages);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tCrA); ++kk) {
+      copy(s2r_copy_a, tXsA(_, _, kk, stage), tXrA(_, _, kk));
+      copy(s2r_copy_b, tXsB(_, _, kk, stage), tXrB(_, _, kk));
+      gemm(tiled_mma, acc, tCrA(_, _, kk), tCrB(_, _, kk), acc);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: routed weight, round, scatter rows by slot -------------------
+  Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (MMA, MMA_M, MMA_N)
+#pragma unroll
+  for (int i = 0; i < size(acc); ++i) {
+    const int r = get<0>(coord(i));
+    const int64_t n = n0 + get<1>(coord(i));
+    const int32_t slot = tile_slot[r];
+    if (slot >= 0 && n < p.N) out[slot * p.out_stride_row + n * p.out_stride_n] = T(acc(i) * tile_weight[r]);
+  }
+}
+
+// Launches the kernel for one (element type, tile rows) instance.
+template <class Element, int kBlockM>
+void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
+  using Config = FusedMoeSm80Config<Element, kBlockM>;
+  const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
+  const int64_t num_n_tiles = (p.N + Config::kBlockN - 1) / Config::kBlockN;
+  const int64_t num_tiles = num_m_tiles * num_n_tiles;
+  if (num_tiles == 0) return;
+  auto kernel = fused_moe_sm80_kernel<Config>;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
+  kernel<<<unsigned(num_tiles), Config::kThreads, Config::kSmemBytes, stream>>>(p);
+  MOELORA_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,73 @@
+// moe_sum_reduce on CUDA: [tokens, top_k, H] -> [tokens, H], fp32 sum in slot order
+// (deterministic), scaled. Memory-bound: 16-byte accesses when aligned.
+#include <algorithm>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::SumReduceParams;
+
+// Grid: (column groups, tokens). One thread sums kVec consecutive columns over top_k.
+template <typename T, int kVec>
+__global__ void moe_sum_reduce_kernel(const SumReduceParams p) {
+  const int64_t token = blockIdx.y;
+  const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (col >= p.hidden) return;
+  const T* in = static_cast<const T*>(p.input) + token * p.input_stride_token + col;
+  float acc[kVec] = {};
+  for (int64_t j = 0; j < p.top_k; ++j) {
+    T v[kVec];
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<Vec16<T>*>(v) = *reinterpret_cast<const Vec16<T>*>(in + j * p.input_stride_k);
+    } else {
+      v[0] = in[j * p.input_stride_k];
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) acc[i] += to_float(v[i]);
+  }
+  T result[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) result[i] = from_float<T>(acc[i] * p.scale);
+  T* out = static_cast<T*>(p.out) + token * p.out_stride_token + col;
+  if constexpr (kVec > 1) {
+    *reinterpret_cast<Vec16<T>*>(out) = *reinterpret_cast<const Vec16<T>*>(result);
+  } else {
+    out[0] = result[0];
+  }
+}
+
+template <typename T>
+void launch(const SumReduceParams& p, cudaStream_t stream) {
+  constexpr int kVec = Vec16<T>::kSize;
+  const bool vectorize = p.hidden % kVec == 0 && aligned16(p.input) && aligned16(p.out) &&
+                         (p.input_stride_token * sizeof(T)) % 16 == 0 && (p.input_stride_k * sizeof(T)) % 16 == 0 &&
+                         (p.out_stride_token * sizeof(T)) % 16 == 0;
+  constexpr int kThreads = 128;
+  for (int64_t token0 = 0; token0 < p.num_tokens; token0 += 65535) {
+    SumReduceParams chunk = p;
+    chunk.num_tokens = std::min<int64_t>(65535, p.num_tokens - token0);
+    chunk.input = static_cast<const T*>(p.input) + token0 * p.input_stride_token;
+    chunk.out = static_cast<T*>(p.out) + token0 * p.out_stride_token;
+    const int vec = vectorize ? kVec : 1;
+    const dim3 grid(unsigned((p.hidden + int64_t(kThreads) * vec - 1) / (int64_t(kThreads) * vec)), unsigned(chunk.num_tokens));
+    if (vectorize) {
+      moe_sum_reduce_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(chunk);
+    } else {
+      moe_sum_reduce_kernel<T, 1><<<grid, kThreads, 0, stream>>>(chunk);
+    }
+    MOELORA_CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace
+
+void moe_sum_reduce(const SumReduceParams& p, Stream stream) {
+  if (p.num_tokens == 0 || p.hidden == 0) return;
+  dispatch_float(p.dtype, [&](auto t) { launch<decltype(t)>(p, static_cast<cudaStream_t>(stream)); });
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# On a GPU machine with no package registry: builds everything with the CUDA backend,
+# runs all C++ and Python tests (CUDA ones included), measures the copy and bf16 matmul
+# ceilings, benchmarks the MoE layer over the brief's workloads and writes the JSON
+# report of DESIGN.md ("GPU reports") to ${OUT:-reports/gpu}/.
+#   MOELORA_COMMIT   sha of the code measured (the device copy has no .git)
+#   BENCH_TOKENS     token counts for the grid (default 1,16,256,4096)
+#   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
+# CUTLASS headers must be in .deps/cutlass (tools/install_deps.sh here, then carry .deps).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${OUT:-reports/gpu}
+mkdir -p "$OUT_DIR"
+BUILD_DIR=${MOELORA_BUILD_DIR:-build-gpu}
+LOG="$OUT_DIR/gpu_report.log"
+: > "$LOG"
+step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+step build
+MOELORA_BUILD_DIR=$BUILD_DIR bash tools/build.sh -DMOELORA_CUDA=ON >>"$LOG" 2>&1 || { tail -50 "$LOG"; exit 1; }
+grep -E "spill|lmem" "$LOG" | grep -v " 0 bytes" | head -5
+
+step ctest
+ctest --test-dir "$BUILD_DIR" -j 8 --output-on-failure --output-junit "$PWD/$OUT_DIR/ctest.xml" >>"$LOG" 2>&1
+tail -3 "$LOG"
+
+step pytest
+MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rs \
+  --junitxml="$OUT_DIR/pytest.xml" >>"$LOG" 2>&1
+tail -3 "$LOG"
+
+if [ -n "${SANITIZE_FILTER:-}" ]; then
+  for tool in memcheck racecheck; do
+    step "compute-sanitizer $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD_DIR/moelora_tests" --gtest_filter="$SANITIZE_FILTER" \
+      >"$OUT_DIR/sanitizer_$tool.log" 2>&1
+    echo "$tool rc=$?" | tee -a "$LOG"; tail -2 "$OUT_DIR/sanitizer_$tool.log"
+  done
+fi
+
+step bench
+"$BUILD_DIR/moelora_bench" --device cuda --model all --tokens "${BENCH_TOKENS:-1,16,256,4096}" --ceilings \
+  --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
+
+step report
+python3 tools/make_report.py --commit "${MOELORA_COMMIT:-unknown}" --ctest "$OUT_DIR/ctest.xml" \
+  --pytest "$OUT_DIR/pytest.xml" --bench "$OUT_DIR/bench.json" \
+  --sanitizer-logs "$OUT_DIR"/sanitizer_*.log --out "$OUT_DIR/report.json"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what building and testing moelora needs, from the package registries, at
+# pinned versions: the Python tools (requirements-dev.txt), GoogleTest (Debian package,
+# when missing) and, when nvcc is present, the CUTLASS headers into .deps/cutlass.
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CUTLASS_VERSION=4.2.0.0
+PYTHON=${PYTHON:-python3}
+
+"$PYTHON" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+
+if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+  echo "install_deps: GoogleTest headers missing; installing libgtest-dev"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev
+fi
+
+if command -v nvcc >/dev/null 2>&1 || [ "${MOELORA_FETCH_CUTLASS:-0}" = 1 ]; then
+  if [ ! -f .deps/cutlass/include/cute/tensor.hpp ] || [ "$(cat .deps/cutlass/VERSION 2>/dev/null)" != "$CUTLASS_VERSION" ]; then
+    echo "install_deps: fetching CUTLASS $CUTLASS_VERSION headers"
+    rm -rf .deps/cutlass .deps/wheels
+    mkdir -p .deps/wheels .deps/cutlass
+    "$PYTHON" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+      -d .deps/wheels "nvidia-cutlass==$CUTLASS_VERSION"
+    "$PYTHON" - <<'PY'
+import glob, zipfile, os
+wheel = glob.glob(".deps/wheels/nvidia_cutlass-*.whl")[0]
+prefix = "cutlass_library/source/include/"
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            dest = os.path.join(".deps/cutlass/include", name[len(prefix):])
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with z.open(name) as src, open(dest, "wb") as out:
+                out.write(src.read())
+PY
+    echo "$CUTLASS_VERSION" > .deps/cutlass/VERSION
+    rm -rf .deps/wheels
+  fi
+fi
+echo "install_deps: done"

@@ -1,0 +1,92 @@
+"""Assembles the GPU report of DESIGN.md from the pieces tools/gpu_report.sh writes.
+
+Usage: make_report.py --commit SHA --ctest ctest.xml --pytest pytest.xml --bench bench.json
+                      [--sanitizer-logs LOG...] --out report.json
+Prints a short table of the layer rows last.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import xml.etree.ElementTree as ET
+
+
+def junit_counts(path):
+    """(passed, failed, skipped) of a JUnit XML file; zeros when it is missing."""
+    if not path or not os.path.exists(path):
+        return 0, 0, 0
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tests = failed = skipped = 0
+    for suite in suites:
+        tests += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", suite.get("disabled", 0)))
+    return tests - failed - skipped, failed, skipped
+
+
+def query(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--ctest")
+    ap.add_argument("--pytest")
+    ap.add_argument("--bench", required=True)
+    ap.add_argument("--sanitizer-logs", nargs="*", default=[])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    gpu = query(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).splitlines()[0]
+    driver = query(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0]
+    nvcc = query(["nvcc", "--version"])
+    cuda = nvcc.split("release ")[-1].split(",")[0] if "release" in nvcc else "unknown"
+    with open(args.bench) as f:
+        bench = json.load(f)
+    c_pass, c_fail, c_skip = junit_counts(args.ctest)
+    p_pass, p_fail, p_skip = junit_counts(args.pytest)
+    sanitizer = {}
+    for log in args.sanitizer_logs:
+        if os.path.exists(log):
+            with open(log) as f:
+                text = f.read()
+            summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
+            sanitizer[os.path.basename(log)] = summary[-1] if summary else "no summary (see log)"
+    report = {
+        "commit": args.commit,
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "driver": driver,
+        "cuda": cuda,
+        "ceilings": {k: bench["ceilings"][k] for k in ("copy_tbps", "bf16_tflops")},
+        "ceilings_measured": bench["ceilings"].get("measured", False),
+        "tests": {"passed": c_pass + p_pass, "failed": c_fail + p_fail, "skipped": c_skip + p_skip},
+        "tests_by_suite": {
+            "ctest": {"passed": c_pass, "failed": c_fail, "skipped": c_skip},
+            "pytest": {"passed": p_pass, "failed": p_fail, "skipped": p_skip},
+        },
+        "sanitizer": sanitizer,
+        "rows": bench["rows"],
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"{gpu} | driver {driver} | cuda {cuda} | commit {args.commit[:12]}")
+    print(f"ceilings: copy {report['ceilings']['copy_tbps']:.2f} TB/s, bf16 {report['ceilings']['bf16_tflops']:.0f} TFLOP/s")
+    print(f"tests: ctest {c_pass} passed {c_fail} failed {c_skip} skipped | pytest {p_pass} passed {p_fail} failed {p_skip} skipped")
+    for name, line in sanitizer.items():
+        print(f"{name}: {line}")
+    print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} {'rel_err':>9}")
+    for r in bench["rows"]:
+        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        print(f"{r['model']:16} {r['M']:>5} {r['time_us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_floor']:>7.1f} "
+              f"{r['tbps']:>6.2f} {r['tflops']:>8.1f} {err:>9}")
+
+
+if __name__ == "__main__":
+    main()

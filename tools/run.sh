@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job: installs dependencies, builds, and runs the MoE layer at a real model's
+# shapes on the GPU when present, else the CPU; checks it against a float64 reference
+# and prints time, bandwidth and FLOP rate. Arguments go to moelora_bench, e.g.
+#   bash tools/run.sh --model mixtral-8x7b --tokens 1,16,256
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "${MOELORA_SKIP_INSTALL:-0}" = 1 ] || bash tools/install_deps.sh >/dev/null
+bash tools/build.sh >/dev/null
+exec "${MOELORA_BUILD_DIR:-build}/moelora_bench" "$@"
