@@ -39,4 +39,8 @@ PY
     rm -rf .deps/wheels
   fi
 fi
+# For GPU machines with no registry: a copy of GoogleTest's sources to carry along.
+if [ "${MOELORA_STAGE_GTEST:-0}" = 1 ] && [ -d /usr/src/googletest ] && [ ! -d .deps/googletest ]; then
+  mkdir -p .deps && cp -r /usr/src/googletest .deps/googletest
+fi
 echo "install_deps: done"
