@@ -1,0 +1,244 @@
+#include "reference.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "common/host_numeric.h"
+
+namespace moelora::ref {
+namespace {
+
+// fn(i) for i in [0, count) on all hardware threads; indices are claimed one at a time.
+template <class F>
+void for_each_index(int64_t count, F fn) {
+  const int64_t num_threads =
+      std::min<int64_t>(count, std::max<int64_t>(1, int64_t(std::thread::hardware_concurrency())));
+  if (num_threads <= 1) {
+    for (int64_t i = 0; i < count; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t i = next++; i < count; i = next++) fn(i);
+  };
+  std::vector<std::thread> threads;
+  for (int64_t t = 1; t < num_threads; ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& thread : threads) thread.join();
+}
+
+// Σ x[i] y[i] in double. Four partial sums keep the adds independent (a plain double
+// reduction is latency-bound); the result is still a double-precision sum.
+double dot(const double* x, const double* y, int64_t count) {
+  double partial[4] = {0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    for (int lane = 0; lane < 4; ++lane) partial[lane] += x[i + lane] * y[i + lane];
+  }
+  double sum = (partial[0] + partial[1]) + (partial[2] + partial[3]);
+  for (; i < count; ++i) sum += x[i] * y[i];
+  return sum;
+}
+
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+// Activation of one row: gate_up [2 * width] -> out [width].
+void activate_row(Activation activation, const double* gate_up, int64_t width, double alpha, double limit,
+                  double* out) {
+  for (int64_t i = 0; i < width; ++i) {
+    switch (activation) {
+      case Activation::kSilu: {
+        const double g = gate_up[i], u = gate_up[width + i];
+        out[i] = g * sigmoid(g) * u;
+        break;
+      }
+      case Activation::kGelu: {
+        const double g = gate_up[i], u = gate_up[width + i];
+        out[i] = 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0))) * u;
+        break;
+      }
+      case Activation::kSwigluOai: {
+        const double g = std::min(gate_up[2 * i], limit);
+        const double u = std::clamp(gate_up[2 * i + 1], -limit, limit);
+        out[i] = (u + 1.0) * g * sigmoid(alpha * g);
+        break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// ---- data ----------------------------------------------------------------------------
+
+double read_element(DType dtype, const void* data, int64_t index) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(data)[index];
+    case DType::kFloat16: return host::to_float(host::fp16{static_cast<const uint16_t*>(data)[index]});
+    case DType::kBFloat16: return host::to_float(host::bf16{static_cast<const uint16_t*>(data)[index]});
+    case DType::kInt32: return static_cast<const int32_t*>(data)[index];
+    case DType::kInt64: return double(static_cast<const int64_t*>(data)[index]);
+  }
+  throw std::invalid_argument("read_element: unknown dtype");
+}
+
+void write_element(DType dtype, void* data, int64_t index, double value) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(data)[index] = float(value); return;
+    case DType::kFloat16: static_cast<uint16_t*>(data)[index] = host::to_fp16(float(value)).bits; return;
+    case DType::kBFloat16: static_cast<uint16_t*>(data)[index] = host::to_bf16(float(value)).bits; return;
+    case DType::kInt32: static_cast<int32_t*>(data)[index] = int32_t(value); return;
+    case DType::kInt64: static_cast<int64_t*>(data)[index] = int64_t(value); return;
+  }
+  throw std::invalid_argument("write_element: unknown dtype");
+}
+
+void fill_normal(DType dtype, void* data, int64_t count, std::mt19937& rng, double scale) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    throw std::invalid_argument("fill_normal: float dtypes only");
+  }
+  // NOTE: std::normal_distribution costs ~20 ns a draw; weights of the large models are
+  // hundreds of millions of elements, so chunks of 1M draws run on separate threads,
+  // each from its own generator seeded from `rng` (the same data for any thread count).
+  constexpr int64_t kChunk = int64_t(1) << 20;
+  const int64_t num_chunks = (count + kChunk - 1) / kChunk;
+  std::vector<uint32_t> seeds(static_cast<size_t>(num_chunks));
+  for (auto& seed : seeds) seed = uint32_t(rng());
+  for_each_index(num_chunks, [&](int64_t chunk) {
+    std::mt19937 chunk_rng(seeds[size_t(chunk)]);
+    std::normal_distribution<float> normal(0.0f, float(scale));
+    const int64_t end = std::min(count, (chunk + 1) * kChunk);
+    for (int64_t i = chunk * kChunk; i < end; ++i) write_element(dtype, data, i, normal(chunk_rng));
+  });
+}
+
+std::vector<double> to_double(DType dtype, const void* data, int64_t count) {
+  std::vector<double> out(static_cast<size_t>(std::max<int64_t>(count, 0)));
+  for (int64_t i = 0; i < count; ++i) out[size_t(i)] = read_element(dtype, data, i);
+  return out;
+}
+
+std::vector<double> round_to(DType dtype, const std::vector<double>& values) {
+  std::vector<double> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    switch (dtype) {
+      case DType::kFloat32: out[i] = double(float(values[i])); break;
+      case DType::kFloat16: out[i] = host::to_float(host::to_fp16(float(values[i]))); break;
+      case DType::kBFloat16: out[i] = host::to_float(host::to_bf16(float(values[i]))); break;
+      case DType::kInt32:
+      case DType::kInt64: out[i] = std::trunc(values[i]); break;
+    }
+  }
+  return out;
+}
+
+double rel_error(const std::vector<double>& out, const std::vector<double>& ref) {
+  if (out.size() != ref.size()) return std::numeric_limits<double>::infinity();
+  double diff2 = 0.0, ref2 = 0.0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) return std::numeric_limits<double>::infinity();
+    diff2 += (out[i] - ref[i]) * (out[i] - ref[i]);
+    ref2 += ref[i] * ref[i];
+  }
+  return ref2 > 0.0 ? std::sqrt(diff2 / ref2) : std::sqrt(diff2);
+}
+
+double tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 1e-5;
+    case DType::kFloat16: return 5e-3;
+    case DType::kBFloat16: return 1e-2;
+    default: return 0.0;
+  }
+}
+
+// ---- references ----------------------------------------------------------------------
+
+std::vector<double> reference_moe_gemm(const std::vector<double>& a, const std::vector<double>& w,
+                                       const std::vector<int64_t>& slot_expert, const double* slot_weight,
+                                       int64_t num_rows, int64_t top_k, int64_t N, int64_t K) {
+  const int64_t num_slots = num_rows * top_k;
+  std::vector<double> out(static_cast<size_t>(num_slots * N), 0.0);  // [num_slots, N]
+  for_each_index(num_slots, [&](int64_t s) {
+    const int64_t e = slot_expert[size_t(s)];
+    if (e < 0) return;
+    const double* a_row = &a[size_t((s / top_k) * K)];
+    const double weight = slot_weight ? slot_weight[s] : 1.0;
+    for (int64_t n = 0; n < N; ++n) {
+      out[size_t(s * N + n)] = dot(a_row, &w[size_t((e * N + n) * K)], K) * weight;
+    }
+  });
+  return out;
+}
+
+std::vector<double> reference_activation(Activation activation, const std::vector<double>& input, int64_t rows,
+                                         int64_t width, double alpha, double limit) {
+  std::vector<double> out(static_cast<size_t>(rows * width));  // [rows, width]
+  for (int64_t r = 0; r < rows; ++r) {
+    activate_row(activation, &input[size_t(r * 2 * width)], width, alpha, limit, &out[size_t(r * width)]);
+  }
+  return out;
+}
+
+std::vector<double> reference_sum_reduce(const std::vector<double>& input, int64_t M, int64_t top_k, int64_t H,
+                                         double scale) {
+  std::vector<double> out(static_cast<size_t>(M * H), 0.0);  // [M, H]
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t h = 0; h < H; ++h) {
+      double sum = 0.0;
+      for (int64_t j = 0; j < top_k; ++j) sum += input[size_t((m * top_k + j) * H + h)];
+      out[size_t(m * H + h)] = scale * sum;
+    }
+  }
+  return out;
+}
+
+std::vector<double> reference_fused_experts(const std::vector<double>& hidden_states,
+                                            const std::vector<double>& w13, const std::vector<double>& w2,
+                                            const std::vector<double>& topk_weights,
+                                            const std::vector<int64_t>& topk_ids, int64_t M, int64_t top_k,
+                                            int64_t num_local_experts, int64_t H, int64_t I,
+                                            const int32_t* expert_map, Activation activation, double alpha,
+                                            double limit, bool apply_router_weight_on_input, bool no_combine,
+                                            double routed_scaling_factor) {
+  const int64_t num_slots = M * top_k;
+  for (int64_t s = 0; s < num_slots; ++s) {  // checked here: the workers below must not throw
+    const int64_t global = topk_ids[size_t(s)];
+    const int64_t local = global == -1 ? -1 : expert_map ? expert_map[global] : global;
+    if (local < -1 || local >= num_local_experts) {
+      throw std::out_of_range("reference_fused_experts: slot " + std::to_string(s) + " maps to expert " +
+                              std::to_string(local) + ", not in [-1, " + std::to_string(num_local_experts) + ")");
+    }
+  }
+  // Per slot h2 first (slots are independent), then the combine in slot order.
+  std::vector<double> h2(static_cast<size_t>(num_slots * H), 0.0);  // [M, top_k, H]
+  for_each_index(num_slots, [&](int64_t s) {
+    const int64_t global = topk_ids[size_t(s)];
+    if (global == -1) return;
+    const int64_t local = expert_map ? expert_map[global] : global;
+    if (local == -1) return;
+    const double weight = topk_weights[size_t(s)];
+    const double* x = &hidden_states[size_t((s / top_k) * H)];
+    std::vector<double> h1(static_cast<size_t>(2 * I));  // [2I]
+    for (int64_t n = 0; n < 2 * I; ++n) {
+      h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H);
+      if (apply_router_weight_on_input) h1[size_t(n)] *= weight;
+    }
+    std::vector<double> act(static_cast<size_t>(I));  // [I]
+    activate_row(activation, h1.data(), I, alpha, limit, act.data());
+    for (int64_t h = 0; h < H; ++h) {
+      const double value = dot(act.data(), &w2[size_t((local * H + h) * I)], I);
+      h2[size_t(s * H + h)] = apply_router_weight_on_input ? value : value * weight;
+    }
+  });
+  if (no_combine) return h2;
+  return reference_sum_reduce(h2, M, top_k, H, routed_scaling_factor);
+}
+
+}  // namespace moelora::ref

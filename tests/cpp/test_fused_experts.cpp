@@ -1,0 +1,502 @@
+// fused_experts, the whole MoE layer, against reference_fused_experts: for each token m
+// and each of its slots j, e = topk_ids[m][j] (skipped when dropped or not on this rank),
+// h1 = x·w13[e]ᵀ in double from the dtype-rounded inputs, act, h2 = act·w2[e]ᵀ, weighted
+// by topk_weights, summed, times routed_scaling_factor.
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace moelora::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct LayerCase {
+  std::string name;
+  Backend backend;
+  DType dtype = DType::kBFloat16;
+  int64_t M = 20, top_k = 2, H = 136, I = 40;
+  int64_t num_global = 8;        // E_global: the range of topk_ids
+  int64_t num_local = 8;         // E_local: experts in w13/w2
+  bool expert_map = false;       // false: num_global == num_local, ids are local
+  double local_share = 0.0;      // with expert_map: chance a pick favours a local expert (0: uniform)
+  double dropped_share = 0.0;    // share of slots set to -1
+  bool one_expert = false;       // every slot on one expert
+  bool inplace = false;          // out is hidden_states
+  bool padded = false;           // hidden_states, out, topk_ids, topk_weights with padded rows
+  DType id_dtype = DType::kInt32;
+  double weight_scale = 0.0;     // 0: 1/sqrt(K) per GEMM
+  FusedExpertsOptions options{};
+};
+
+void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
+
+// Routing for a layer case: distinct experts per token; with expert_map, picks favour the
+// local experts by local_share; then a share of slots is dropped.
+std::vector<int64_t> make_routing(const LayerCase& c, const std::vector<int64_t>& local_experts, std::mt19937& rng) {
+  std::vector<int64_t> ids(static_cast<size_t>(c.M * c.top_k));
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int64_t m = 0; m < c.M; ++m) {
+    std::vector<int64_t> chosen;
+    for (int64_t j = 0; j < c.top_k; ++j) {
+      std::vector<int64_t> candidates;
+      const bool favour_local = uniform(rng) < c.local_share;
+      for (int64_t e : favour_local ? local_experts : std::vector<int64_t>{}) {
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) candidates.push_back(e);
+      }
+      if (candidates.empty()) {
+        for (int64_t e = 0; e < c.num_global; ++e) {
+          if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) candidates.push_back(e);
+        }
+      }
+      std::uniform_int_distribution<size_t> pick(0, candidates.size() - 1);
+      chosen.push_back(candidates[pick(rng)]);
+      ids[size_t(m * c.top_k + j)] = chosen.back();
+    }
+  }
+  std::bernoulli_distribution drop(c.dropped_share);
+  for (auto& id : ids) {
+    if (c.one_expert) id = local_experts.front();
+    if (drop(rng)) id = -1;
+  }
+  return ids;
+}
+
+// All buffers of one fused_experts call, filled, uploaded and poisoned.
+struct LayerProblem {
+  LayerProblem(const LayerCase& c, std::mt19937& rng)
+      : x_row_stride(c.padded ? c.H + 9 : c.H),
+        out_rows(c.options.no_combine ? c.M * c.top_k : c.M),
+        out_row_stride(c.padded ? c.H + 3 : c.H),
+        ids_row_stride(c.padded ? c.top_k + 2 : c.top_k),
+        workspace_bytes(fused_experts_workspace_size({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype}, c.options)),
+        hidden(c.backend, c.dtype, std::max<int64_t>(1, c.M * x_row_stride)),
+        w13(c.backend, c.dtype, c.num_local * 2 * c.I * c.H),
+        w2(c.backend, c.dtype, c.num_local * c.H * c.I),
+        topk_weights(c.backend, DType::kFloat32, std::max<int64_t>(1, c.M * ids_row_stride)),
+        topk_ids(c.backend, c.id_dtype, std::max<int64_t>(1, c.M * ids_row_stride)),
+        expert_map(c.backend, DType::kInt32, c.num_global),
+        out(c.backend, c.dtype, std::max<int64_t>(1, out_rows * out_row_stride)),
+        // 256 spare bytes, so a misaligned view of the full size still fits (bad-argument tests)
+        workspace(c.backend, DType::kFloat32, (workspace_bytes + 256 + 3) / 4) {
+    // which global experts are local: a random subset, mapped to 0..E_local-1
+    std::vector<int64_t> global(static_cast<size_t>(c.num_global));
+    std::iota(global.begin(), global.end(), 0);
+    if (c.expert_map) std::shuffle(global.begin(), global.end(), rng);
+    const std::vector<int64_t> local_experts(global.begin(), global.begin() + c.num_local);
+    map.assign(size_t(c.num_global), -1);
+    for (int64_t i = 0; i < c.num_local; ++i) map[size_t(local_experts[size_t(i)])] = int32_t(i);
+    ids = make_routing(c, local_experts, rng);
+
+    hidden.poison();  // the padding of hidden_states must keep it (matters when inplace)
+    x_view = hidden.view({c.M, c.H}, {x_row_stride, 1});
+    x_values = hidden.fill_normal(x_view, rng);
+    hidden.upload();
+    const double w13_scale = c.weight_scale > 0 ? c.weight_scale : 1.0 / std::sqrt(double(c.H));
+    const double w2_scale = c.weight_scale > 0 ? c.weight_scale : 1.0 / std::sqrt(double(c.I));
+    w13_values = w13.fill_normal(w13.view({c.num_local, 2 * c.I, c.H}), rng, w13_scale);
+    w2_values = w2.fill_normal(w2.view({c.num_local, c.H, c.I}), rng, w2_scale);
+    w13.upload();
+    w2.upload();
+    weights_view = topk_weights.view({c.M, c.top_k}, {ids_row_stride, 1});
+    weight_values = random_router_weights(c.M, c.top_k, rng);
+    topk_weights.write(weights_view, weight_values);
+    topk_weights.upload();
+    // padding of topk_ids holds an id no expert has: reading it is caught
+    for (int64_t i = 0; i < topk_ids.size(); ++i) topk_ids.set(i, 100000);
+    ids_view = topk_ids.view({c.M, c.top_k}, {ids_row_stride, 1});
+    topk_ids.write(ids_view, std::vector<double>(ids.begin(), ids.end()));
+    topk_ids.upload();
+    expert_map.write(expert_map.view({c.num_global}), std::vector<double>(map.begin(), map.end()));
+    expert_map.upload();
+    map_view = expert_map.view({c.num_global});
+    out.poison();
+    workspace.poison();  // the op must not rely on a zeroed workspace
+
+    args.hidden_states = x_view;
+    args.w13 = w13.view({c.num_local, 2 * c.I, c.H});
+    args.w2 = w2.view({c.num_local, c.H, c.I});
+    args.topk_weights = weights_view;
+    args.topk_ids = ids_view;
+    if (c.inplace) {
+      out_view = x_view;
+    } else if (c.options.no_combine) {
+      out_view = out.view({c.M, c.top_k, c.H}, {c.top_k * out_row_stride, out_row_stride, 1});
+    } else {
+      out_view = out.view({c.M, c.H}, {out_row_stride, 1});
+    }
+    args.out = out_view;
+    args.workspace = workspace.view({(workspace_bytes + 3) / 4});
+    args.expert_map = c.expert_map ? &map_view : nullptr;
+  }
+
+  std::vector<double> reference(const LayerCase& c) const {
+    return ref::reference_fused_experts(x_values, w13_values, w2_values, weight_values, ids, c.M, c.top_k, c.num_local,
+                                        c.H, c.I, c.expert_map ? map.data() : nullptr, c.options.activation,
+                                        c.options.swiglu_alpha, c.options.swiglu_limit,
+                                        c.options.apply_router_weight_on_input, c.options.no_combine,
+                                        c.options.routed_scaling_factor);
+  }
+
+  Buffer& out_buffer(const LayerCase& c) { return c.inplace ? hidden : out; }
+
+  int64_t x_row_stride, out_rows, out_row_stride, ids_row_stride, workspace_bytes;
+  Buffer hidden, w13, w2, topk_weights, topk_ids, expert_map, out, workspace;
+  std::vector<int64_t> ids;
+  std::vector<int32_t> map;
+  TensorView x_view, weights_view, ids_view, map_view, out_view;
+  std::vector<double> x_values, w13_values, w2_values, weight_values;
+  FusedExpertsArgs args;
+};
+
+class FusedExpertsTest : public ::testing::TestWithParam<LayerCase> {};
+
+TEST_P(FusedExpertsTest, MatchesReference) {
+  const LayerCase& c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  std::mt19937 rng(std::hash<std::string>{}(c.name));
+  LayerProblem problem(c, rng);
+  TestStream stream(c.backend);
+  fused_experts(problem.args, c.options, stream.handle());
+  stream.sync();
+  Buffer& out = problem.out_buffer(c);
+  out.download();
+  const double error = ref::rel_error(out.read(problem.out_view), problem.reference(c));
+  EXPECT_LE(error, ref::tolerance(c.dtype));
+  EXPECT_EQ(out.count_unwritten(problem.out_view), 0);
+  EXPECT_EQ(out.count_written_outside(problem.out_view), 0);
+  RecordProperty("rel_error", std::to_string(error));
+}
+
+std::string sanitized(std::string name) {
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
+
+std::vector<LayerCase> layer_cases() {
+  std::vector<LayerCase> cases;
+  auto add = [&](const std::string& name, LayerCase c, std::vector<Backend> backends = all_backends()) {
+    for (Backend backend : backends) {
+      c.backend = backend;
+      c.name = sanitized(std::string(backend_name(backend)) + "_" + dtype_short_name(c.dtype) + "_" + name);
+      cases.push_back(c);
+    }
+  };
+  const DType bf16 = DType::kBFloat16, fp16 = DType::kFloat16, fp32 = DType::kFloat32;
+
+  // The brief's models as one expert-parallel rank: the real E, top_k, H, I, but only
+  // num_local experts' weights (the full weights of the big models do not fit a quick
+  // test), with routing that favours the local experts so most slots compute.
+  struct Model {
+    const char* name;
+    int64_t E, top_k, H, I, num_local;
+    Activation activation;
+  };
+  const Model models[] = {
+      {"mixtral_8x7b", 8, 2, 4096, 14336, 2, Activation::kSilu},
+      {"qwen3_30b_a3b", 128, 8, 2048, 768, 16, Activation::kSilu},
+      {"qwen3_235b_a22b", 128, 8, 4096, 1536, 4, Activation::kSilu},
+      {"deepseek_v3_tp8", 256, 8, 7168, 256, 16, Activation::kSilu},
+      {"olmoe_1b_7b", 64, 8, 2048, 1024, 8, Activation::kSilu},
+      {"gpt_oss_120b", 128, 4, 2880, 2880, 2, Activation::kSwigluOai},
+  };
+  for (const Model& m : models) {
+    LayerCase c;
+    c.top_k = m.top_k;
+    c.H = m.H;
+    c.I = m.I;
+    c.num_global = m.E;
+    c.num_local = m.num_local;
+    c.expert_map = true;
+    c.local_share = 0.75;
+    c.weight_scale = 0.02;
+    c.options.activation = m.activation;
+    const bool mixtral = m.I > 8192;  // 176M multiply-adds a slot: one token on the CPU
+    for (int64_t M : {1, 16, 64}) {
+      if (mixtral && M > 1) continue;
+      c.M = M;
+      c.local_share = mixtral ? 1.0 : 0.75;
+      add(std::string(m.name) + "_ep_M" + std::to_string(M), c);
+    }
+    // M = 256 where a GPU does the work; the reference still runs on the host, so
+    // mixtral's routing is left uniform (a quarter of its slots local).
+    c.M = 256;
+    c.local_share = mixtral ? 0.0 : 0.75;
+    add(std::string(m.name) + "_ep_M256", c, {Backend::kCUDA});
+    // and without expert_map: every expert local (enough of them for top_k distinct ones)
+    if (!mixtral) {
+      LayerCase local = c;
+      local.M = 16;
+      local.expert_map = false;
+      local.num_local = local.num_global = std::max(m.num_local, m.top_k);
+      add(std::string(m.name) + "_local_M16", local);
+    }
+  }
+
+  // activations x dtypes on a small shape (K = 136 and 40: multiples of 8, not of 16)
+  for (DType dtype : {bf16, fp16, fp32}) {
+    for (Activation activation : {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai}) {
+      LayerCase c;
+      c.dtype = dtype;
+      c.options.activation = activation;
+      const char* act_name = activation == Activation::kSilu   ? "silu"
+                             : activation == Activation::kGelu ? "gelu"
+                                                               : "swiglu_oai";
+      add(std::string("small_") + act_name, c);
+    }
+    // odd sizes: K = 19 and 13 (no tensor-core tile fits), N = 26 and 19
+    LayerCase odd;
+    odd.dtype = dtype;
+    odd.M = 17;
+    odd.top_k = 3;
+    odd.H = 19;
+    odd.I = 13;
+    odd.num_global = odd.num_local = 5;
+    add("odd_H19_I13", odd);
+    odd.options.activation = Activation::kSwigluOai;
+    add("odd_H19_I13_swiglu", odd);
+  }
+
+  LayerCase c;  // the small shape, bf16, silu
+  {
+    LayerCase x = c;
+    x.options.chunk_size = 7;
+    add("chunk7_M20", x);
+    x.dtype = fp16;
+    x.id_dtype = DType::kInt64;
+    x.expert_map = true;
+    x.num_global = 16;
+    x.dropped_share = 0.2;
+    add("chunk7_M20_expert_map_dropped_i64", x);
+    x = c;
+    x.M = 5;
+    x.options.chunk_size = 1;
+    add("chunk1_M5", x);
+  }
+  {
+    LayerCase x = c;
+    x.inplace = true;
+    add("inplace", x);
+    x.dtype = fp32;
+    x.padded = true;
+    x.options.chunk_size = 7;
+    add("inplace_padded_chunk7", x);
+    x = c;
+    x.inplace = true;
+    x.top_k = 1;
+    add("inplace_topk1", x);
+  }
+  {
+    LayerCase x = c;
+    x.options.no_combine = true;
+    add("no_combine", x);
+    x.padded = true;
+    x.dropped_share = 0.2;
+    x.expert_map = true;
+    x.num_global = 16;
+    x.dtype = fp16;
+    add("no_combine_padded_dropped_expert_map", x);
+    x = c;
+    x.options.no_combine = true;
+    x.top_k = 1;
+    add("no_combine_topk1", x);
+  }
+  {
+    LayerCase x = c;
+    x.options.apply_router_weight_on_input = true;
+    x.top_k = 1;
+    add("weight_on_input_topk1", x);
+    x.top_k = 2;
+    x.dtype = fp32;
+    add("weight_on_input_topk2", x);
+  }
+  {
+    LayerCase x = c;
+    x.options.routed_scaling_factor = 2.5f;
+    add("scale2_5", x);
+    x.top_k = 1;
+    add("scale2_5_topk1", x);
+    x.options.routed_scaling_factor = 1.0f;
+    add("topk1", x);
+  }
+  {
+    LayerCase x = c;
+    x.expert_map = true;
+    x.num_global = 16;
+    x.dropped_share = 0.2;
+    add("expert_map_dropped", x);
+    x = c;
+    x.dropped_share = 0.3;
+    add("dropped", x);
+    x.dropped_share = 1.0;
+    add("all_dropped", x);
+    x = c;
+    x.M = 0;
+    add("M0", x);
+    x.M = 1;
+    add("M1", x);
+    x = c;
+    x.M = 50;
+    x.top_k = 1;
+    x.one_expert = true;
+    add("all_tokens_on_one_expert", x);
+    x = c;
+    x.num_global = x.num_local = 1;
+    x.top_k = 1;
+    add("E1", x);
+    x = c;
+    x.padded = true;
+    x.id_dtype = DType::kInt64;
+    add("padded_i64", x);
+  }
+  {
+    LayerCase x = c;
+    x.options.activation = Activation::kSwigluOai;
+    x.options.swiglu_alpha = 1.1f;
+    x.options.swiglu_limit = 0.75f;  // below the spread of h1: both clamps engage
+    add("swiglu_alpha1_1_limit0_75", x);
+  }
+  for (int64_t bs : {16, 32, 48, 64, 128, 256}) {
+    LayerCase x = c;
+    x.M = 37;
+    x.top_k = 4;
+    x.num_global = x.num_local = 16;
+    x.options.block_size = bs;
+    add("block_size" + std::to_string(bs), x);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layers, FusedExpertsTest, ::testing::ValuesIn(layer_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// ---- per-backend checks --------------------------------------------------------------
+
+class FusedExpertsBackendTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override { MOELORA_SKIP_UNLESS_AVAILABLE(GetParam()); }
+  Backend backend() const { return GetParam(); }
+};
+
+// The block size a chunk uses never needs more workspace than the query reported, for
+// any chunk count; and a larger workspace is fine.
+TEST_P(FusedExpertsBackendTest, WorkspaceQueryCoversEveryChunk) {
+  for (int64_t chunk_size : {int64_t(1), int64_t(7), int64_t(64 * 1024)}) {
+    FusedExpertsOptions options;
+    options.chunk_size = chunk_size;
+    const int64_t bytes = fused_experts_workspace_size({300, 8, 128, 2048, 768, DType::kBFloat16}, options);
+    EXPECT_GT(bytes, 0);
+    const int64_t block_size = fused_experts_block_size(std::min<int64_t>(300, chunk_size), 8, 128, options);
+    EXPECT_GE(block_size, 16);
+    EXPECT_LE(block_size, 256);
+    EXPECT_EQ(block_size % 16, 0);
+  }
+}
+
+// On the CPU an id out of range anywhere, even in the last chunk, is an error before any
+// chunk writes the output.
+TEST_P(FusedExpertsBackendTest, RejectsOutOfRangeIdBeforeWriting) {
+  if (backend() != Backend::kCPU) GTEST_SKIP() << "the CUDA backend cannot read ids on the host";
+  LayerCase c;
+  c.backend = backend();
+  c.options.chunk_size = 7;
+  std::mt19937 rng(701);
+  LayerProblem problem(c, rng);
+  problem.topk_ids.set(problem.ids_view.strides[0] * 19 + 1, 8);  // E = 8: one past the last expert
+  const std::string message = error_message([&] { fused_experts(problem.args, c.options); });
+  EXPECT_THAT(message, HasSubstr("'topk_ids'"));
+  EXPECT_THAT(message, HasSubstr("[19, 1]"));
+  EXPECT_EQ(problem.out.count_written(), 0);
+}
+
+TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
+  float any_storage[4] = {0, 0, 0, 0};
+  struct BadCase {
+    std::string what, argument;
+    std::function<void(FusedExpertsArgs&, FusedExpertsOptions&, LayerProblem&)> breaks;
+    bool cpu_only = false;  // needs ids readable on the host
+  };
+  Buffer other_dtype(backend(), DType::kFloat16, 8 * 80 * 136);
+  const std::vector<BadCase> bad_cases = {
+      {"rank 3 hidden_states", "hidden_states",
+       [](auto& a, auto&, auto&) {
+         a.hidden_states.rank = 3;
+         a.hidden_states.shape[2] = 1;
+         a.hidden_states.strides[2] = 1;
+       }},
+      {"rank above kMaxRank", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.rank = kMaxRank + 1; }},
+      {"int32 hidden_states", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.dtype = DType::kInt32; }},
+      {"null hidden_states", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.data = nullptr; }},
+      {"w13 of another dtype", "w13", [&](auto& a, auto&, auto&) { a.w13 = other_dtype.view({8, 80, 136}); }},
+      {"w13 odd rows", "w13", [](auto& a, auto&, auto&) { a.w13.shape[1] = 79; }},
+      {"w13 of another hidden size", "w13", [](auto& a, auto&, auto&) { a.w13.shape[2] = 135; }},
+      {"w13 negative stride", "w13", [](auto& a, auto&, auto&) { a.w13.strides[2] = -1; }},
+      {"w2 of another intermediate size", "w2", [](auto& a, auto&, auto&) { a.w2.shape[2] = 39; }},
+      {"w2 of other experts", "w2", [](auto& a, auto&, auto&) { a.w2.shape[0] = 7; }},
+      {"w2 on another device", "w2",
+       [&](auto& a, auto&, auto&) { a.w2.device = other_device(backend()); a.w2.data = any_storage; }},
+      {"bf16 topk_weights", "topk_weights", [](auto& a, auto&, auto&) { a.topk_weights.dtype = DType::kBFloat16; }},
+      {"topk_weights of another top_k", "topk_weights", [](auto& a, auto&, auto&) { a.topk_weights.shape[1] = 1; }},
+      {"topk_ids of other tokens", "topk_ids", [](auto& a, auto&, auto&) { a.topk_ids.shape[0] = 19; }},
+      {"float topk_ids", "topk_ids", [](auto& a, auto&, auto&) { a.topk_ids.dtype = DType::kFloat32; }},
+      {"topk_ids on another device", "topk_ids",
+       [&](auto& a, auto&, auto&) { a.topk_ids.device = other_device(backend()); a.topk_ids.data = any_storage; }},
+      {"out of another hidden size", "out", [](auto& a, auto&, auto&) { a.out.shape[1] = 135; }},
+      {"out negative stride", "out", [](auto& a, auto&, auto&) { a.out.strides[0] = -136; }},
+      {"no_combine with a 2-D out", "out", [](auto&, auto& o, auto&) { o.no_combine = true; }},
+      {"out overlapping w2", "out", [](auto& a, auto&, auto&) { a.out.data = a.w2.data; }},
+      {"workspace too small", "workspace", [](auto& a, auto&, auto&) { a.workspace.shape[0] -= 1; }},
+      {"workspace unaligned", "workspace",
+       [](auto& a, auto&, auto&) { a.workspace.data = static_cast<char*>(a.workspace.data) + 4; }},
+      {"chunk_size 0", "chunk_size", [](auto&, auto& o, auto&) { o.chunk_size = 0; }},
+      {"block_size 40", "block_size", [](auto&, auto& o, auto&) { o.block_size = 40; }},
+      {"block_size 512", "block_size", [](auto&, auto& o, auto&) { o.block_size = 512; }},
+      {"swiglu limit 0", "swiglu_limit",
+       [](auto&, auto& o, auto&) {
+         o.activation = Activation::kSwigluOai;
+         o.swiglu_limit = 0.0f;
+       }},
+      {"expert_map of int64", "expert_map",
+       [](auto& a, auto&, auto& p) {
+         p.map_view.dtype = DType::kInt64;
+         p.map_view.shape[0] /= 2;
+         a.expert_map = &p.map_view;
+       }},
+      {"expert_map past the local experts", "expert_map",
+       [](auto& a, auto&, auto& p) {
+         p.expert_map.set(3, 8);  // w13 has 8 experts
+         a.expert_map = &p.map_view;
+       },
+       true},
+  };
+  for (const BadCase& bad : bad_cases) {
+    if (bad.cpu_only && backend() != Backend::kCPU) continue;
+    SCOPED_TRACE(bad.what);
+    LayerCase c;
+    c.backend = backend();
+    std::mt19937 rng(702);
+    LayerProblem problem(c, rng);
+    FusedExpertsArgs args = problem.args;
+    FusedExpertsOptions options = c.options;
+    bad.breaks(args, options, problem);
+    TestStream stream(backend());
+    const std::string message = error_message([&] { fused_experts(args, options, stream.handle()); });
+    EXPECT_THAT(message, HasSubstr(quoted(bad.argument)));
+    stream.sync();
+    problem.out.download();
+    EXPECT_EQ(problem.out.count_written(), 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, FusedExpertsBackendTest, ::testing::ValuesIn(all_backends()),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+}  // namespace
+}  // namespace moelora::test
