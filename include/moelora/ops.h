@@ -65,9 +65,9 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
 //   a [num_rows, K]          bf16|fp16|fp32, any strides (rows gathered by slot / top_k;
 //                            top_k = 1 when a already holds one row per slot)
 //   w [E, N, K]              a's dtype, any strides
-//   out [num_slots, N]       a's dtype, any strides; num_slots = num_rows * top_k,
-//                            or topk_weights.numel() when mul_routed_weight
-//   topk_weights [M, top_k'] fp32 (read only when mul_routed_weight), indexed by slot
+//   out [num_slots, N]       a's dtype, any strides; num_slots = num_rows * top_k
+//   topk_weights [M, top_k'] fp32 with M * top_k' == num_slots (read only when
+//                            mul_routed_weight), indexed by slot: [s / top_k', s % top_k']
 //   sorted_token_ids, expert_ids, num_tokens_post_padded: from moe_align_block_size
 //                            with the same block_size; block_size a multiple of 16.
 struct FusedMoeArgs {
@@ -116,7 +116,10 @@ struct FusedExpertsOptions {
   Activation activation = Activation::kSilu;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
-  bool apply_router_weight_on_input = false;  // weight GEMM1's rows instead of GEMM2's
+  // Weight each slot's GEMM1 row (before the activation) instead of its GEMM2 row.
+  // vLLM/SGLang allow it only with top_k == 1, where it equals scaling the input; for
+  // top_k > 1 it is applied per slot.
+  bool apply_router_weight_on_input = false;
   bool no_combine = false;                    // out is [M, top_k, H]: no reduction
   float routed_scaling_factor = 1.0f;         // applied by the reduction (not with no_combine)
   int64_t chunk_size = 64 * 1024;             // tokens per chunk
