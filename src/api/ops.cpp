@@ -80,52 +80,26 @@ detail::AlignParams align_params(const TensorView& topk_ids, int64_t block_size,
   };
 }
 
+// Runs a backend entry point on the tensors' device. Without the CUDA backend a CUDA
+// call never gets here: require_cuda_backend() rejected it during validation.
+#ifdef MOELORA_WITH_CUDA
+#define MOELORA_BACKEND_CALL(fn, params, device, stream) \
+  ((device).type == DeviceType::kCPU ? cpu::fn(params) : cuda::fn(params, stream))
+#else
+#define MOELORA_BACKEND_CALL(fn, params, device, stream) ((void)(device), (void)(stream), cpu::fn(params))
+#endif
+
 void run_align(const detail::AlignParams& p, Device device, Stream stream) {
-  if (device.type == DeviceType::kCPU) {
-    cpu::moe_align_block_size(p);
-  } else {
-#ifdef MOELORA_WITH_CUDA
-    cuda::moe_align_block_size(p, stream);
-#else
-    (void)stream;
-#endif
-  }
+  MOELORA_BACKEND_CALL(moe_align_block_size, p, device, stream);
 }
-
 void run_gemm(const detail::GemmParams& p, Device device, Stream stream) {
-  if (device.type == DeviceType::kCPU) {
-    cpu::fused_moe(p);
-  } else {
-#ifdef MOELORA_WITH_CUDA
-    cuda::fused_moe(p, stream);
-#else
-    (void)stream;
-#endif
-  }
+  MOELORA_BACKEND_CALL(fused_moe, p, device, stream);
 }
-
 void run_activation(const detail::ActivationParams& p, Device device, Stream stream) {
-  if (device.type == DeviceType::kCPU) {
-    cpu::activation(p);
-  } else {
-#ifdef MOELORA_WITH_CUDA
-    cuda::activation(p, stream);
-#else
-    (void)stream;
-#endif
-  }
+  MOELORA_BACKEND_CALL(activation, p, device, stream);
 }
-
 void run_sum_reduce(const detail::SumReduceParams& p, Device device, Stream stream) {
-  if (device.type == DeviceType::kCPU) {
-    cpu::moe_sum_reduce(p);
-  } else {
-#ifdef MOELORA_WITH_CUDA
-    cuda::moe_sum_reduce(p, stream);
-#else
-    (void)stream;
-#endif
-  }
+  MOELORA_BACKEND_CALL(moe_sum_reduce, p, device, stream);
 }
 
 // A 2-D view [rows, cols] of a tensor's storage.
