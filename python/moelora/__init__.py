@@ -1,0 +1,109 @@
+"""moelora: the Mixture-of-Experts layer of LLMs (vLLM/SGLang ``fused_moe`` semantics).
+
+The ops in :mod:`moelora.ops` take numpy arrays (float32, float16, ml_dtypes.bfloat16,
+int32, int64) or torch tensors (CPU or CUDA). When torch is importable, importing this
+package also registers the ``torch.ops.moelora.*`` custom ops and exposes
+:class:`moelora.FusedMoE`.
+
+The compiled extension ``_moelora`` is looked up first in the folder named by the
+environment variable ``MOELORA_EXT_DIR`` (a CMake build dir, for development without
+pip), then inside this package (a pip install).
+"""
+
+import glob
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import warnings
+
+
+def _load_extension():
+    ext_dir = os.environ.get("MOELORA_EXT_DIR")
+    if ext_dir:
+        suffixes = importlib.machinery.EXTENSION_SUFFIXES
+        candidates = sorted(
+            path
+            for suffix in suffixes
+            for path in glob.glob(os.path.join(glob.escape(ext_dir), "_moelora" + suffix))
+        )
+        if candidates:
+            # Registered under the package's name so that `moelora._moelora` and pickled
+            # references resolve to this one copy.
+            spec = importlib.util.spec_from_file_location(f"{__name__}._moelora", candidates[0])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            return module
+    from . import _moelora
+
+    return _moelora
+
+
+_ext = _load_extension()
+
+Error = _ext.Error
+Activation = _ext.Activation
+TensorView = _ext.TensorView
+view = _ext.view
+cuda_available = _ext.cuda_available
+moe_align_block_size_capacity = _ext.moe_align_block_size_capacity
+fused_experts_workspace_size = _ext.fused_experts_workspace_size
+fused_experts_block_size = _ext.fused_experts_block_size
+__version__ = _ext.version()
+
+
+def version():
+    """The version of the compiled library."""
+    return _ext.version()
+
+
+from .ops import (  # noqa: E402  (the extension must be loaded first)
+    fused_experts,
+    fused_moe,
+    gelu_and_mul,
+    moe_align_block_size,
+    moe_sum_reduce,
+    silu_and_mul,
+    swiglu_oai_and_mul,
+)
+
+
+def _torch_importable():
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # a broken torch install must not break the numpy API
+        warnings.warn(f"moelora: torch is installed but failed to import ({exc}); "
+                      "torch.ops.moelora is not registered", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+HAS_TORCH = _torch_importable()
+if HAS_TORCH:
+    from . import torch_ops  # noqa: E402,F401  (registers torch.ops.moelora.*)
+    from .layer import FusedMoE  # noqa: E402,F401
+
+__all__ = [
+    "Activation",
+    "Error",
+    "HAS_TORCH",
+    "TensorView",
+    "cuda_available",
+    "fused_experts",
+    "fused_experts_block_size",
+    "fused_experts_workspace_size",
+    "fused_moe",
+    "gelu_and_mul",
+    "moe_align_block_size",
+    "moe_align_block_size_capacity",
+    "moe_sum_reduce",
+    "silu_and_mul",
+    "swiglu_oai_and_mul",
+    "version",
+    "view",
+]
+if HAS_TORCH:
+    __all__.append("FusedMoE")

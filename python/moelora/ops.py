@@ -1,0 +1,338 @@
+"""The moelora ops for numpy arrays and torch tensors.
+
+Every function accepts numpy arrays (float32, float16, ml_dtypes.bfloat16, int32, int64)
+or torch tensors on the CPU or a CUDA device; all array arguments of one call live on
+one device. Outputs not passed in are allocated here, with the framework and on the
+device of the op's first array argument. CUDA work is queued on torch's current stream
+of that device and nothing synchronises the host, so every op can be captured in a CUDA
+graph.
+
+Shapes use M = tokens, E = experts, H = hidden size, I = intermediate size.
+A bad argument raises ValueError (moelora.Error) naming the op and the argument.
+"""
+
+import contextlib
+import sys
+
+import numpy as np
+
+from . import _ext
+
+__all__ = [
+    "fused_experts",
+    "fused_moe",
+    "gelu_and_mul",
+    "moe_align_block_size",
+    "moe_sum_reduce",
+    "silu_and_mul",
+    "swiglu_oai_and_mul",
+]
+
+# fused_experts slices its workspace into 256-byte aligned pieces (ops.h).
+WORKSPACE_ALIGNMENT = 256
+
+_ACTIVATIONS = {
+    "silu": _ext.Activation.silu,
+    "gelu": _ext.Activation.gelu,
+    "swiglu_oai": _ext.Activation.swiglu_oai,
+}
+
+_NUMPY_DTYPES = {"int32": np.int32}
+
+
+def align_capacity(num_slots, block_size, num_experts):
+    """(max_num_tokens_padded, max_num_blocks), as moe_align_block_size_capacity computes
+    them, in plain arithmetic so that it also runs on torch's symbolic sizes (the fake
+    implementation of torch.ops.moelora.moe_align_block_size under dynamic shapes): every
+    group (each expert, and the dropped slots) pads by at most block_size - 1 entries."""
+    max_num_tokens_padded = num_slots + (num_experts + 1) * (block_size - 1)
+    return max_num_tokens_padded, (max_num_tokens_padded + block_size - 1) // block_size
+
+
+def _torch():
+    """torch if it has been imported, else None: a torch tensor can only exist then, so
+    the numpy path never pays for importing torch."""
+    return sys.modules.get("torch")
+
+
+def _is_torch_tensor(x):
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _error(op, name, message):
+    return _ext.Error(f"moelora.{op}: argument '{name}' {message}")
+
+
+def _view(op, name, x):
+    """The TensorView of one array argument; errors name the op and the argument."""
+    if isinstance(x, np.ndarray):
+        # numpy cannot export bfloat16 through DLPack: pass the bits and name the dtype.
+        if x.dtype.name == "bfloat16":
+            array, dtype = x.view(np.uint16), "bfloat16"
+        else:
+            array, dtype = x, None
+    elif _is_torch_tensor(x):
+        # DLPack refuses tensors that require grad; the ops never record autograd.
+        array, dtype = x.detach(), None
+    else:
+        raise TypeError(f"moelora.{op}: argument '{name}' expected a numpy array or a torch "
+                        f"tensor, got {type(x).__name__}")
+    try:
+        return _ext.view(array, dtype)
+    except _ext.Error as exc:
+        reason = str(exc).removeprefix("moelora.view: ")
+        raise _error(op, name, f"is not usable: {reason}") from None
+    except TypeError:
+        # nanobind found no DLPack or buffer export (e.g. an object or structured dtype).
+        raise _error(op, name, f"has an unsupported dtype {x.dtype}") from None
+
+
+def _optional_view(op, name, x):
+    return None if x is None else _view(op, name, x)
+
+
+def _check_writable(op, name, x):
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise _error(op, name, "expected a writable array, got a read-only one")
+
+
+def _launch(x):
+    """(stream, device guard) for running an op on x's device.
+
+    CUDA tensors use torch's current stream of their device, so the op orders after
+    earlier torch work and is captured by an enclosing torch.cuda.graph."""
+    if _is_torch_tensor(x) and x.is_cuda:
+        torch = _torch()
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if x.device.index != torch.cuda.current_device():
+            return stream, torch.cuda.device(x.device)
+        return stream, contextlib.nullcontext()
+    return 0, contextlib.nullcontext()
+
+
+def _empty(like, shape, dtype=None):
+    """An uninitialised array of the same framework and device as `like`; dtype is
+    'int32' or None for like's dtype."""
+    shape = tuple(int(s) for s in shape)
+    if _is_torch_tensor(like):
+        torch = _torch()
+        torch_dtype = like.dtype if dtype is None else getattr(torch, dtype)
+        return torch.empty(shape, dtype=torch_dtype, device=like.device)
+    return np.empty(shape, dtype=like.dtype if dtype is None else _NUMPY_DTYPES[dtype])
+
+
+def _data_address(x):
+    return x.data_ptr() if _is_torch_tensor(x) else x.ctypes.data
+
+
+def _aligned_workspace(like, nbytes):
+    """A 1-D buffer of at least nbytes, 256-byte aligned, on like's device.
+
+    Its elements are int32 because a TensorView has no byte dtype; fused_experts only
+    counts the bytes."""
+    words = -(-nbytes // 4)
+    raw = _empty(like, (words + WORKSPACE_ALIGNMENT // 4,), "int32")
+    # Allocators align int32 to at least 4 bytes, so the gap is a whole number of words.
+    offset = (-_data_address(raw) % WORKSPACE_ALIGNMENT) // 4
+    return raw[offset:offset + words]
+
+
+def _dim(view, d):
+    """view.shape[d], or 0 when the view has no such dim (the op then reports the rank)."""
+    shape = view.shape
+    return shape[d] if -len(shape) <= d < len(shape) else 0
+
+
+def _rows_view(op, name, x, rows, width):
+    """x viewed as [rows, width] without a copy (x is written through the view)."""
+    if x.ndim == 2:
+        return x
+    if _is_torch_tensor(x):
+        try:
+            return x.view(rows, width)
+        except RuntimeError:
+            pass
+    else:
+        flat = x.view()
+        try:
+            flat.shape = (rows, width)
+            return flat
+        except AttributeError:
+            pass
+    raise _error(op, name, f"expected leading dims that flatten without a copy, got shape "
+                           f"{list(x.shape)} with strides {list(x.stride() if _is_torch_tensor(x) else x.strides)}")
+
+
+def _activation_call(op, x, out, launch_args):
+    """Run a gated activation [*, 2I] -> [*, I] by flattening the leading dims."""
+    if x.ndim < 1:
+        raise _error(op, "input", "expected shape [*, 2I], got a 0-d array")
+    leading = tuple(x.shape[:-1])
+    rows = int(np.prod(leading, dtype=np.int64))
+    width = int(x.shape[-1]) // 2
+    if out is None:
+        out = _empty(x, leading + (width,))
+    else:
+        _check_writable(op, "out", out)
+        if tuple(out.shape) != leading + (width,):
+            raise _error(op, "out", f"expected shape {list(leading + (width,))} (input's leading dims "
+                                    f"and half its last dim), got {list(out.shape)}")
+    input_2d = x if x.ndim == 2 else x.reshape(rows, int(x.shape[-1]))
+    out_2d = _rows_view(op, "out", out, rows, width)
+    input_view = _view(op, "input", input_2d)
+    out_view = _view(op, "out", out_2d)
+    stream, guard = _launch(x)
+    with guard:
+        getattr(_ext, op)(input_view, out_view, *launch_args, stream=stream)
+    return out
+
+
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
+    """Group the routed slots by expert, padded to blocks of block_size.
+
+    topk_ids [M, top_k] int32|int64 (-1 = dropped slot); expert_map [num_experts] int32,
+    global -> local expert or -1, optional.
+    Returns (sorted_token_ids [max_num_tokens_padded] int32, expert_ids [max_num_blocks]
+    int32, num_tokens_post_padded [1] int32), allocated on topk_ids' device; sizes from
+    moe_align_block_size_capacity(M * top_k, block_size, num_experts).
+    """
+    op = "moe_align_block_size"
+    ids_view = _view(op, "topk_ids", topk_ids)
+    map_view = _optional_view(op, "expert_map", expert_map)
+    num_slots = int(np.prod(ids_view.shape, dtype=np.int64))
+    max_num_tokens_padded, max_num_blocks = _ext.moe_align_block_size_capacity(
+        num_slots, int(block_size), int(num_experts))
+    sorted_token_ids = _empty(topk_ids, (max(max_num_tokens_padded, 0),), "int32")
+    expert_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
+    num_tokens_post_padded = _empty(topk_ids, (1,), "int32")
+    stream, guard = _launch(topk_ids)
+    with guard:
+        _ext.moe_align_block_size(
+            ids_view, int(block_size), int(num_experts), map_view,
+            _view(op, "sorted_token_ids", sorted_token_ids), _view(op, "expert_ids", expert_ids),
+            _view(op, "num_tokens_post_padded", num_tokens_post_padded), stream=stream)
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
+def fused_moe(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights=None,
+              mul_routed_weight=False, top_k=1, block_size=64):
+    """The grouped expert GEMM over aligned blocks, written into out.
+
+    a [num_rows, K]; w [E, N, K]; out [num_rows * top_k, N] (a's dtype);
+    out[s] = a[s // top_k] @ w[e].T (* topk_weights.flat[s] when mul_routed_weight) for the
+    slots s of the blocks of sorted_token_ids; topk_weights [M, top_k] float32.
+    sorted_token_ids, expert_ids, num_tokens_post_padded: from moe_align_block_size with
+    the same block_size (a multiple of 16). Returns out.
+    """
+    op = "fused_moe"
+    _check_writable(op, "out", out)
+    a_view = _view(op, "a", a)
+    stream, guard = _launch(a)
+    with guard:
+        _ext.fused_moe(
+            a_view, _view(op, "w", w), _view(op, "out", out),
+            _view(op, "sorted_token_ids", sorted_token_ids), _view(op, "expert_ids", expert_ids),
+            _view(op, "num_tokens_post_padded", num_tokens_post_padded),
+            _optional_view(op, "topk_weights", topk_weights),
+            bool(mul_routed_weight), int(top_k), int(block_size), stream=stream)
+    return out
+
+
+def silu_and_mul(x, out=None):
+    """x [*, 2I] -> out [*, I] = silu(x[..., :I]) * x[..., I:]."""
+    return _activation_call("silu_and_mul", x, out, ())
+
+
+def gelu_and_mul(x, out=None):
+    """x [*, 2I] -> out [*, I] = gelu(x[..., :I]) * x[..., I:] (exact erf GELU)."""
+    return _activation_call("gelu_and_mul", x, out, ())
+
+
+def swiglu_oai_and_mul(x, alpha=1.702, limit=7.0, out=None):
+    """gpt-oss SwiGLU, x [*, 2I] interleaved (gate = x[..., 0::2], up = x[..., 1::2]) -> out [*, I]:
+    gate = min(gate, limit); up = clamp(up, -limit, limit);
+    out = (up + 1) * gate * sigmoid(alpha * gate)."""
+    return _activation_call("swiglu_oai_and_mul", x, out, (float(alpha), float(limit)))
+
+
+def moe_sum_reduce(x, out=None, routed_scaling_factor=1.0):
+    """x [M, top_k, H] -> out [M, H] = routed_scaling_factor * sum over top_k."""
+    op = "moe_sum_reduce"
+    input_view = _view(op, "input", x)
+    if out is None:
+        out = _empty(x, (_dim(input_view, 0), _dim(input_view, -1)))
+    else:
+        _check_writable(op, "out", out)
+    stream, guard = _launch(x)
+    with guard:
+        _ext.moe_sum_reduce(input_view, _view(op, "out", out), float(routed_scaling_factor),
+                            stream=stream)
+    return out
+
+
+def _activation_enum(activation):
+    if isinstance(activation, _ext.Activation):
+        return activation
+    try:
+        return _ACTIVATIONS[activation]
+    except (KeyError, TypeError):
+        raise _error("fused_experts", "activation",
+                     f"expected one of {sorted(_ACTIVATIONS)}, got {activation!r}") from None
+
+
+def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", inplace=False,
+                  no_combine=False, apply_router_weight_on_input=False, routed_scaling_factor=1.0,
+                  expert_map=None, chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, out=None,
+                  block_size=0):
+    """The whole MoE layer: align -> GEMM1 -> activation -> GEMM2 -> reduce.
+
+    hidden_states [M, H]; w13 [E_local, 2I, H] (gate rows then up rows; interleaved for
+    swiglu_oai); w2 [E_local, H, I]; topk_weights [M, top_k] float32; topk_ids [M, top_k]
+    int32|int64 global expert ids (-1 = dropped slot); expert_map [E_global] int32
+    (global -> local or -1 for experts on other ranks, whose slots contribute zero).
+    Returns out [M, H] (routed_scaling_factor * the weighted sum over the top_k experts),
+    or [M, top_k, H] with no_combine. inplace writes into hidden_states and returns it.
+    block_size 0 lets the library choose.
+    """
+    op = "fused_experts"
+    activation = _activation_enum(activation)
+    if inplace:
+        if no_combine:
+            raise _error(op, "inplace", "cannot combine with no_combine (out is [M, top_k, H])")
+        if out is not None and out is not hidden_states:
+            raise _error(op, "out", "expected None or hidden_states itself when inplace")
+        out = hidden_states
+    x_view = _view(op, "hidden_states", hidden_states)
+    w13_view = _view(op, "w13", w13)
+    w2_view = _view(op, "w2", w2)
+    weights_view = _view(op, "topk_weights", topk_weights)
+    ids_view = _view(op, "topk_ids", topk_ids)
+    map_view = _optional_view(op, "expert_map", expert_map)
+
+    num_tokens, hidden_size = _dim(x_view, 0), _dim(x_view, -1)
+    top_k = _dim(ids_view, -1)
+    if out is None:
+        shape = (num_tokens, top_k, hidden_size) if no_combine else (num_tokens, hidden_size)
+        out = _empty(hidden_states, shape)
+    else:
+        _check_writable(op, "out", out)
+    out_view = x_view if out is hidden_states else _view(op, "out", out)
+
+    num_experts = _dim(map_view, 0) if map_view is not None else _dim(w13_view, 0)
+    options = dict(
+        activation=activation, swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
+        apply_router_weight_on_input=bool(apply_router_weight_on_input), no_combine=bool(no_combine),
+        routed_scaling_factor=float(routed_scaling_factor), chunk_size=int(chunk_size),
+        block_size=int(block_size))
+    workspace_bytes = _ext.fused_experts_workspace_size(
+        num_tokens, top_k, num_experts, hidden_size, _dim(w2_view, -1),
+        x_view.dtype if x_view.dtype in ("float32", "float16", "bfloat16") else "float32",
+        **options)
+    workspace = _aligned_workspace(hidden_states, max(workspace_bytes, 0))
+
+    stream, guard = _launch(hidden_states)
+    with guard:
+        _ext.fused_experts(x_view, w13_view, w2_view, weights_view, ids_view, out_view,
+                           _view(op, "workspace", workspace), map_view, stream=stream, **options)
+    return out

@@ -1,0 +1,145 @@
+"""torch.ops.moelora.*: the moelora ops as torch custom ops (CPU and CUDA).
+
+Registered with torch.library so they trace opaquely under torch.compile(fullgraph=True)
+and replay under CUDA graphs: the kernels run on torch's current stream, allocate only
+through torch, and never read device data on the host. Each op has a fake (meta)
+implementation giving output shapes from input shapes alone.
+
+Mirroring SGLang, fused_experts is functional (returns a new tensor) and
+inplace_fused_experts writes into hidden_states.
+"""
+
+import torch
+
+from . import ops as _ops
+
+_lib = torch.library.Library("moelora", "DEF")
+
+_register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+
+_FUSED_EXPERTS_ARGS = (
+    "Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, str activation='silu', "
+    "bool apply_router_weight_on_input=False, float routed_scaling_factor=1.0, "
+    "Tensor? expert_map=None, int chunk_size=65536, float swiglu_alpha=1.702, "
+    "float swiglu_limit=7.0")
+
+_SCHEMAS = {
+    "moe_align_block_size":
+        "moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, "
+        "Tensor? expert_map=None) -> (Tensor, Tensor, Tensor)",
+    "fused_moe":
+        "fused_moe(Tensor a, Tensor w, Tensor(a!) out, Tensor sorted_token_ids, Tensor expert_ids, "
+        "Tensor num_tokens_post_padded, Tensor? topk_weights=None, bool mul_routed_weight=False, "
+        "int top_k=1, int block_size=64) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor input) -> Tensor",
+    "gelu_and_mul": "gelu_and_mul(Tensor input) -> Tensor",
+    "swiglu_oai_and_mul":
+        "swiglu_oai_and_mul(Tensor input, float alpha=1.702, float limit=7.0) -> Tensor",
+    "moe_sum_reduce": "moe_sum_reduce(Tensor input, float routed_scaling_factor=1.0) -> Tensor",
+    "fused_experts":
+        f"fused_experts(Tensor hidden_states, {_FUSED_EXPERTS_ARGS}, bool no_combine=False) -> Tensor",
+    "inplace_fused_experts":
+        f"inplace_fused_experts(Tensor(a!) hidden_states, {_FUSED_EXPERTS_ARGS}) -> ()",
+}
+
+
+# ---- real implementations (CPU and CUDA) -------------------------------------------
+
+def _moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
+    return _ops.moe_align_block_size(topk_ids, block_size, num_experts, expert_map)
+
+
+def _fused_moe(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights=None,
+               mul_routed_weight=False, top_k=1, block_size=64):
+    _ops.fused_moe(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights,
+                   mul_routed_weight, top_k, block_size)
+
+
+def _silu_and_mul(input):
+    return _ops.silu_and_mul(input)
+
+
+def _gelu_and_mul(input):
+    return _ops.gelu_and_mul(input)
+
+
+def _swiglu_oai_and_mul(input, alpha=1.702, limit=7.0):
+    return _ops.swiglu_oai_and_mul(input, alpha, limit)
+
+
+def _moe_sum_reduce(input, routed_scaling_factor=1.0):
+    return _ops.moe_sum_reduce(input, routed_scaling_factor=routed_scaling_factor)
+
+
+def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
+                   apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                   chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+    return _ops.fused_experts(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+def _inplace_fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
+                           apply_router_weight_on_input=False, routed_scaling_factor=1.0,
+                           expert_map=None, chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0):
+    _ops.fused_experts(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, inplace=True,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+
+
+# ---- fake implementations: shapes only ---------------------------------------------
+
+def _moe_align_block_size_fake(topk_ids, block_size, num_experts, expert_map=None):
+    max_num_tokens_padded, max_num_blocks = _ops.align_capacity(topk_ids.numel(), block_size, num_experts)
+    device = topk_ids.device
+    return (torch.empty((max_num_tokens_padded,), dtype=torch.int32, device=device),
+            torch.empty((max_num_blocks,), dtype=torch.int32, device=device),
+            torch.empty((1,), dtype=torch.int32, device=device))
+
+
+def _fused_moe_fake(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights=None,
+                    mul_routed_weight=False, top_k=1, block_size=64):
+    return None
+
+
+def _gated_activation_fake(input, *args):
+    return input.new_empty(tuple(input.shape[:-1]) + (input.shape[-1] // 2,))
+
+
+def _moe_sum_reduce_fake(input, routed_scaling_factor=1.0):
+    return input.new_empty((input.shape[0], input.shape[2]))
+
+
+def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
+                        apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+    if no_combine:
+        return hidden_states.new_empty((hidden_states.shape[0], topk_ids.shape[1], hidden_states.shape[1]))
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+def _inplace_fused_experts_fake(hidden_states, *args, **kwargs):
+    return None
+
+
+_IMPLEMENTATIONS = {
+    "moe_align_block_size": (_moe_align_block_size, _moe_align_block_size_fake),
+    "fused_moe": (_fused_moe, _fused_moe_fake),
+    "silu_and_mul": (_silu_and_mul, _gated_activation_fake),
+    "gelu_and_mul": (_gelu_and_mul, _gated_activation_fake),
+    "swiglu_oai_and_mul": (_swiglu_oai_and_mul, _gated_activation_fake),
+    "moe_sum_reduce": (_moe_sum_reduce, _moe_sum_reduce_fake),
+    "fused_experts": (_fused_experts, _fused_experts_fake),
+    "inplace_fused_experts": (_inplace_fused_experts, _inplace_fused_experts_fake),
+}
+
+for _name, _schema in _SCHEMAS.items():
+    _impl, _fake = _IMPLEMENTATIONS[_name]
+    _lib.define(_schema)
+    _lib.impl(_name, _impl, "CPU")
+    _lib.impl(_name, _impl, "CUDA")
+    _register_fake(f"moelora::{_name}", _fake, lib=_lib)
