@@ -11,6 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-reports/gpu}
 mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 BUILD_DIR=${MOELORA_BUILD_DIR:-build-gpu}
 LOG="$OUT_DIR/gpu_report.log"
 : > "$LOG"
@@ -21,7 +22,7 @@ MOELORA_BUILD_DIR=$BUILD_DIR bash tools/build.sh -DMOELORA_CUDA=ON >>"$LOG" 2>&1
 grep -E "spill|lmem" "$LOG" | grep -v " 0 bytes" | head -5
 
 step ctest
-ctest --test-dir "$BUILD_DIR" -j 8 --output-on-failure --output-junit "$PWD/$OUT_DIR/ctest.xml" >>"$LOG" 2>&1
+ctest --test-dir "$BUILD_DIR" -j 8 --output-on-failure --output-junit "$OUT_DIR/ctest.xml" >>"$LOG" 2>&1
 tail -3 "$LOG"
 
 step pytest

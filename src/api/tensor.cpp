@@ -1,5 +1,5 @@
 // TensorView helpers and names used in error messages.
-#include <sstream>
+#include <string>
 
 #include "moelora/ops.h"
 #include "moelora/tensor.h"
@@ -47,12 +47,12 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+// NOTE: no iostreams in the library: a Python extension that links libstdc++ pieces
+// statically crashed inside std::ostringstream (seen with nanobind 3.1 on the H100 box).
 std::string TensorView::shape_string() const {
-  std::ostringstream s;
-  s << '[';
-  for (int d = 0; d < rank; ++d) s << (d ? ", " : "") << shape[d];
-  s << ']';
-  return s.str();
+  std::string s = "[";
+  for (int d = 0; d < rank && d < kMaxRank; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,

@@ -1,7 +1,6 @@
 #include "api/validate.h"
 
 #include <algorithm>
-#include <sstream>
 
 namespace moelora::detail {
 
