@@ -407,7 +407,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   if (options.no_combine) {
     ArgCheck(op, "out", args.out).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(2)
         .dim(0, M, "tokens").dim(1, top_k, "top_k (no_combine)").dim(2, H, "hidden size");
-    if (top_k > 1 && args.out.strides[0] != top_k * args.out.strides[1]) {
+    if (M > 0 && top_k > 1 && args.out.strides[0] != top_k * args.out.strides[1]) {
       fail(op, "argument 'out' expected dims 0 and 1 to merge (stride0 == top_k * stride1) with no_combine, got strides [" +
                    std::to_string(args.out.strides[0]) + ", " + std::to_string(args.out.strides[1]) + ", 1]");
     }

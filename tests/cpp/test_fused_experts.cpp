@@ -495,6 +495,37 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
   }
 }
 
+// An empty batch may arrive with any strides (DLPack exporters report 0 for empty
+// arrays; seen with nanobind 3.1): it is accepted and nothing runs.
+TEST(FusedExpertsEmpty, EmptyViewsWithZeroStridesAreAccepted) {
+  const int64_t E = 2, top_k = 2, H = 16, I = 8;
+  std::vector<float> w13(E * 2 * I * H, 0.5f), w2(E * H * I, 0.5f), one(1);
+  std::vector<int32_t> ids(1);
+  std::vector<uint64_t> workspace(1024);
+  auto empty = [](void* data, DType dtype, std::initializer_list<int64_t> shape) {
+    TensorView t = TensorView::contiguous(data, dtype, shape);
+    for (int d = 0; d < t.rank; ++d) t.strides[d] = 0;
+    return t;
+  };
+  FusedExpertsArgs args{
+      .hidden_states = empty(one.data(), DType::kFloat32, {0, H}),
+      .w13 = TensorView::contiguous(w13.data(), DType::kFloat32, {E, 2 * I, H}),
+      .w2 = TensorView::contiguous(w2.data(), DType::kFloat32, {E, H, I}),
+      .topk_weights = empty(one.data(), DType::kFloat32, {0, top_k}),
+      .topk_ids = empty(ids.data(), DType::kInt32, {0, top_k}),
+      .out = empty(one.data() , DType::kFloat32, {0, H}),
+      .workspace = TensorView::contiguous(
+          reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data()) + 255) / 256 * 256), DType::kInt32,
+          {1024}),
+  };
+  args.out.data = nullptr;  // no elements: no pointer needed
+  EXPECT_NO_THROW(fused_experts(args));
+  FusedExpertsOptions no_combine;
+  no_combine.no_combine = true;
+  args.out = empty(nullptr, DType::kFloat32, {0, top_k, H});
+  EXPECT_NO_THROW(fused_experts(args, no_combine));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, FusedExpertsBackendTest, ::testing::ValuesIn(all_backends()),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
 
