@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CUTLASS_VERSION=4.2.0.0
 PYTHON=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore
 
 "$PYTHON" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 
