@@ -154,12 +154,17 @@ def _rows_view(op, name, x, rows, width):
         except RuntimeError:
             pass
     else:
-        flat = x.view()
         try:
-            flat.shape = (rows, width)
-            return flat
-        except AttributeError:
+            return np.reshape(x, (rows, width), copy=False)
+        except ValueError:
             pass
+        except TypeError:  # numpy < 2.1 has no copy argument: setting shape never copies
+            flat = x.view()
+            try:
+                flat.shape = (rows, width)
+                return flat
+            except AttributeError:
+                pass
     raise _error(op, name, f"expected leading dims that flatten without a copy, got shape "
                            f"{list(x.shape)} with strides {list(x.stride() if _is_torch_tensor(x) else x.strides)}")
 

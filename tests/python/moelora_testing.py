@@ -82,7 +82,9 @@ def to_backend(array, backend):
         tensor = torch.from_numpy(np.ascontiguousarray(array.astype(np.float32))).to(torch.bfloat16)
     else:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return tensor.to(torch_device(backend))
+    # A copy even on the CPU: the reference's numpy inputs must not change when an op
+    # writes into its torch inputs (inplace).
+    return tensor.to(torch_device(backend), copy=True)
 
 
 def sparse_experts_to_backend(weights, experts, backend):
