@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "moelora/ops.h"
 #include "moelora/tensor.h"
@@ -248,21 +249,18 @@ NB_MODULE(_moelora, m) {
       "topk_weights"_a.none() = nb::none(), "mul_routed_weight"_a = false, "top_k"_a = 1,
       "block_size"_a = 64, "stream"_a = 0);
 
-  m.def(
-      "silu_and_mul",
-      [](const TensorView& input, const TensorView& out, uintptr_t stream) {
-        nb::gil_scoped_release release;
-        moelora::silu_and_mul(input, out, as_stream(stream));
-      },
-      "input"_a, "out"_a, "stream"_a = 0);
-
-  m.def(
-      "gelu_and_mul",
-      [](const TensorView& input, const TensorView& out, uintptr_t stream) {
-        nb::gil_scoped_release release;
-        moelora::gelu_and_mul(input, out, as_stream(stream));
-      },
-      "input"_a, "out"_a, "stream"_a = 0);
+  // The gated activations without parameters share one binding shape.
+  using GatedActivation = void (*)(const TensorView&, const TensorView&, moelora::Stream);
+  for (const auto& [name, fn] : {std::pair<const char*, GatedActivation>{"silu_and_mul", &moelora::silu_and_mul},
+                                 std::pair<const char*, GatedActivation>{"gelu_and_mul", &moelora::gelu_and_mul}}) {
+    m.def(
+        name,
+        [fn = fn](const TensorView& input, const TensorView& out, uintptr_t stream) {
+          nb::gil_scoped_release release;
+          fn(input, out, as_stream(stream));
+        },
+        "input"_a, "out"_a, "stream"_a = 0);
+  }
 
   m.def(
       "swiglu_oai_and_mul",
