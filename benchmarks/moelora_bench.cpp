@@ -4,7 +4,13 @@
 //
 //   moelora_bench [--model NAME|all] [--tokens M[,M...]] [--dtype bf16|fp16]
 //                 [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings]
-//                 [--json PATH]
+//                 [--baseline] [--json PATH]
+//   moelora_bench --tune DIR [--model NAME|all] [--tokens ...]   (CUDA only)
+//
+// --baseline also times each cell with the previous issue's kernels (mma.sync, fixed
+// tiles, no programmatic dependent launch) and reports the speed-up.
+// --tune searches block size and tiles per (model, M) and writes the config registry's
+// table for each model into DIR (copy it to configs/ to ship it).
 //
 // On CUDA: every layer call is captured in a CUDA graph over kRotations input sets with
 // different routings (so consecutive calls touch different experts and L2 holds no
@@ -28,6 +34,7 @@
 #include <vector>
 
 #include "common/host_numeric.h"
+#include "common/params.h"
 #include "moelora/ops.h"
 
 #ifdef MOELORA_WITH_CUDA
@@ -65,13 +72,16 @@ struct Options {
   int iters = 0;  // 0: chosen per cell
   bool check = true;
   bool ceilings = false;
+  bool baseline = false;   // also time the previous issue's kernels per cell
+  std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
   std::string json_path;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "moelora_bench: %s\nusage: moelora_bench [--model NAME|all] [--tokens M[,M...]] [--dtype bf16|fp16]\n"
-               "       [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings] [--json PATH]\nmodels:",
+               "       [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings] [--baseline] [--json PATH]\n"
+               "       [--tune DIR]\nmodels:",
                why.c_str());
   for (const Model& m : kModels) std::fprintf(stderr, " %s", m.name);
   std::fprintf(stderr, "\n");
@@ -106,6 +116,8 @@ Options parse(int argc, char** argv) {
     else if (arg == "--no-check") o.check = false;
     else if (arg == "--ceilings") o.ceilings = true;
     else if (arg == "--json") o.json_path = value();
+    else if (arg == "--baseline") o.baseline = true;
+    else if (arg == "--tune") o.tune_dir = value();
     else if (arg == "--help" || arg == "-h") usage("help");
     else usage("unknown argument " + arg);
   }
@@ -281,6 +293,7 @@ struct Row {
   std::string device;
   double time_us, floor_us, bytes, flops;
   Check check;
+  double baseline_us = 0;  // previous issue's kernels (--baseline), 0 = not measured
 };
 
 double median(std::vector<double> v) {
@@ -403,88 +416,236 @@ Ceilings measure_ceilings() {
   return c;
 }
 
-Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const void* w2,
-             const std::vector<uint16_t>& w13_host, const std::vector<uint16_t>& w2_host) {
+// One (model, M) cell on the GPU: kRotations input sets with different routings, and
+// layer timings under any options (config overrides for tuning and the baseline).
+class CudaCell {
+ public:
   // NOTE: kRotations input sets with different routings in one graph, so that the
   // weights one call reads are not in L2 from the call before.
-  constexpr int kRotations = 4;
-  const moelora::Device gpu{moelora::DeviceType::kCUDA, 0};
-  moelora::FusedExpertsOptions fo;
-  fo.activation = m.activation;
-  const int64_t ws_bytes = moelora::fused_experts_workspace_size({M, m.top_k, m.E, m.H, m.I, o.dtype}, fo);
-  DeviceBuffer workspace(ws_bytes);
-  std::vector<std::vector<uint16_t>> x_host(kRotations);
-  std::vector<Routing> routing;
-  std::vector<std::unique_ptr<DeviceBuffer>> x_dev, out_dev, ids_dev, weights_dev;
-  cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<moelora::FusedExpertsArgs> args;
-  for (int r = 0; r < kRotations; ++r) {
-    x_host[r].resize(M * m.H);
-    fill_normal(o.dtype, x_host[r].data(), M * m.H, 1000 + 17 * r + M, 1.0f);
-    routing.push_back(make_routing(m, M, 2000 + 31 * r + M));
-    x_dev.push_back(std::make_unique<DeviceBuffer>(M * m.H * 2));
-    out_dev.push_back(std::make_unique<DeviceBuffer>(M * m.H * 2));
-    ids_dev.push_back(std::make_unique<DeviceBuffer>(M * m.top_k * 4));
-    weights_dev.push_back(std::make_unique<DeviceBuffer>(M * m.top_k * 4));
-    CHECK_CUDA(cudaMemcpy(x_dev[r]->ptr, x_host[r].data(), M * m.H * 2, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(ids_dev[r]->ptr, routing[r].ids.data(), M * m.top_k * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(weights_dev[r]->ptr, routing[r].weights.data(), M * m.top_k * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemset(out_dev[r]->ptr, 0xff, M * m.H * 2));  // poison: NaN in bf16 and fp16
-    args.push_back(moelora::FusedExpertsArgs{
-        .hidden_states = view(x_dev[r]->ptr, o.dtype, {M, m.H}, gpu),
-        .w13 = view(const_cast<void*>(w13), o.dtype, {m.E, 2 * m.I, m.H}, gpu),
-        .w2 = view(const_cast<void*>(w2), o.dtype, {m.E, m.H, m.I}, gpu),
-        .topk_weights = view(weights_dev[r]->ptr, DType::kFloat32, {M, m.top_k}, gpu),
-        .topk_ids = view(ids_dev[r]->ptr, DType::kInt32, {M, m.top_k}, gpu),
-        .out = view(out_dev[r]->ptr, o.dtype, {M, m.H}, gpu),
-        .workspace = view(workspace.ptr, DType::kInt32, {ws_bytes / 4}, gpu),
-    });
-  }
-  // First call outside the graph: this is also the output that is checked.
-  moelora::fused_experts(args[0], fo, stream);
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  std::vector<uint16_t> out_host(M * m.H);
-  CHECK_CUDA(cudaMemcpy(out_host.data(), out_dev[0]->ptr, M * m.H * 2, cudaMemcpyDeviceToHost));
+  static constexpr int kRotations = 4;
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (int r = 0; r < kRotations; ++r) moelora::fused_experts(args[r], fo, stream);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  std::vector<double> times;
+  CudaCell(const Model& m, int64_t M, DType dtype, const void* w13, const void* w2) : m_(m), M_(M), dtype_(dtype) {
+    const moelora::Device gpu{moelora::DeviceType::kCUDA, 0};
+    moelora::FusedExpertsOptions fo;
+    fo.activation = m.activation;
+    const int64_t ws_bytes = moelora::fused_experts_workspace_size({M, m.top_k, m.E, m.H, m.I, dtype}, fo);
+    workspace_ = std::make_unique<DeviceBuffer>(ws_bytes);
+    CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    x_host_.resize(kRotations);
+    for (int r = 0; r < kRotations; ++r) {
+      x_host_[r].resize(M * m.H);
+      fill_normal(dtype, x_host_[r].data(), M * m.H, 1000 + 17 * r + M, 1.0f);
+      routing_.push_back(make_routing(m, M, 2000 + 31 * r + M));
+      x_dev_.push_back(std::make_unique<DeviceBuffer>(M * m.H * 2));
+      out_dev_.push_back(std::make_unique<DeviceBuffer>(M * m.H * 2));
+      ids_dev_.push_back(std::make_unique<DeviceBuffer>(M * m.top_k * 4));
+      weights_dev_.push_back(std::make_unique<DeviceBuffer>(M * m.top_k * 4));
+      CHECK_CUDA(cudaMemcpy(x_dev_[r]->ptr, x_host_[r].data(), M * m.H * 2, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(ids_dev_[r]->ptr, routing_[r].ids.data(), M * m.top_k * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(weights_dev_[r]->ptr, routing_[r].weights.data(), M * m.top_k * 4, cudaMemcpyHostToDevice));
+      args_.push_back(moelora::FusedExpertsArgs{
+          .hidden_states = view(x_dev_[r]->ptr, dtype, {M, m.H}, gpu),
+          .w13 = view(const_cast<void*>(w13), dtype, {m.E, 2 * m.I, m.H}, gpu),
+          .w2 = view(const_cast<void*>(w2), dtype, {m.E, m.H, m.I}, gpu),
+          .topk_weights = view(weights_dev_[r]->ptr, DType::kFloat32, {M, m.top_k}, gpu),
+          .topk_ids = view(ids_dev_[r]->ptr, DType::kInt32, {M, m.top_k}, gpu),
+          .out = view(out_dev_[r]->ptr, dtype, {M, m.H}, gpu),
+          .workspace = view(workspace_->ptr, DType::kInt32, {ws_bytes / 4}, gpu),
+      });
+    }
+  }
+  ~CudaCell() { cudaStreamDestroy(stream_); }
+
+  moelora::FusedExpertsOptions options(const moelora::MoeKernelConfig* config) const {
+    moelora::FusedExpertsOptions fo;
+    fo.activation = m_.activation;
+    fo.config = config;
+    return fo;
+  }
+
+  // One call on rotation 0 into a poisoned output, returned for checking.
+  std::vector<uint16_t> run_once(const moelora::FusedExpertsOptions& fo) {
+    CHECK_CUDA(cudaMemset(out_dev_[0]->ptr, 0xff, M_ * m_.H * 2));  // poison: NaN in bf16 and fp16
+    moelora::fused_experts(args_[0], fo, stream_);
+    CHECK_CUDA(cudaStreamSynchronize(stream_));
+    std::vector<uint16_t> out_host(M_ * m_.H);
+    CHECK_CUDA(cudaMemcpy(out_host.data(), out_dev_[0]->ptr, M_ * m_.H * 2, cudaMemcpyDeviceToHost));
+    return out_host;
+  }
+
+  // Median over `iters` replays of a graph of kRotations layer calls, per call.
+  double time_us(const moelora::FusedExpertsOptions& fo, int iters) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    for (int r = 0; r < kRotations; ++r) moelora::fused_experts(args_[r], fo, stream_);
+    CHECK_CUDA(cudaStreamEndCapture(stream_, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    for (int i = 0; i < 2; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+    std::vector<double> times;
+    for (int i = 0; i < iters; ++i) {
+      CHECK_CUDA(cudaEventRecord(start, stream_));
+      CHECK_CUDA(cudaGraphLaunch(exec, stream_));
+      CHECK_CUDA(cudaEventRecord(stop, stream_));
+      CHECK_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      times.push_back(ms * 1e3 / kRotations);
+    }
+    CHECK_CUDA(cudaEventDestroy(start));
+    CHECK_CUDA(cudaEventDestroy(stop));
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+    return median(times);
+  }
+
+  void floors(double* bytes, double* flops) const {
+    double bytes_sum = 0;
+    for (int r = 0; r < kRotations; ++r) {
+      double b;
+      ::floors(m_, M_, routing_[r].experts_touched, &b, flops);
+      bytes_sum += b;
+    }
+    *bytes = bytes_sum / kRotations;
+  }
+
+  Check check(const std::vector<uint16_t>& out, const std::vector<uint16_t>& w13_host,
+              const std::vector<uint16_t>& w2_host) const {
+    return check_layer(m_, dtype_, x_host_[0], w13_host.data(), w2_host.data(), routing_[0], out, M_);
+  }
+
+ private:
+  const Model& m_;
+  int64_t M_;
+  DType dtype_;
+  cudaStream_t stream_;
+  std::unique_ptr<DeviceBuffer> workspace_;
+  std::vector<std::vector<uint16_t>> x_host_;
+  std::vector<Routing> routing_;
+  std::vector<std::unique_ptr<DeviceBuffer>> x_dev_, out_dev_, ids_dev_, weights_dev_;
+  std::vector<moelora::FusedExpertsArgs> args_;
+};
+
+// The previous issue's kernels: mma.sync tiles of (16|32|64) x 128 on the heuristic
+// block size, no programmatic dependent launch.
+moelora::MoeKernelConfig baseline_config(const Model& m, int64_t M) {
+  moelora::MoeKernelConfig c;
+  c.block_size = moelora::fused_experts_block_size(M, m.top_k, m.E);
+  const int32_t rows = c.block_size % 64 == 0 ? 64 : c.block_size % 32 == 0 ? 32 : 16;
+  c.gemm1 = c.gemm2 = moelora::GemmTile{moelora::GemmKernel::kSm80, rows, 128};
+  return c;
+}
+
+Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const void* w2,
+             const std::vector<uint16_t>& w13_host, const std::vector<uint16_t>& w2_host) {
+  CudaCell cell(m, M, o.dtype, w13, w2);
   const int iters = o.iters > 0 ? o.iters : 30;
-  for (int i = 0; i < iters; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms * 1e3 / kRotations);
+  Row row{&m, M, "cuda", 0, 0, 0, 0, {}};
+  const auto fo = cell.options(nullptr);  // the registry's config
+  const std::vector<uint16_t> out = cell.run_once(fo);
+  row.time_us = cell.time_us(fo, iters);
+  if (o.baseline) {
+    const moelora::MoeKernelConfig base = baseline_config(m, M);
+    moelora::cuda::set_pdl_allowed(false);
+    row.baseline_us = cell.time_us(cell.options(&base), iters);
+    moelora::cuda::set_pdl_allowed(true);
   }
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  CHECK_CUDA(cudaStreamDestroy(stream));
-
-  Row row{&m, M, "cuda", median(times), 0, 0, 0, {}};
-  double bytes_sum = 0;
-  for (int r = 0; r < kRotations; ++r) {
-    double b, f;
-    floors(m, M, routing[r].experts_touched, &b, &f);
-    bytes_sum += b;
-    row.flops = f;
-  }
-  row.bytes = bytes_sum / kRotations;
-  if (o.check) row.check = check_layer(m, o.dtype, x_host[0], w13_host.data(), w2_host.data(), routing[0], out_host, M);
+  cell.floors(&row.bytes, &row.flops);
+  if (o.check) row.check = cell.check(out, w13_host, w2_host);
   return row;
+}
+
+// ---- tuning: search the tile space per (model, M), write the registry's JSON --------
+std::vector<moelora::GemmTile> candidate_tiles(int64_t block_size, bool sm90) {
+  std::vector<moelora::GemmTile> tiles;
+  for (int32_t bm : {16, 32, 64}) {
+    for (int32_t bn : {64, 128}) {
+      if (block_size % bm == 0) tiles.push_back({moelora::GemmKernel::kSm80, bm, bn});
+    }
+  }
+  for (int32_t bm : {64, 128}) {
+    for (int32_t bn : {128, 256}) {
+      if (sm90 && block_size % bm == 0) tiles.push_back({moelora::GemmKernel::kSm90, bm, bn});
+    }
+  }
+  return tiles;
+}
+
+std::string tile_json(const moelora::GemmTile& t) {
+  return std::string("{\"kernel\": \"") + (t.kernel == moelora::GemmKernel::kSm90 ? "sm90" : "sm80") +
+         "\", \"block_m\": " + std::to_string(t.block_m) + ", \"block_n\": " + std::to_string(t.block_n) + "}";
+}
+
+// Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),
+// then the best GEMM2 tile with it; the best block size wins. Returns the config and
+// its time.
+std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters,
+                                                      bool sm90) {
+  const double slots_per_expert = double(M) * m.top_k / m.E;
+  moelora::MoeKernelConfig best;
+  double best_us = INFINITY;
+  for (int64_t block_size : {16, 32, 64, 128}) {
+    // Blocks much taller than an expert's slot count only add padding rows.
+    if (block_size > 16 && block_size > 4 * slots_per_expert) continue;
+    moelora::MoeKernelConfig c;
+    c.block_size = block_size;
+    for (int gemm = 1; gemm <= 2; ++gemm) {
+      moelora::GemmTile chosen{};
+      double chosen_us = INFINITY;
+      for (const moelora::GemmTile& t : candidate_tiles(block_size, sm90)) {
+        moelora::MoeKernelConfig trial = c;
+        (gemm == 1 ? trial.gemm1 : trial.gemm2) = t;
+        const double us = cell.time_us(cell.options(&trial), iters);
+        if (us < chosen_us) {
+          chosen_us = us;
+          chosen = t;
+        }
+      }
+      (gemm == 1 ? c.gemm1 : c.gemm2) = chosen;
+    }
+    const double c_us = cell.time_us(cell.options(&c), iters);
+    if (c_us < best_us) {
+      best_us = c_us;
+      best = c;
+    }
+  }
+  return {best, best_us};
+}
+
+int tune(const Options& o) {
+  const bool sm90 = moelora::cuda::current_device_facts().sm90_kernels;
+  for (const Model* model : o.models) {
+    const Model& m = *model;
+    std::vector<uint16_t> w13(m.E * 2 * m.I * m.H), w2(m.E * m.H * m.I);
+    fill_normal(o.dtype, w13.data(), int64_t(w13.size()), 11, 0.02f);
+    fill_normal(o.dtype, w2.data(), int64_t(w2.size()), 12, 0.02f);
+    DeviceBuffer w13_dev(w13.size() * 2), w2_dev(w2.size() * 2);
+    CHECK_CUDA(cudaMemcpy(w13_dev.ptr, w13.data(), w13.size() * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(w2_dev.ptr, w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
+    const std::string file = o.tune_dir + "/" + moelora::kernel_config_file_name(m.E, m.I, o.dtype);
+    std::string json = "{\n";
+    for (size_t i = 0; i < o.tokens.size(); ++i) {
+      const int64_t M = o.tokens[i];
+      CudaCell cell(m, M, o.dtype, w13_dev.ptr, w2_dev.ptr);
+      const auto [config, us] = tune_cell(cell, m, M, o.iters > 0 ? o.iters : 7, sm90);
+      std::printf("tune %-16s M=%-5lld %9.1f us  block_size %3lld  gemm1 %s  gemm2 %s\n", m.name, (long long)M, us,
+                  (long long)config.block_size, tile_json(config.gemm1).c_str(), tile_json(config.gemm2).c_str());
+      std::fflush(stdout);
+      json += "  \"" + std::to_string(M) + "\": {\"block_size\": " + std::to_string(config.block_size) +
+              ", \"gemm1\": " + tile_json(config.gemm1) + ", \"gemm2\": " + tile_json(config.gemm2) + "}" +
+              (i + 1 < o.tokens.size() ? ",\n" : "\n");
+    }
+    json += "}\n";
+    FILE* f = std::fopen(file.c_str(), "w");
+    if (!f) throw std::runtime_error("cannot write " + file);
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+    std::printf("wrote %s\n", file.c_str());
+  }
+  return 0;
 }
 #endif
 
@@ -507,7 +668,13 @@ int main(int argc, char** argv) {
   Ceilings ceilings;
   try {
 #ifdef MOELORA_WITH_CUDA
+    if (!o.tune_dir.empty()) {
+      if (!use_cuda) usage("--tune needs a CUDA device");
+      return tune(o);
+    }
     if (use_cuda && o.ceilings) ceilings = measure_ceilings();
+#else
+    if (!o.tune_dir.empty()) usage("--tune needs a build with the CUDA backend");
 #endif
     std::printf("moelora %s | device %s | dtype %s | ceilings %.2f TB/s copy, %.0f TFLOP/s bf16 (%s)\n",
                 moelora::version(), use_cuda ? "cuda" : "cpu", model_dtype(o.dtype), ceilings.copy_tbps,
@@ -538,12 +705,17 @@ int main(int argc, char** argv) {
         const double floor_fl = row.flops / (ceilings.bf16_tflops * 1e12) * 1e6;
         row.floor_us = std::max(floor_bw, floor_fl);
         rows.push_back(row);
-        std::printf("%-16s M=%-5lld %8.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.2f TFLOP/s  rel_err %s\n",
+        const std::string baseline =
+            row.baseline_us > 0 ? "  baseline " + std::to_string(int64_t(row.baseline_us + 0.5)) + " us (x" +
+                                      std::to_string(row.baseline_us / row.time_us).substr(0, 4) + ")"
+                                : std::string();
+        std::printf("%-16s M=%-5lld %8.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.2f TFLOP/s  rel_err %s%s\n",
                     m.name, (long long)M, row.time_us, row.floor_us, 100 * row.floor_us / row.time_us,
                     row.bytes / (row.time_us * 1e-6) / 1e12, row.flops / (row.time_us * 1e-6) / 1e12,
                     row.check.tokens ? (std::to_string(row.check.rel_err) + " (" + std::to_string(row.check.tokens) +
                                         " tokens)").c_str()
-                                     : "not checked");
+                                     : "not checked",
+                    baseline.c_str());
         std::fflush(stdout);
       }
     }
@@ -560,11 +732,12 @@ int main(int argc, char** argv) {
         std::fprintf(f,
                      "  {\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"%s\", \"lora\": null, "
                      "\"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, "
-                     "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld}%s\n",
+                     "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld, \"baseline_us\": %s}%s\n",
                      r.model->name, (long long)r.M, model_dtype(o.dtype), r.device.c_str(), r.time_us, r.floor_us,
                      100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e-6) / 1e12,
                      r.flops / (r.time_us * 1e-6) / 1e12,
                      r.check.tokens ? std::to_string(r.check.rel_err).c_str() : "null", (long long)r.check.tokens,
+                     r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null",
                      i + 1 < rows.size() ? "," : "");
       }
       std::fprintf(f, " ]}\n");

@@ -4,8 +4,13 @@
 # ceilings, benchmarks the MoE layer over the brief's workloads and writes the JSON
 # report of DESIGN.md ("GPU reports") to ${OUT:-reports/gpu}/.
 #   MOELORA_COMMIT   sha of the code measured (the device copy has no .git)
-#   BENCH_TOKENS     token counts for the grid (default 1,16,256,4096)
+#   BENCH_TOKENS     token counts for the grid (default: the brief's, 1 to 8192)
+#   BENCH_MODELS     model name or "all" (default all)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
+#   SKIP_TESTS=1     build and benchmark only
+#   TUNE_TOKENS      if set: tune tiles at these token counts first, write the tables to
+#                    $OUT/configs, and benchmark with them ($MOELORA_CONFIG_DIR); copy
+#                    them to configs/ to ship them
 # CUTLASS headers must be in .deps/cutlass (tools/install_deps.sh here, then carry .deps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +26,7 @@ step build
 MOELORA_BUILD_DIR=$BUILD_DIR bash tools/build.sh -DMOELORA_CUDA=ON >>"$LOG" 2>&1 || { tail -50 "$LOG"; exit 1; }
 grep -E "spill|lmem" "$LOG" | grep -v " 0 bytes" | head -5
 
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
 step ctest
 ctest --test-dir "$BUILD_DIR" -j 8 --output-on-failure --output-junit "$OUT_DIR/ctest.xml" >>"$LOG" 2>&1
 tail -3 "$LOG"
@@ -38,9 +44,19 @@ if [ -n "${SANITIZE_FILTER:-}" ]; then
     echo "$tool rc=$?" | tee -a "$LOG"; tail -2 "$OUT_DIR/sanitizer_$tool.log"
   done
 fi
+fi
+
+if [ -n "${TUNE_TOKENS:-}" ]; then
+  step tune
+  mkdir -p "$OUT_DIR/configs"
+  "$BUILD_DIR/moelora_bench" --device cuda --model "${BENCH_MODELS:-all}" --tokens "$TUNE_TOKENS" \
+    --tune "$OUT_DIR/configs" 2>&1 | tee -a "$LOG"
+  export MOELORA_CONFIG_DIR="$OUT_DIR/configs"
+fi
 
 step bench
-"$BUILD_DIR/moelora_bench" --device cuda --model all --tokens "${BENCH_TOKENS:-1,16,256,4096}" --ceilings \
+"$BUILD_DIR/moelora_bench" --device cuda --model "${BENCH_MODELS:-all}" \
+  --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" --ceilings --baseline \
   --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
 
 step report

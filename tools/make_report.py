@@ -7,6 +7,7 @@ Prints a short table of the layer rows last.
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import xml.etree.ElementTree as ET
@@ -81,11 +82,30 @@ def main():
     print(f"tests: ctest {c_pass} passed {c_fail} failed {c_skip} skipped | pytest {p_pass} passed {p_fail} failed {p_skip} skipped")
     for name, line in sanitizer.items():
         print(f"{name}: {line}")
-    print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} {'rel_err':>9}")
+    print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} "
+          f"{'rel_err':>9} {'base_us':>10} {'speedup':>7}")
+    speedups = []
     for r in bench["rows"]:
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        base = r.get("baseline_us")
+        speedup = base / r["time_us"] if base else None
+        if speedup:
+            speedups.append(speedup)
         print(f"{r['model']:16} {r['M']:>5} {r['time_us']:>10.1f} {r['floor_us']:>9.1f} {r['pct_floor']:>7.1f} "
-              f"{r['tbps']:>6.2f} {r['tflops']:>8.1f} {err:>9}")
+              f"{r['tbps']:>6.2f} {r['tflops']:>8.1f} {err:>9} "
+              f"{(f'{base:.1f}' if base else '-'):>10} {(f'{speedup:.2f}' if speedup else '-'):>7}")
+    if speedups:
+        geomean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
+        print(f"speed-up over the previous kernels: geomean {geomean:.3f}, min {min(speedups):.3f}, "
+              f"max {max(speedups):.3f} over {len(speedups)} cells")
+    small = [r for r in bench["rows"] if r["M"] <= 64]
+    large = [r for r in bench["rows"] if r["M"] >= 4096]
+    if small:
+        print(f"M <= 64: min {min(r['pct_floor'] for r in small):.1f}% of floor "
+              f"({sum(r['pct_floor'] >= 85 for r in small)}/{len(small)} cells >= 85%)")
+    if large:
+        print(f"M >= 4096: min {min(r['pct_floor'] for r in large):.1f}% of floor "
+              f"({sum(r['pct_floor'] >= 75 for r in large)}/{len(large)} cells >= 75%)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "moelora/tensor.h"
 
@@ -55,6 +56,25 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
                           Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------
+// Kernel configs of the grouped GEMM (CUDA backend; the CPU backend ignores them).
+//   kSm80: mma.sync, runs on sm_80 and later; block_m 16|32|64, block_n 64|128.
+//   kSm90: wgmma, sm_90 (H100/H200) only;     block_m 64|128,   block_n 128|256.
+// block_m must divide the alignment block size. kAuto leaves the choice to the
+// launcher's heuristic. A tile applies to the tensor-core path: fp32 operands and
+// unaligned rows always take the CUDA-core kernel.
+enum class GemmKernel : int8_t { kAuto = 0, kSm80 = 1, kSm90 = 2 };
+struct GemmTile {
+  GemmKernel kernel = GemmKernel::kAuto;
+  int32_t block_m = 0;
+  int32_t block_n = 0;
+};
+// One layer's config: the alignment block size and each GEMM's tile.
+struct MoeKernelConfig {
+  int64_t block_size = 0;  // 0: heuristic
+  GemmTile gemm1, gemm2;
+};
+
+// ---------------------------------------------------------------------------------
 // fused_moe: the grouped expert GEMM over aligned blocks.
 //
 // For every entry i < num_tokens_post_padded of sorted_token_ids with slot s < num_slots:
@@ -81,6 +101,7 @@ struct FusedMoeArgs {
   bool mul_routed_weight = false;
   int64_t top_k = 1;
   int64_t block_size = 64;
+  GemmTile tile{};  // kAuto: chosen per call
 };
 void fused_moe(const FusedMoeArgs& args, Stream stream = nullptr);
 
@@ -124,6 +145,9 @@ struct FusedExpertsOptions {
   float routed_scaling_factor = 1.0f;         // applied by the reduction (not with no_combine)
   int64_t chunk_size = 64 * 1024;             // tokens per chunk
   int64_t block_size = 0;                     // 0: chosen from the chunk's token count
+  // Override of the config registry for every chunk (block_size above, when set, wins
+  // over config->block_size). Null: tuned table for the device and shape, else heuristic.
+  const MoeKernelConfig* config = nullptr;
 };
 
 struct FusedExpertsShape {
@@ -136,9 +160,21 @@ struct FusedExpertsShape {
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
                                      const FusedExpertsOptions& options = {});
-// The block size fused_experts uses for a chunk of num_tokens tokens.
+// The block size fused_experts uses for a chunk of num_tokens tokens when no config
+// says otherwise (the heuristic of the registry).
 int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                  const FusedExpertsOptions& options = {});
+
+// The config fused_experts uses for a chunk of shape.num_tokens tokens on `device`:
+// options.config / options.block_size, else the tuned table of the device for
+// (E = num_local_experts, N = intermediate size, dtype) at the nearest token count,
+// else the heuristic. Tables: shipped ones (configs/*.json, built in), overridden by
+// files of the same name in the folder named by $MOELORA_CONFIG_DIR. File names follow
+// vLLM: "E=128,N=768,device_name=NVIDIA_H100_80GB_HBM3,dtype=bf16.json".
+MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
+                                     const FusedExpertsOptions& options = {});
+// The table file name for a shape on the current CUDA device (for the tuner).
+std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermediate_size, DType dtype);
 
 struct FusedExpertsArgs {
   TensorView hidden_states;

@@ -40,12 +40,13 @@ _ACTIVATIONS = {
 _NUMPY_DTYPES = {"int32": np.int32}
 
 
-def align_capacity(num_slots, block_size, num_experts):
+def align_capacity(num_slots, block_size, num_experts, min_fn=min):
     """(max_num_tokens_padded, max_num_blocks), as moe_align_block_size_capacity computes
     them, in plain arithmetic so that it also runs on torch's symbolic sizes (the fake
-    implementation of torch.ops.moelora.moe_align_block_size under dynamic shapes): every
-    group (each expert, and the dropped slots) pads by at most block_size - 1 entries."""
-    max_num_tokens_padded = num_slots + (num_experts + 1) * (block_size - 1)
+    implementation of torch.ops.moelora.moe_align_block_size under dynamic shapes, which
+    passes torch.sym_min): every non-empty group (each expert, and the dropped slots)
+    pads by at most block_size - 1 entries, and at most num_slots groups are non-empty."""
+    max_num_tokens_padded = num_slots + min_fn(num_experts + 1, num_slots) * (block_size - 1)
     return max_num_tokens_padded, (max_num_tokens_padded + block_size - 1) // block_size
 
 

@@ -94,7 +94,8 @@ def _inplace_fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activ
 # ---- fake implementations: shapes only ---------------------------------------------
 
 def _moe_align_block_size_fake(topk_ids, block_size, num_experts, expert_map=None):
-    max_num_tokens_padded, max_num_blocks = _ops.align_capacity(topk_ids.numel(), block_size, num_experts)
+    max_num_tokens_padded, max_num_blocks = _ops.align_capacity(topk_ids.numel(), block_size, num_experts,
+                                                                min_fn=torch.sym_min)
     device = topk_ids.device
     return (torch.empty((max_num_tokens_padded,), dtype=torch.int32, device=device),
             torch.empty((max_num_blocks,), dtype=torch.int32, device=device),

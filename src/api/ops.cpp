@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "api/kernel_config.h"
 #include "api/validate.h"
 #include "common/params.h"
 
@@ -32,6 +33,8 @@ void require_cuda_backend(const char* op) {
   (void)op;
 #endif
 }
+
+constexpr int64_t kMaxBlockSize = 256;
 
 void check_block_size(const char* op, int64_t block_size, bool multiple_of_16) {
   if (block_size < 16 || block_size > 256 || (multiple_of_16 && block_size % 16 != 0)) {
@@ -125,9 +128,11 @@ int64_t round_up(int64_t v, int64_t to) { return ceil_div(v, to) * to; }
 
 // ---------------------------------------------------------------------------------
 AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts) {
-  // Every group (num_experts experts + the trailing dropped-slot group) pads by at most
-  // block_size - 1 entries.
-  const int64_t max_padded = num_slots + (num_experts + 1) * (block_size - 1);
+  // Every non-empty group (of num_experts experts + the trailing dropped-slot group)
+  // pads by at most block_size - 1 entries, and at most num_slots groups are non-empty.
+  // NOTE: the min keeps decode grids small: at M = 1, top_k = 8 and 256 experts the
+  // GEMM grids cover 9 blocks instead of 257.
+  const int64_t max_padded = num_slots + std::min(num_experts + 1, num_slots) * (block_size - 1);
   return {max_padded, ceil_div(max_padded, block_size)};
 }
 
@@ -174,7 +179,7 @@ namespace {
 detail::GemmParams gemm_params(const TensorView& a, const TensorView& w, const TensorView& out,
                                const TensorView& sorted_token_ids, const TensorView& expert_ids,
                                const TensorView& num_tokens_post_padded, const TensorView* topk_weights,
-                               int64_t top_k, int64_t block_size) {
+                               int64_t top_k, int64_t block_size, GemmTile tile) {
   return detail::GemmParams{
       .dtype = a.dtype,
       .a = a.data,
@@ -203,6 +208,7 @@ detail::GemmParams gemm_params(const TensorView& a, const TensorView& w, const T
       .K = w.shape[2],
       .top_k = top_k,
       .block_size = block_size,
+      .tile = tile,
   };
 }
 
@@ -221,6 +227,7 @@ void fused_moe(const FusedMoeArgs& args, Stream stream) {
       .dim(1, args.w.shape[1], "N, from 'w'")
       .no_overlap(a, "a").no_overlap(args.w, "w");
   check_block_size(op, args.block_size, /*multiple_of_16=*/true);
+  detail::check_gemm_tile(op, "tile", args.tile, args.block_size);
   ArgCheck(op, "sorted_token_ids", args.sorted_token_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a");
   ArgCheck(op, "expert_ids", args.expert_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a")
       .dim_at_least(0, ceil_div(args.sorted_token_ids.shape[0], args.block_size),
@@ -248,7 +255,7 @@ void fused_moe(const FusedMoeArgs& args, Stream stream) {
     check_cpu_ids(op, "expert_ids", used, -1, args.w.shape[0]);
   }
   run_gemm(gemm_params(a, args.w, args.out, args.sorted_token_ids, args.expert_ids, args.num_tokens_post_padded,
-                       topk_weights, args.top_k, args.block_size),
+                       topk_weights, args.top_k, args.block_size, args.tile),
            device, stream);
 }
 
@@ -335,6 +342,46 @@ int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_
   return 64;
 }
 
+MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
+                                     const FusedExpertsOptions& options) {
+  const int64_t heuristic_block_size = fused_experts_block_size(shape.num_tokens, shape.top_k, shape.num_experts, options);
+  if (options.config != nullptr) {
+    MoeKernelConfig config = *options.config;
+    if (options.block_size > 0 || config.block_size == 0) config.block_size = heuristic_block_size;
+    return config;
+  }
+  MoeKernelConfig config;
+  config.block_size = heuristic_block_size;
+  if (options.block_size > 0 || device.type != DeviceType::kCUDA) return config;
+#ifdef MOELORA_WITH_CUDA
+  const detail::CudaDeviceFacts facts = cuda::current_device_facts();
+  const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
+  if (const auto table = detail::find_kernel_config_table(file_name)) {
+    const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
+    const bool runs_here = facts.sm90_kernels ||
+                           (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);
+    if (runs_here) return tuned;
+  }
+  // No table: wgmma tiles of 128 rows once experts see enough slots to fill them.
+  const int64_t slots_per_expert =
+      ceil_div(std::max<int64_t>(shape.num_tokens, 1) * shape.top_k, std::max<int64_t>(shape.num_experts, 1));
+  if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
+#else
+  (void)num_local_experts;
+#endif
+  return config;
+}
+
+std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermediate_size, DType dtype) {
+#ifdef MOELORA_WITH_CUDA
+  if (cuda::device_available()) {
+    return detail::kernel_config_file_name(num_local_experts, intermediate_size, dtype, cuda::current_device_facts().name);
+  }
+#endif
+  (void)num_local_experts, (void)intermediate_size, (void)dtype;
+  throw Error("moelora.kernel_config_file_name: tables are per CUDA device, and no CUDA device is available");
+}
+
 namespace {
 
 // Workspace layout, each piece 256-byte aligned.
@@ -346,7 +393,13 @@ struct WorkspaceLayout {
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
-  const int64_t block_size = fused_experts_block_size(chunk_tokens, s.top_k, s.num_experts, o);
+  // NOTE: the block size of a chunk comes from the config registry at call time, and a
+  // table may change between this query and the call ($MOELORA_CONFIG_DIR); size the
+  // alignment buffers for the largest block size unless the caller fixed it. They are
+  // small next to the GEMM caches.
+  const int64_t block_size = o.block_size > 0                              ? o.block_size
+                             : o.config != nullptr && o.config->block_size > 0 ? o.config->block_size
+                                                                             : kMaxBlockSize;
   const int64_t elem = int64_t(dtype_size(s.dtype));
   WorkspaceLayout l{};
   l.capacity = moe_align_block_size_capacity(slots, block_size, s.num_experts);
@@ -422,6 +475,15 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   }
   if (options.chunk_size < 1) fail(op, "argument 'chunk_size' expected >= 1, got " + std::to_string(options.chunk_size));
   if (options.block_size != 0) check_block_size(op, options.block_size, /*multiple_of_16=*/true);
+  if (options.config != nullptr) {
+    MoeKernelConfig resolved = *options.config;
+    if (options.block_size > 0) resolved.block_size = options.block_size;
+    if (resolved.block_size != 0) {
+      detail::check_kernel_config(op, "config", resolved);
+    } else if (resolved.gemm1.kernel != GemmKernel::kAuto || resolved.gemm2.kernel != GemmKernel::kAuto) {
+      fail(op, "argument 'config' expected a block_size (or options.block_size) when it names GEMM tiles, got 0");
+    }
+  }
   if (options.activation == Activation::kSwigluOai && !(options.swiglu_limit > 0.f)) {
     fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
   }
@@ -458,7 +520,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   for (int64_t begin = 0; begin < M; begin += chunk) {
     const int64_t tokens = std::min(chunk, M - begin);
     const int64_t slots = tokens * top_k;
-    const int64_t block_size = fused_experts_block_size(tokens, top_k, E_global, options);
+    const MoeKernelConfig config =
+        fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, E_local, device, options);
+    detail::check_kernel_config(op, "config", config);
+    const int64_t block_size = config.block_size;
     const AlignCapacity cap = moe_align_block_size_capacity(slots, block_size, E_global);
 
     TensorView ids = args.topk_ids;
@@ -478,7 +543,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                                       x.strides[0], 1, device);
     const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
     run_gemm(gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp,
-                         options.apply_router_weight_on_input ? &weights : nullptr, top_k, block_size),
+                         options.apply_router_weight_on_input ? &weights : nullptr, top_k, block_size, config.gemm1),
              device, stream);
 
     // activation: cache2 = act(cache1)   [slots, I]
@@ -503,7 +568,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     } else {
       cache3 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
     }
-    run_gemm(gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size),
+    run_gemm(gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2),
              device, stream);
 
     if (!direct) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "moelora/ops.h"
 #include "moelora/tensor.h"
 
 namespace moelora::detail {
@@ -52,6 +53,7 @@ struct GemmParams {
   int64_t N, K;
   int64_t top_k;                    // a row = slot / top_k
   int64_t block_size;               // entries per expert block of sorted_token_ids
+  GemmTile tile;                    // CUDA kernel and tile; kAuto = the launcher's heuristic
 };
 
 enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
@@ -92,8 +94,22 @@ void activation(const detail::ActivationParams& p);
 void moe_sum_reduce(const detail::SumReduceParams& p);
 }  // namespace moelora::cpu
 
+namespace moelora::detail {
+// What the config registry needs to know about the current CUDA device.
+struct CudaDeviceFacts {
+  const char* name;  // e.g. "NVIDIA H100 80GB HBM3"; valid for the process lifetime
+  int cc_major, cc_minor;
+  int num_sms;
+  bool sm90_kernels;  // the build has sm_90a kernels and the device runs them
+};
+}  // namespace moelora::detail
+
 namespace moelora::cuda {
 bool device_available();
+detail::CudaDeviceFacts current_device_facts();
+// Programmatic dependent launch on/off for this process (default on where the device
+// has it, unless $MOELORA_PDL=0). For A/B timing against launches without it.
+void set_pdl_allowed(bool allowed);
 void moe_align_block_size(const detail::AlignParams& p, Stream stream);
 void fused_moe(const detail::GemmParams& p, Stream stream);
 void activation(const detail::ActivationParams& p, Stream stream);

@@ -4,6 +4,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
@@ -30,6 +31,7 @@ template <typename T, ActivationKind kKind, int kVec>
 __global__ void activation_kernel(const ActivationParams p) {
   const int64_t row = blockIdx.y;
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  wait_for_previous_kernel();
   if (col >= p.width) return;
   const T* in = static_cast<const T*>(p.input) + row * p.input_stride_row;
   T* out = static_cast<T*>(p.out) + row * p.out_stride_row;
@@ -80,12 +82,8 @@ void launch(const ActivationParams& p, cudaStream_t stream) {
     chunk.out = static_cast<T*>(p.out) + row0 * p.out_stride_row;
     const int vec = vectorize ? kVec : 1;
     const dim3 grid(unsigned((p.width + int64_t(kThreads) * vec - 1) / (int64_t(kThreads) * vec)), unsigned(chunk.num_rows));
-    if (vectorize) {
-      activation_kernel<T, kKind, kVec><<<grid, kThreads, 0, stream>>>(chunk);
-    } else {
-      activation_kernel<T, kKind, 1><<<grid, kThreads, 0, stream>>>(chunk);
-    }
-    MOELORA_CUDA_CHECK_LAUNCH();
+    launch_kernel(vectorize ? activation_kernel<T, kKind, kVec> : activation_kernel<T, kKind, 1>, grid, dim3(kThreads),
+                  0, stream, chunk);
   }
 }
 

@@ -1,8 +1,27 @@
-// Device queries for the CUDA backend.
+// Device queries for the CUDA backend. Each is cached per device ordinal, so the launch
+// path pays one cudaGetDevice per call and never a property query or a sync.
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/launch.cuh"
 
 namespace moelora::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+struct CachedDevice {
+  std::atomic<bool> ready{false};
+  DeviceInfo info;
+};
+CachedDevice g_devices[kMaxDevices];
+
+}  // namespace
 
 bool device_available() {
   int count = 0;
@@ -12,5 +31,48 @@ bool device_available() {
   }
   return count > 0;
 }
+
+const DeviceInfo& current_device_info() {
+  int device = 0;
+  MOELORA_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) throw Error("moelora: CUDA device ordinal " + std::to_string(device) + " out of range");
+  CachedDevice& cached = g_devices[device];
+  if (!cached.ready.load(std::memory_order_acquire)) {
+    // Two threads may fill it at once; they write the same values.
+    cudaDeviceProp prop{};
+    MOELORA_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    DeviceInfo info{};
+    info.ordinal = device;
+    info.cc_major = prop.major;
+    info.cc_minor = prop.minor;
+    info.num_sms = prop.multiProcessorCount;
+    info.l2_bytes = prop.l2CacheSize;
+    std::strncpy(info.name, prop.name, sizeof(info.name) - 1);
+    cached.info = info;
+    cached.ready.store(true, std::memory_order_release);
+  }
+  return cached.info;
+}
+
+detail::CudaDeviceFacts current_device_facts() {
+  const DeviceInfo& d = current_device_info();
+#ifdef MOELORA_BUILD_SM90A
+  const bool sm90_kernels = is_sm90(d);
+#else
+  const bool sm90_kernels = false;
+#endif
+  return {d.name, d.cc_major, d.cc_minor, d.num_sms, sm90_kernels};
+}
+
+namespace {
+std::atomic<bool> g_pdl_allowed{[] {
+  const char* env = std::getenv("MOELORA_PDL");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
+}  // namespace
+
+void set_pdl_allowed(bool allowed) { g_pdl_allowed.store(allowed); }
+
+bool pdl_enabled() { return g_pdl_allowed.load(std::memory_order_relaxed) && current_device_info().cc_major >= 9; }
 
 }  // namespace moelora::cuda

@@ -1,6 +1,10 @@
-// fused_moe launcher: picks the kernel and tile for a call. No sync, no allocation.
+// fused_moe launcher: resolves the tile (the caller's, else a heuristic) and launches
+// the kernel instance. No sync, no allocation.
+#include <string>
+
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "cuda/fused_moe_launch.h"
 #include "cuda/fused_moe_simt.cuh"
 #include "cuda/numeric.cuh"
@@ -8,7 +12,7 @@
 namespace moelora::cuda {
 namespace {
 
-// The tensor-core kernel copies 16-byte chunks of K-contiguous rows.
+// The tensor-core kernels copy 16-byte chunks of K-contiguous rows.
 bool tensor_core_loadable(const detail::GemmParams& p) {
   constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type
   return p.dtype != DType::kFloat32 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 &&
@@ -16,12 +20,27 @@ bool tensor_core_loadable(const detail::GemmParams& p) {
          aligned16(p.a) && aligned16(p.w);
 }
 
-// Tallest tile that stays inside one alignment block (so one expert per tile).
-int tile_rows(int64_t block_size) {
-  for (int rows : {64, 32, 16}) {
-    if (block_size % rows == 0) return rows;
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Heuristic for calls without a tuned tile. The grid is sized from the capacity bound
+// (max_num_blocks), so that bound stands in for the m-tile count.
+GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, bool sm90) {
+  const int64_t waves_target = 2 * int64_t(device.num_sms);
+  if (sm90 && p.block_size % 64 == 0) {
+    // wgmma: 128 rows when the block allows; 256 columns when that still gives two
+    // waves of CTAs, else 128 (more CTAs streaming the weights).
+    const int block_m = p.block_size % 128 == 0 ? 128 : 64;
+    const int64_t m_tiles = p.max_num_blocks * (p.block_size / block_m);
+    const int block_n = m_tiles * ceil_div(p.N, 256) >= waves_target ? 256 : 128;
+    return {GemmKernel::kSm90, block_m, block_n};
   }
-  return 0;
+  int block_m = 16;
+  for (int rows : {64, 32, 16}) {
+    if (p.block_size % rows == 0) { block_m = rows; break; }
+  }
+  const int64_t m_tiles = p.max_num_blocks * (p.block_size / block_m);
+  const int block_n = m_tiles * ceil_div(p.N, 128) >= waves_target ? 128 : 64;
+  return {GemmKernel::kSm80, block_m, block_n};
 }
 
 }  // namespace
@@ -29,15 +48,31 @@ int tile_rows(int64_t block_size) {
 void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
-  if (tensor_core_loadable(p) && tile_rows(p.block_size) > 0) {
-    if (p.dtype == DType::kBFloat16) {
-      fused_moe_sm80_bf16(p, tile_rows(p.block_size), s);
+  if (!tensor_core_loadable(p)) {
+    dispatch_float(p.dtype, [&](auto t) { launch_fused_moe_simt<decltype(t)>(p, s); });
+    return;
+  }
+  const DeviceInfo& device = current_device_info();
+#ifdef MOELORA_BUILD_SM90A
+  const bool sm90 = is_sm90(device);
+#else
+  const bool sm90 = false;
+#endif
+  const GemmTile tile = p.tile.kernel == GemmKernel::kAuto ? heuristic_tile(p, device, sm90) : p.tile;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (tile.kernel == GemmKernel::kSm90) {
+    if (!sm90) {
+      throw Error("moelora.fused_moe: the sm90 (wgmma) tile needs an sm_90 device and a build with sm_90a kernels; "
+                  "this device is sm_" + std::to_string(device.cc_major) + std::to_string(device.cc_minor));
+    }
+    if (tile.block_m == 128) {
+      bf16 ? fused_moe_sm90_bf16_m128(p, tile.block_n, s) : fused_moe_sm90_fp16_m128(p, tile.block_n, s);
     } else {
-      fused_moe_sm80_fp16(p, tile_rows(p.block_size), s);
+      bf16 ? fused_moe_sm90_bf16_m64(p, tile.block_n, s) : fused_moe_sm90_fp16_m64(p, tile.block_n, s);
     }
     return;
   }
-  dispatch_float(p.dtype, [&](auto t) { launch_fused_moe_simt<decltype(t)>(p, s); });
+  bf16 ? fused_moe_sm80_bf16(p, tile.block_m, tile.block_n, s) : fused_moe_sm80_fp16(p, tile.block_m, tile.block_n, s);
 }
 
 }  // namespace moelora::cuda

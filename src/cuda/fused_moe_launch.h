@@ -1,5 +1,5 @@
-// Launchers of the fused_moe kernel instances, one translation unit each so they
-// compile in parallel. fused_moe.cu picks one per call.
+// Launchers of the fused_moe kernel instances, one translation unit per family and
+// element type so they compile in parallel. fused_moe.cu picks one per call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,9 +8,15 @@
 
 namespace moelora::cuda {
 
-// Tensor-core path: bf16/fp16, K % 8 == 0, unit K stride, 16-byte aligned rows.
-// block_m is the tile height: 16, 32 or 64, dividing p.block_size.
-void fused_moe_sm80_bf16(const detail::GemmParams& p, int block_m, cudaStream_t stream);
-void fused_moe_sm80_fp16(const detail::GemmParams& p, int block_m, cudaStream_t stream);
+// mma.sync (sm_80+): bf16/fp16, K % 8 == 0, unit K stride, 16-byte aligned rows.
+// block_m 16|32|64 dividing p.block_size; block_n 64|128.
+void fused_moe_sm80_bf16(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);
+void fused_moe_sm80_fp16(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);
+
+// wgmma (sm_90a): same operand rules; block_m 64|128 dividing p.block_size; block_n 128|256.
+void fused_moe_sm90_bf16_m64(const detail::GemmParams& p, int block_n, cudaStream_t stream);
+void fused_moe_sm90_bf16_m128(const detail::GemmParams& p, int block_n, cudaStream_t stream);
+void fused_moe_sm90_fp16_m64(const detail::GemmParams& p, int block_n, cudaStream_t stream);
+void fused_moe_sm90_fp16_m128(const detail::GemmParams& p, int block_n, cudaStream_t stream);
 
 }  // namespace moelora::cuda

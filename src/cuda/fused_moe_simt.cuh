@@ -5,6 +5,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
@@ -24,6 +25,7 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
   const int64_t num_n_tiles = (p.N + kSimtBlockN - 1) / kSimtBlockN;
   const int64_t entry0 = (blockIdx.x / num_n_tiles) * kSimtBlockM;
   const int64_t n0 = (blockIdx.x % num_n_tiles) * kSimtBlockN;
+  wait_for_previous_kernel();
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
   if (threadIdx.x < kSimtBlockM) {
@@ -83,8 +85,7 @@ template <typename T>
 void launch_fused_moe_simt(const detail::GemmParams& p, cudaStream_t stream) {
   const int64_t num_tiles = p.max_num_blocks * (p.block_size / kSimtBlockM) * ((p.N + kSimtBlockN - 1) / kSimtBlockN);
   if (num_tiles == 0) return;
-  fused_moe_simt_kernel<T><<<unsigned(num_tiles), kSimtThreads, 0, stream>>>(p);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  launch_kernel(fused_moe_simt_kernel<T>, dim3(unsigned(num_tiles)), dim3(kSimtThreads), 0, stream, p);
 }
 
 }  // namespace moelora::cuda

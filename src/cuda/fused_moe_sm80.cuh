@@ -7,26 +7,34 @@
 // are K-contiguous, so both operands are "TN" for the MMA. The fp32 accumulators are
 // scaled by the routed weight and stored straight from registers.
 //
-// NOTE: this is the foundation kernel. The Hopper kernels (wgmma, TMA, swapped A/B for
-// decode) replace it for sm_90a in the next step; it stays as the sm_80 path.
+// On Hopper it remains the decode kernel: with 16-row tiles the MMA shape wastes little
+// when a handful of tokens meet an expert, and small tiles (kBlockN = 64) put more CTAs
+// on the weight stream; fused_moe_sm90.cuh takes the tiles of 64 rows and more.
 #pragma once
 
 #include <cute/tensor.hpp>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 
 namespace moelora::cuda {
 
-template <class Element_, int kBlockM_>
+template <class Element_, int kBlockM_, int kBlockN_>
 struct FusedMoeSm80Config {
   using Element = Element_;  // cute::bfloat16_t or cute::half_t
   static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockK = 64;  // 128 bytes of bf16: one swizzled smem row
-  static constexpr int kStages = 3;
   static constexpr int kThreads = 128;
   static_assert(kBlockM == 16 || kBlockM == 32 || kBlockM == 64, "kBlockM must be 16, 32 or 64");
+  static_assert(kBlockN == 64 || kBlockN == 128, "kBlockN must be 64 or 128");
+  // NOTE: decode streams weights with few CTAs per SM, so bytes in flight per CTA set
+  // the bandwidth (Little's law: ~1.5 us of HBM latency under load). Deepen the ring
+  // to ~80 KB whatever the tile: 8 slots for 16x64, 4 for 64x128. Two CTAs still fit.
+  static constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK * 2;
+  static constexpr int kStages = (80 * 1024) / kStageBytes > 8 ? 8 : (80 * 1024) / kStageBytes;
+  static_assert(kStages >= 3, "the pipeline needs three slots");
 
   // 4 warps: 2x2 when the tile has >= 32 rows, else 1x4 along N.
   static constexpr int kWarpsM = kBlockM >= 32 ? 2 : 1;
@@ -79,6 +87,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   const int64_t m_tile = blockIdx.x / num_n_tiles;
   const int64_t n0 = (blockIdx.x % num_n_tiles) * kBlockN;
   const int64_t entry0 = m_tile * kBlockM;  // first entry of sorted_token_ids in this tile
+  wait_for_previous_kernel();
   // Device-side count: tiles past the used length exit (the grid is sized from capacity).
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
@@ -98,6 +107,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   T* out = static_cast<T*>(p.out);
   if (expert < 0 || expert >= p.num_experts) {
     // Expert not on this rank (or a dropped slot): its rows are zeros.
+    allow_next_kernel_launch();
     for (int i = threadIdx.x; i < kBlockM * kBlockN; i += kThreads) {
       const int r = i / kBlockN;
       const int64_t n = n0 + i % kBlockN;
@@ -185,6 +195,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
     }
   }
   cp_async_wait<0>();
+  allow_next_kernel_launch();
 
   // ---- epilogue: routed weight, round, scatter rows by slot -------------------
   Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (MMA, MMA_M, MMA_N)
@@ -198,17 +209,16 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
 }
 
 // Launches the kernel for one (element type, tile rows) instance.
-template <class Element, int kBlockM>
+template <class Element, int kBlockM, int kBlockN>
 void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
-  using Config = FusedMoeSm80Config<Element, kBlockM>;
+  using Config = FusedMoeSm80Config<Element, kBlockM, kBlockN>;
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
   const int64_t num_n_tiles = (p.N + Config::kBlockN - 1) / Config::kBlockN;
   const int64_t num_tiles = num_m_tiles * num_n_tiles;
   if (num_tiles == 0) return;
   auto kernel = fused_moe_sm80_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
-  kernel<<<unsigned(num_tiles), Config::kThreads, Config::kSmemBytes, stream>>>(p);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p);
 }
 
 }  // namespace moelora::cuda

@@ -8,6 +8,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 
 namespace moelora::cuda {
 namespace {
@@ -40,6 +41,9 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   const int64_t num_slots = p.num_tokens * p.top_k;
   const int block_size = int(p.block_size);
   for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) group_count[g] = 0;
+  wait_for_previous_kernel();
+  // One CTA, no later waves to protect: let the GEMM's CTAs launch and park now.
+  allow_next_kernel_launch();
   __syncthreads();
   for (int64_t s = threadIdx.x; s < num_slots; s += kAlignThreads) atomicAdd(&group_count[group_of(p, s)], 1);
   __syncthreads();
@@ -97,8 +101,7 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
     throw Error("moelora.moe_align_block_size: argument 'num_experts' expected at most " +
                 std::to_string(kAlignMaxGroups - 1) + " on CUDA, got " + std::to_string(p.num_experts));
   }
-  moe_align_block_size_kernel<<<1, kAlignThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  MOELORA_CUDA_CHECK_LAUNCH();
+  launch_kernel(moe_align_block_size_kernel, dim3(1), dim3(kAlignThreads), 0, static_cast<cudaStream_t>(stream), p);
 }
 
 }  // namespace moelora::cuda

@@ -4,6 +4,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
@@ -16,6 +17,7 @@ template <typename T, int kVec>
 __global__ void moe_sum_reduce_kernel(const SumReduceParams p) {
   const int64_t token = blockIdx.y;
   const int64_t col = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  wait_for_previous_kernel();
   if (col >= p.hidden) return;
   const T* in = static_cast<const T*>(p.input) + token * p.input_stride_token + col;
   float acc[kVec] = {};
@@ -54,12 +56,8 @@ void launch(const SumReduceParams& p, cudaStream_t stream) {
     chunk.out = static_cast<T*>(p.out) + token0 * p.out_stride_token;
     const int vec = vectorize ? kVec : 1;
     const dim3 grid(unsigned((p.hidden + int64_t(kThreads) * vec - 1) / (int64_t(kThreads) * vec)), unsigned(chunk.num_tokens));
-    if (vectorize) {
-      moe_sum_reduce_kernel<T, kVec><<<grid, kThreads, 0, stream>>>(chunk);
-    } else {
-      moe_sum_reduce_kernel<T, 1><<<grid, kThreads, 0, stream>>>(chunk);
-    }
-    MOELORA_CUDA_CHECK_LAUNCH();
+    launch_kernel(vectorize ? moe_sum_reduce_kernel<T, kVec> : moe_sum_reduce_kernel<T, 1>, grid, dim3(kThreads), 0,
+                  stream, chunk);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/params.h"
 #include "test_util.h"
 
 namespace moelora::test {
@@ -159,6 +160,14 @@ class FusedExpertsTest : public ::testing::TestWithParam<LayerCase> {};
 TEST_P(FusedExpertsTest, MatchesReference) {
   const LayerCase& c = GetParam();
   MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+#ifdef MOELORA_WITH_CUDA
+  const MoeKernelConfig* config = c.options.config;
+  if (c.backend == Backend::kCUDA && config != nullptr &&
+      (config->gemm1.kernel == GemmKernel::kSm90 || config->gemm2.kernel == GemmKernel::kSm90) &&
+      !cuda::current_device_facts().sm90_kernels) {
+    GTEST_SKIP() << "wgmma tiles need an sm_90 device";
+  }
+#endif
   std::mt19937 rng(std::hash<std::string>{}(c.name));
   LayerProblem problem(c, rng);
   TestStream stream(c.backend);
@@ -371,6 +380,25 @@ std::vector<LayerCase> layer_cases() {
     x.options.block_size = bs;
     add("block_size" + std::to_string(bs), x);
   }
+  // Explicit kernel configs (the override API); the CPU ignores the tiles. Each GEMM
+  // gets a different kernel, so a mix-up of gemm1/gemm2 tiles would still be exercised.
+  static const MoeKernelConfig kMmaSync{64, {GemmKernel::kSm80, 64, 64}, {GemmKernel::kSm80, 16, 128}};
+  static const MoeKernelConfig kWgmma{128, {GemmKernel::kSm90, 128, 256}, {GemmKernel::kSm90, 64, 128}};
+  static const MoeKernelConfig kMixed{128, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm80, 32, 64}};
+  static const MoeKernelConfig kAutoTiles{32, {}, {}};
+  for (const auto& [name, config] : {std::pair{"config_sm80", &kMmaSync}, std::pair{"config_sm90", &kWgmma},
+                                     std::pair{"config_mixed", &kMixed}, std::pair{"config_auto_tiles", &kAutoTiles}}) {
+    LayerCase x = c;
+    x.M = 300;
+    x.top_k = 4;
+    x.dropped_share = 0.05;
+    x.options.config = config;
+    add(name, x);
+    x.options.activation = Activation::kSwigluOai;
+    x.dtype = fp16;
+    x.M = 33;
+    add(std::string(name) + "_swiglu_fp16", x);
+  }
   return cases;
 }
 
@@ -458,6 +486,26 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
       {"chunk_size 0", "chunk_size", [](auto&, auto& o, auto&) { o.chunk_size = 0; }},
       {"block_size 40", "block_size", [](auto&, auto& o, auto&) { o.block_size = 40; }},
       {"block_size 512", "block_size", [](auto&, auto& o, auto&) { o.block_size = 512; }},
+      {"config tile taller than its block", "config.gemm1",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{16, {GemmKernel::kSm80, 32, 64}, {}};
+         o.config = &bad;
+       }},
+      {"config sm90 tile 64 x 64", "config.gemm2",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{64, {}, {GemmKernel::kSm90, 64, 64}};
+         o.config = &bad;
+       }},
+      {"config tiles without a block size", "config",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{0, {GemmKernel::kSm80, 16, 64}, {}};
+         o.config = &bad;
+       }},
+      {"config block size 24", "config",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{24, {}, {}};
+         o.config = &bad;
+       }},
       {"swiglu limit 0", "swiglu_limit",
        [](auto&, auto& o, auto&) {
          o.activation = Activation::kSwigluOai;

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "common/params.h"
 #include "test_util.h"
 
 namespace moelora::test {
@@ -17,6 +18,8 @@ enum class Layout {
   kPadded,       // a: every other row (+ pad), w: padded rows and experts, out: padding columns
                  // that must keep their poison, topk_weights: padded rows
   kTransposedW,  // w stored [E, K, N] and viewed as [E, N, K]; a with column stride 2
+  kOddOutRows,   // a and w contiguous (tensor-core loadable); out rows N + 5 apart, so the
+                 // wgmma epilogue cannot store column pairs as one word
 };
 
 struct GemmCase {
@@ -30,13 +33,22 @@ struct GemmCase {
   double dropped_share;    // share of slots routed to -1
   bool expert_map;         // ids are global over 2E experts, every other one on this rank
   double weight_scale;     // 0: 1/sqrt(K)
+  GemmTile tile{};         // kAuto: the launcher's heuristic
 };
+
+const char* kernel_name(GemmKernel k) {
+  return k == GemmKernel::kSm80 ? "sm80" : k == GemmKernel::kSm90 ? "sm90" : "auto";
+}
 
 void PrintTo(const GemmCase& c, std::ostream* os) { *os << c.name; }
 
 std::string case_name(const GemmCase& c) {
+  const std::string tile = c.tile.kernel == GemmKernel::kAuto
+                               ? std::string()
+                               : std::string("_") + kernel_name(c.tile.kernel) + "_" + std::to_string(c.tile.block_m) +
+                                     "x" + std::to_string(c.tile.block_n);
   return std::string(backend_name(c.backend)) + "_" + dtype_short_name(c.dtype) + "_" + c.name + "_M" +
-         std::to_string(c.M) + "_bs" + std::to_string(c.block_size);
+         std::to_string(c.M) + "_bs" + std::to_string(c.block_size) + tile;
 }
 
 // The storage and views of one fused_moe call; ids, alignment and inputs are filled and
@@ -47,7 +59,9 @@ struct GemmProblem {
         num_rows(c.per_slot_a ? num_slots : c.M),
         a(c.backend, c.dtype, std::max<int64_t>(1, num_rows * (c.layout == Layout::kContiguous ? c.K : 2 * c.K + 3))),
         w(c.backend, c.dtype, c.E * (c.layout == Layout::kPadded ? c.N * (c.K + 8) + 16 : c.N * c.K)),
-        out(c.backend, c.dtype, std::max<int64_t>(1, num_slots * (c.layout == Layout::kPadded ? c.N + 5 : c.N))),
+        out(c.backend, c.dtype,
+            std::max<int64_t>(1, num_slots * (c.layout == Layout::kPadded || c.layout == Layout::kOddOutRows ? c.N + 5
+                                                                                                              : c.N))),
         topk_weights(c.backend, DType::kFloat32, std::max<int64_t>(1, c.M * (c.top_k + 1))) {
     // routing: global ids, a share of them dropped; with expert_map, odd experts are remote
     const int64_t num_global = c.expert_map ? 2 * c.E : c.E;
@@ -90,6 +104,11 @@ struct GemmProblem {
         w_view = w.view({c.E, c.N, c.K}, {c.N * (c.K + 8) + 16, c.K + 8, 1}, 5);
         out_view = out.view({num_slots, c.N}, {c.N + 5, 1}, 2);
         break;
+      case Layout::kOddOutRows:
+        a_view = a.view({num_rows, c.K});
+        w_view = w.view({c.E, c.N, c.K});
+        out_view = out.view({num_slots, c.N}, {c.N + 5, 1}, 2);
+        break;
       case Layout::kTransposedW:
         a_view = a.view({num_rows, c.K}, {2 * c.K + 3, 2});
         w_view = w.view({c.E, c.N, c.K}, {c.N * c.K, 1, c.N});
@@ -117,6 +136,7 @@ struct GemmProblem {
     args.mul_routed_weight = c.mul_routed_weight;
     args.top_k = c.per_slot_a ? 1 : c.top_k;
     args.block_size = c.block_size;
+    args.tile = c.tile;
   }
 
   std::vector<double> reference(const GemmCase& c) const {
@@ -140,6 +160,11 @@ class FusedMoeTest : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(FusedMoeTest, MatchesReference) {
   const GemmCase& c = GetParam();
   MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+#ifdef MOELORA_WITH_CUDA
+  if (c.tile.kernel == GemmKernel::kSm90 && !cuda::current_device_facts().sm90_kernels) {
+    GTEST_SKIP() << "wgmma tiles need an sm_90 device";
+  }
+#endif
   std::mt19937 rng(std::hash<std::string>{}(c.name));
   GemmProblem problem(c, rng);
   TestStream stream(c.backend);
@@ -210,6 +235,27 @@ std::vector<GemmCase> gemm_cases() {
   add({"M0", {}, bf16, 0, 2, 4, 32, 32, 16, false, true, contiguous, 0.0, false, 0.0});
   add({"M1_topk1", {}, fp32, 1, 1, 3, 40, 24, 16, false, false, contiguous, 0.0, false, 0.0});
   add({"topk1_E1", {}, bf16, 50, 1, 1, 48, 32, 16, false, true, padded, 0.0, false, 0.0});
+
+  // Every tensor-core tile (CUDA only; the CPU ignores tiles). Partial N and K tiles,
+  // several m-tiles per expert (raster groups), dropped slots and remote experts (-1
+  // blocks), both GEMM kinds, and an out whose rows defeat paired stores.
+  const Layout odd_out = Layout::kOddOutRows;
+  std::vector<GemmTile> tiles;
+  for (int32_t bm : {16, 32, 64}) {
+    for (int32_t bn : {64, 128}) tiles.push_back({GemmKernel::kSm80, bm, bn});
+  }
+  for (int32_t bm : {64, 128}) {
+    for (int32_t bn : {128, 256}) tiles.push_back({GemmKernel::kSm90, bm, bn});
+  }
+  const std::vector<Backend> cuda_only{Backend::kCUDA};
+  for (const GemmTile& t : tiles) {
+    GemmCase gathered{"tile_gathered", {}, bf16, 300, 4, 6, 520, 1000, 128, false, true, contiguous, 0.1, true, 0.0};
+    gathered.tile = t;
+    add(gathered, cuda_only);
+    GemmCase per_slot{"tile_per_slot", {}, fp16, 97, 2, 3, 264, 136, 128, true, true, odd_out, 0.0, false, 0.0};
+    per_slot.tile = t;
+    add(per_slot, cuda_only);
+  }
   for (GemmCase& c : cases) c.name = case_name(c);
   return cases;
 }
@@ -334,6 +380,10 @@ TEST_P(FusedMoeBackendTest, RejectsBadArguments) {
       {"block_size 15", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 15; }},
       {"block_size 257", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 257; }},
       {"block_size 272", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 272; }},
+      {"tile 48 x 64", "tile", [](FusedMoeArgs& a, GemmProblem&) { a.tile = {GemmKernel::kSm80, 48, 64}; }},
+      {"sm90 tile 64 x 64", "tile", [](FusedMoeArgs& a, GemmProblem&) { a.tile = {GemmKernel::kSm90, 64, 64}; }},
+      {"tile taller than the block", "tile",
+       [](FusedMoeArgs& a, GemmProblem&) { a.tile = {GemmKernel::kSm80, 32, 64}; }},
       {"int64 sorted_token_ids", "sorted_token_ids",
        [](FusedMoeArgs& a, GemmProblem&) {
          a.sorted_token_ids.dtype = DType::kInt64;

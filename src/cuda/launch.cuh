@@ -1,0 +1,58 @@
+// Kernel launch with programmatic dependent launch (PDL, sm_90+).
+//
+// The layer is a chain of short kernels (align -> GEMM1 -> activation -> GEMM2 ->
+// reduce). With PDL a kernel may be launched while the one before it is still running:
+// its CTAs are scheduled early and park in wait_for_previous_kernel() until the
+// previous grid has completed and its writes are visible. That hides the launch gap
+// and the ramp-up of every kernel, several microseconds per layer in decode.
+//
+// Every kernel launched through launch_kernel() MUST call wait_for_previous_kernel()
+// before its first global-memory access to anything an earlier kernel wrote, and MAY
+// call allow_next_kernel_launch() once its main work is issued. Both are no-ops on
+// devices and builds without PDL, where the launch is an ordinary stream-ordered one.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "cuda/cuda_check.h"
+
+namespace moelora::cuda {
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The next kernel in the stream may be launched once every CTA of this grid has called
+// this (or exited). Call it after the main loop, not at entry: dependents launched too
+// early would take SM slots from this grid's later waves.
+__device__ __forceinline__ void allow_next_kernel_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// True when the current device runs PDL (compute capability >= 9.0) and it is not turned
+// off with MOELORA_PDL=0. Cached per device; no sync.
+bool pdl_enabled();
+
+template <class... KernelArgs, class... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem_bytes, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  MOELORA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace moelora::cuda
