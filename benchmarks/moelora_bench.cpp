@@ -590,6 +590,9 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
   for (int64_t block_size : {16, 32, 64, 128}) {
     // Blocks much taller than an expert's slot count only add padding rows.
     if (block_size > 16 && block_size > 4 * slots_per_expert) continue;
+    // Short tiles re-read each weight slab once per tile: hopeless once experts see
+    // hundreds of slots, and the slowest candidates to time.
+    if (block_size < 64 && slots_per_expert >= 256) continue;
     moelora::MoeKernelConfig c;
     c.block_size = block_size;
     for (int gemm = 1; gemm <= 2; ++gemm) {
