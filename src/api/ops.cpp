@@ -4,6 +4,7 @@
 #include "moelora/ops.h"
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #include "api/kernel_config.h"
@@ -397,12 +398,19 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // table may change between this query and the call ($MOELORA_CONFIG_DIR); size the
   // alignment buffers for the largest block size unless the caller fixed it. They are
   // small next to the GEMM caches.
-  const int64_t block_size = o.block_size > 0                              ? o.block_size
-                             : o.config != nullptr && o.config->block_size > 0 ? o.config->block_size
-                                                                             : kMaxBlockSize;
+  // NOTE: max over every allowed block size separately for the two pieces: padded
+  // entries grow with the block size, block counts shrink with it.
+  const int64_t fixed_block_size = o.block_size > 0                              ? o.block_size
+                                   : o.config != nullptr && o.config->block_size > 0 ? o.config->block_size
+                                                                                   : 0;
   const int64_t elem = int64_t(dtype_size(s.dtype));
   WorkspaceLayout l{};
-  l.capacity = moe_align_block_size_capacity(slots, block_size, s.num_experts);
+  for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
+       block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
+    const AlignCapacity c = moe_align_block_size_capacity(slots, block_size, s.num_experts);
+    l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
+    l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
+  }
   int64_t at = 0;
   auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
@@ -525,6 +533,12 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     detail::check_kernel_config(op, "config", config);
     const int64_t block_size = config.block_size;
     const AlignCapacity cap = moe_align_block_size_capacity(slots, block_size, E_global);
+    if (cap.max_num_tokens_padded > layout.capacity.max_num_tokens_padded ||
+        cap.max_num_blocks > layout.capacity.max_num_blocks) {
+      // The layout bounds every block size; this guards the workspace against a new one.
+      throw std::logic_error("moelora.fused_experts: block size " + std::to_string(block_size) +
+                             " needs more alignment workspace than fused_experts_workspace_size reserved");
+    }
 
     TensorView ids = args.topk_ids;
     ids.shape[0] = tokens;
