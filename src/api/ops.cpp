@@ -395,11 +395,9 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
   // NOTE: the block size of a chunk comes from the config registry at call time, and a
-  // table may change between this query and the call ($MOELORA_CONFIG_DIR); size the
-  // alignment buffers for the largest block size unless the caller fixed it. They are
-  // small next to the GEMM caches.
-  // NOTE: max over every allowed block size separately for the two pieces: padded
-  // entries grow with the block size, block counts shrink with it.
+  // table may change between this query and the call ($MOELORA_CONFIG_DIR). Unless the
+  // caller fixed it, size each alignment buffer for its worst block size: padded
+  // entries peak at 256, block counts at 16. Both are small next to the GEMM caches.
   const int64_t fixed_block_size = o.block_size > 0                              ? o.block_size
                                    : o.config != nullptr && o.config->block_size > 0 ? o.config->block_size
                                                                                    : 0;
