@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
+#include <utility>
 
 #include "api/validate.h"
 
@@ -155,11 +157,12 @@ std::string kernel_config_file_name(int64_t num_experts, int64_t intermediate_si
          ",dtype=" + dtype_tag(dtype) + ".json";
 }
 
-std::optional<KernelConfigTable> find_kernel_config_table(const std::string& file_name) {
+const KernelConfigTable* find_kernel_config_table(const std::string& file_name) {
   static std::mutex mutex;
+  // std::map never moves its nodes: the returned pointers stay valid.
   static std::map<std::string, std::optional<KernelConfigTable>> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  if (auto it = cache.find(file_name); it != cache.end()) return it->second;
+  if (auto it = cache.find(file_name); it != cache.end()) return it->second ? &*it->second : nullptr;
 
   std::optional<KernelConfigTable> found;
   if (const char* dir = std::getenv("MOELORA_CONFIG_DIR"); dir != nullptr && *dir != '\0') {
@@ -178,8 +181,9 @@ std::optional<KernelConfigTable> find_kernel_config_table(const std::string& fil
       found = parse_kernel_config_table(kShippedKernelConfigs[i].json, std::string("configs/") + file_name);
     }
   }
-  cache[file_name] = found;
-  return found;
+  std::optional<KernelConfigTable>& cached = cache[file_name];
+  cached = std::move(found);
+  return cached ? &*cached : nullptr;
 }
 
 MoeKernelConfig nearest_kernel_config(const KernelConfigTable& table, int64_t num_tokens) {

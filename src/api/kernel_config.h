@@ -8,7 +8,6 @@
 
 #include <cstdint>
 #include <map>
-#include <optional>
 #include <string>
 
 #include "common/params.h"
@@ -33,8 +32,9 @@ KernelConfigTable parse_kernel_config_table(const std::string& json, const std::
 std::string kernel_config_file_name(int64_t num_experts, int64_t intermediate_size, DType dtype,
                                     const std::string& device_name);
 
-// The table for a file name, or nullopt. Cached per name for the process lifetime.
-std::optional<KernelConfigTable> find_kernel_config_table(const std::string& file_name);
+// The table for a file name, or null. Parsed once per name and kept for the process
+// lifetime, so the pointer stays valid and a lookup copies nothing.
+const KernelConfigTable* find_kernel_config_table(const std::string& file_name);
 
 // Entry of a table nearest to num_tokens (ties go to the smaller count).
 MoeKernelConfig nearest_kernel_config(const KernelConfigTable& table, int64_t num_tokens);

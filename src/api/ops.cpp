@@ -357,7 +357,7 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
 #ifdef MOELORA_WITH_CUDA
   const detail::CudaDeviceFacts facts = cuda::current_device_facts();
   const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
-  if (const auto table = detail::find_kernel_config_table(file_name)) {
+  if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
     const bool runs_here = facts.sm90_kernels ||
                            (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);

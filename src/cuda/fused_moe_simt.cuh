@@ -5,6 +5,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/fused_moe_tile.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
@@ -28,16 +29,7 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
   wait_for_previous_kernel();
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
-  if (threadIdx.x < kSimtBlockM) {
-    const int64_t entry = entry0 + threadIdx.x;
-    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
-    const bool valid = slot >= 0 && slot < p.num_slots;
-    tile_slot[threadIdx.x] = valid ? slot : -1;
-    tile_weight[threadIdx.x] = valid && p.topk_weights
-                                   ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
-                                                    (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
-                                   : 1.f;
-  }
+  load_tile_slots<kSimtBlockM>(p, entry0, tile_slot, tile_weight);
   __syncthreads();
 
   const int row = threadIdx.x / 16;

@@ -14,8 +14,11 @@
 
 #include <cute/tensor.hpp>
 
+#include <string>
+
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/fused_moe_tile.cuh"
 #include "cuda/launch.cuh"
 
 namespace moelora::cuda {
@@ -92,27 +95,14 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
 
-  for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
-    const int64_t entry = entry0 + r;
-    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
-    const bool valid = slot >= 0 && slot < p.num_slots;
-    tile_slot[r] = valid ? slot : -1;
-    tile_weight[r] = valid && p.topk_weights
-                         ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
-                                          (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
-                         : 1.f;
-  }
+  load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight);
   __syncthreads();
 
   T* out = static_cast<T*>(p.out);
   if (expert < 0 || expert >= p.num_experts) {
     // Expert not on this rank (or a dropped slot): its rows are zeros.
     allow_next_kernel_launch();
-    for (int i = threadIdx.x; i < kBlockM * kBlockN; i += kThreads) {
-      const int r = i / kBlockN;
-      const int64_t n = n0 + i % kBlockN;
-      if (tile_slot[r] >= 0 && n < p.N) out[tile_slot[r] * p.out_stride_row + n * p.out_stride_n] = T(0.f);
-    }
+    write_zero_rows<T, kBlockM, kBlockN>(p, n0, tile_slot);
     return;
   }
 
@@ -219,6 +209,21 @@ void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
   auto kernel = fused_moe_sm80_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
   launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p);
+}
+
+// The instances of one element type (one translation unit per type: they compile in parallel).
+template <class T>
+void dispatch_fused_moe_sm80(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
+  switch (block_m * 1000 + block_n) {
+    case 16064: launch_fused_moe_sm80<T, 16, 64>(p, stream); break;
+    case 16128: launch_fused_moe_sm80<T, 16, 128>(p, stream); break;
+    case 32064: launch_fused_moe_sm80<T, 32, 64>(p, stream); break;
+    case 32128: launch_fused_moe_sm80<T, 32, 128>(p, stream); break;
+    case 64064: launch_fused_moe_sm80<T, 64, 64>(p, stream); break;
+    case 64128: launch_fused_moe_sm80<T, 64, 128>(p, stream); break;
+    default:
+      throw Error("moelora.fused_moe: no sm80 instance for tile " + std::to_string(block_m) + "x" + std::to_string(block_n));
+  }
 }
 
 }  // namespace moelora::cuda

@@ -1,18 +1,11 @@
 // fused_moe wgmma instances for bf16, tiles of 128 rows.
-#include <string>
-
 #include "cuda/fused_moe_launch.h"
 #include "cuda/fused_moe_sm90.cuh"
 
 namespace moelora::cuda {
 
 void fused_moe_sm90_bf16_m128(const detail::GemmParams& p, int block_n, cudaStream_t stream) {
-  using T = cute::bfloat16_t;
-  switch (block_n) {
-    case 128: launch_fused_moe_sm90<T, 128, 128>(p, stream); break;
-    case 256: launch_fused_moe_sm90<T, 128, 256>(p, stream); break;
-    default: throw Error("moelora.fused_moe: no sm90 instance for tile 128x" + std::to_string(block_n));
-  }
+  dispatch_fused_moe_sm90<cute::bfloat16_t, 128>(p, block_n, stream);
 }
 
 }  // namespace moelora::cuda
