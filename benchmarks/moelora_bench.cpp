@@ -530,7 +530,7 @@ class CudaCell {
 };
 
 // The previous issue's kernels: mma.sync tiles of (16|32|64) x 128 on the heuristic
-// block size, no programmatic dependent launch.
+// block size, the separate activation kernel, no programmatic dependent launch.
 moelora::MoeKernelConfig baseline_config(const Model& m, int64_t M) {
   moelora::MoeKernelConfig c;
   c.block_size = moelora::fused_experts_block_size(M, m.top_k, m.E);
@@ -549,8 +549,10 @@ Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const
   row.time_us = cell.time_us(fo, iters);
   if (o.baseline) {
     const moelora::MoeKernelConfig base = baseline_config(m, M);
+    moelora::FusedExpertsOptions base_options = cell.options(&base);
+    base_options.fuse_activation = false;
     moelora::cuda::set_pdl_allowed(false);
-    row.baseline_us = cell.time_us(cell.options(&base), iters);
+    row.baseline_us = cell.time_us(base_options, iters);
     moelora::cuda::set_pdl_allowed(true);
   }
   cell.floors(&row.bytes, &row.flops);

@@ -148,6 +148,10 @@ struct FusedExpertsOptions {
   // Override of the config registry for every chunk (block_size above, when set, wins
   // over config->block_size). Null: tuned table for the device and shape, else heuristic.
   const MoeKernelConfig* config = nullptr;
+  // CUDA: apply the activation in GEMM1's epilogue (the [slots, 2I] intermediate never
+  // reaches memory). false runs the separate activation kernel, as the CPU backend
+  // always does; for A/B measurements.
+  bool fuse_activation = true;
 };
 
 struct FusedExpertsShape {

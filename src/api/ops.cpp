@@ -550,24 +550,35 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     expert_chunk.shape[0] = cap.max_num_blocks;
     run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device, stream);
 
-    // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]
     const TensorView x_chunk = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H,
                                       x.strides[0], 1, device);
-    const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
-    run_gemm(gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp,
-                         options.apply_router_weight_on_input ? &weights : nullptr, top_k, block_size, config.gemm1),
-             device, stream);
-
-    // activation: cache2 = act(cache1)   [slots, I]
     const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
     const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul
                                         : options.activation == Activation::kGelu ? detail::ActivationKind::kGeluAndMul
                                                                                   : detail::ActivationKind::kSwigluOai;
-    run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
-                                            .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
-                                            .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
-                                            .limit = options.swiglu_limit},
-                   device, stream);
+    const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
+    if (on_cuda(x) && options.fuse_activation) {
+      // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
+      detail::GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
+                                             top_k, block_size, config.gemm1);
+      gemm1.N = I;
+      gemm1.gated = true;
+      gemm1.activation = kind;
+      gemm1.alpha = options.swiglu_alpha;
+      gemm1.limit = options.swiglu_limit;
+      run_gemm(gemm1, device, stream);
+    } else {
+      // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
+      const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
+      run_gemm(gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights, top_k,
+                           block_size, config.gemm1),
+               device, stream);
+      run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
+                                              .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
+                                              .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
+                                              .limit = options.swiglu_limit},
+                     device, stream);
+    }
 
     // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
     const TensorView* gemm2_weights = options.apply_router_weight_on_input ? nullptr : &weights;

@@ -30,7 +30,14 @@ struct AlignParams {
   int32_t* num_tokens_post_padded;  // [1]
 };
 
+enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
+
 // fused_moe: out[s] = a[s / top_k] · w[e]ᵀ (× routed weight) over aligned blocks.
+//
+// With `gated` (CUDA only; fused_experts' GEMM1), w holds 2N rows, a gate row and an up
+// row per output column j (rows j and N + j, or 2j and 2j + 1 for swiglu_oai), and
+// out[s][j] = act(gate_j × routed weight, up_j × routed weight): the activation runs in
+// the epilogue and the [slots, 2N] intermediate never reaches memory.
 struct GemmParams {
   DType dtype;                    // of a, w and out
   const void* a;                  // [num_rows, K]
@@ -54,9 +61,10 @@ struct GemmParams {
   int64_t top_k;                    // a row = slot / top_k
   int64_t block_size;               // entries per expert block of sorted_token_ids
   GemmTile tile;                    // CUDA kernel and tile; kAuto = the launcher's heuristic
+  bool gated = false;               // N outputs from 2N weight rows through `activation`
+  ActivationKind activation = ActivationKind::kSiluAndMul;
+  float alpha = 0.f, limit = 0.f;   // swiglu_oai only
 };
-
-enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
 struct ActivationParams {

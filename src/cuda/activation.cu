@@ -4,6 +4,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
@@ -12,19 +13,6 @@ namespace {
 
 using detail::ActivationKind;
 using detail::ActivationParams;
-
-template <ActivationKind kKind>
-__device__ __forceinline__ float gated(float gate, float up, float alpha, float limit) {
-  if constexpr (kKind == ActivationKind::kSiluAndMul) {
-    return gate / (1.f + __expf(-gate)) * up;
-  } else if constexpr (kKind == ActivationKind::kGeluAndMul) {
-    return 0.5f * gate * (1.f + erff(gate * 0.70710678118654752f)) * up;
-  } else {
-    gate = fminf(gate, limit);
-    up = fminf(fmaxf(up, -limit), limit);
-    return (up + 1.f) * gate / (1.f + __expf(-alpha * gate));
-  }
-}
 
 // One thread produces kVec consecutive outputs of one row. Grid: (column groups, rows).
 template <typename T, ActivationKind kKind, int kVec>
@@ -59,7 +47,7 @@ __global__ void activation_kernel(const ActivationParams p) {
   }
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
-    result[i] = from_float<T>(gated<kKind>(to_float(gate[i]), to_float(up[i]), p.alpha, p.limit));
+    result[i] = from_float<T>(gated_activation<kKind>(to_float(gate[i]), to_float(up[i]), p.alpha, p.limit));
   }
   if constexpr (kVec > 1) {
     *reinterpret_cast<Vec16<T>*>(out + col) = *reinterpret_cast<const Vec16<T>*>(result);

@@ -9,6 +9,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/launch.cuh"
+#include "cuda/tensor_map.h"
 
 namespace moelora::cuda {
 namespace {
@@ -74,5 +75,18 @@ std::atomic<bool> g_pdl_allowed{[] {
 void set_pdl_allowed(bool allowed) { g_pdl_allowed.store(allowed); }
 
 bool pdl_enabled() { return g_pdl_allowed.load(std::memory_order_relaxed) && current_device_info().cc_major >= 9; }
+
+TensorMapEncodeTiled tensor_map_encode_tiled() {
+  static const TensorMapEncodeTiled encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOELORA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+      throw Error("moelora: the CUDA driver has no cuTensorMapEncodeTiled (the sm90 kernels need a CUDA 12 driver)");
+    }
+    return reinterpret_cast<TensorMapEncodeTiled>(fn);
+  }();
+  return encode;
+}
 
 }  // namespace moelora::cuda

@@ -8,6 +8,7 @@
 #include "cuda/fused_moe_launch.h"
 #include "cuda/fused_moe_simt.cuh"
 #include "cuda/numeric.cuh"
+#include "cuda/tensor_map.h"
 
 namespace moelora::cuda {
 namespace {
@@ -26,12 +27,13 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // (max_num_blocks), so that bound stands in for the m-tile count.
 GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, bool sm90) {
   const int64_t waves_target = 2 * int64_t(device.num_sms);
+  const int64_t weight_rows = p.gated ? 2 * p.N : p.N;
   if (sm90 && p.block_size % 64 == 0) {
     // wgmma: 128 rows when the block allows; 256 columns when that still gives two
     // waves of CTAs, else 128 (more CTAs streaming the weights).
     const int block_m = p.block_size % 128 == 0 ? 128 : 64;
     const int64_t m_tiles = p.max_num_blocks * (p.block_size / block_m);
-    const int block_n = m_tiles * ceil_div(p.N, 256) >= waves_target ? 256 : 128;
+    const int block_n = m_tiles * ceil_div(weight_rows, 256) >= waves_target ? 256 : 128;
     return {GemmKernel::kSm90, block_m, block_n};
   }
   int block_m = 16;
@@ -39,11 +41,35 @@ GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, b
     if (p.block_size % rows == 0) { block_m = rows; break; }
   }
   const int64_t m_tiles = p.max_num_blocks * (p.block_size / block_m);
-  const int block_n = m_tiles * ceil_div(p.N, 128) >= waves_target ? 128 : 64;
+  const int block_n = m_tiles * ceil_div(weight_rows, 128) >= waves_target ? 128 : 64;
   return {GemmKernel::kSm80, block_m, block_n};
 }
 
 }  // namespace
+
+WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
+  // Dims innermost first, byte strides growing outward: split halves (gate rows, then up
+  // rows) put the half outside the row; interleaved pairs (2j gate, 2j + 1 up) inside.
+  const uint64_t elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  const bool interleaved = p.gated && p.activation == detail::ActivationKind::kSwigluOai;
+  const uint64_t row = uint64_t(p.w_stride_n) * elem;
+  const uint64_t rows = uint64_t(p.N), halves = p.gated ? 2 : 1;
+  cuuint64_t dims[4] = {cuuint64_t(p.K), interleaved ? halves : rows, interleaved ? rows : halves,
+                        cuuint64_t(p.num_experts)};
+  cuuint64_t strides[3] = {row, interleaved ? 2 * row : rows * row, uint64_t(p.w_stride_expert) * elem};
+  cuuint32_t box[4] = {64, interleaved ? 1u : cuuint32_t(box_rows), interleaved ? cuuint32_t(box_rows) : 1u, 1};
+  cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  WeightTensorMap w_map{};
+  const CUresult status = tensor_map_encode_tiled()(
+      &w_map.map, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+      const_cast<void*>(p.w), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    throw Error("moelora.fused_moe: cuTensorMapEncodeTiled failed for the weight tensor (CUresult " +
+                std::to_string(int(status)) + ")");
+  }
+  return w_map;
+}
 
 void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);

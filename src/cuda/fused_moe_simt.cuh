@@ -6,6 +6,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/fused_moe_tile.cuh"
+#include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
@@ -23,9 +24,12 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
   __shared__ int32_t tile_slot[kSimtBlockM];
   __shared__ float tile_weight[kSimtBlockM];
 
-  const int64_t num_n_tiles = (p.N + kSimtBlockN - 1) / kSimtBlockN;
+  // Gated: the tile's 64 weight rows give 32 output columns (GatedTileColumn<64>).
+  const int out_width = p.gated ? kSimtBlockN / 2 : kSimtBlockN;
+  const int64_t num_n_tiles = (p.N + out_width - 1) / out_width;
   const int64_t entry0 = (blockIdx.x / num_n_tiles) * kSimtBlockM;
-  const int64_t n0 = (blockIdx.x % num_n_tiles) * kSimtBlockN;
+  const int64_t n0 = (blockIdx.x % num_n_tiles) * out_width;  // first output column
+  const int64_t weight_rows = p.gated ? 2 * p.N : p.N;
   wait_for_previous_kernel();
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
@@ -49,8 +53,12 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
       }
       for (int i = threadIdx.x; i < kSimtBlockK * kSimtBlockN; i += kSimtThreads) {
         const int c = i / kSimtBlockK, k = i % kSimtBlockK;
-        b_tile[k][c] = (n0 + c < p.N && k0 + k < p.K) ? to_float(w[(n0 + c) * p.w_stride_n + (k0 + k) * p.w_stride_k])
-                                                      : 0.f;
+        int64_t n = n0 + c;
+        if (p.gated) {
+          const GatedTileColumn<kSimtBlockN> col(c);
+          n = n0 + col.out_col < p.N ? gated_weight_row(p, n0 + col.out_col, col.up) : weight_rows;
+        }
+        b_tile[k][c] = (n < weight_rows && k0 + k < p.K) ? to_float(w[n * p.w_stride_n + (k0 + k) * p.w_stride_k]) : 0.f;
       }
       __syncthreads();
 #pragma unroll 8
@@ -62,9 +70,25 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
       __syncthreads();
     }
   }
+  T* out = static_cast<T*>(p.out);
+  if (p.gated) {
+    // Gate and up of an output column sit in different threads: meet in shared memory.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b_tile[row][col + j] = acc[j];
+    __syncthreads();
+    for (int i = threadIdx.x; i < kSimtBlockM * (kSimtBlockN / 2); i += kSimtThreads) {
+      const int r = i / (kSimtBlockN / 2), j = i % (kSimtBlockN / 2);
+      const int32_t slot = tile_slot[r];
+      const int64_t n = n0 + j;
+      if (slot < 0 || n >= p.N) continue;
+      const float w = has_expert ? tile_weight[r] : 0.f;
+      out[slot * p.out_stride_row + n * p.out_stride_n] =
+          from_float<T>(gated_activation(p, b_tile[r][j] * w, b_tile[r][j + kSimtBlockN / 2] * w));
+    }
+    return;
+  }
   const int32_t slot = tile_slot[row];
   if (slot < 0) return;
-  T* out = static_cast<T*>(p.out);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int64_t n = n0 + col + j;
@@ -75,7 +99,8 @@ __global__ void __launch_bounds__(kSimtThreads) fused_moe_simt_kernel(const deta
 
 template <typename T>
 void launch_fused_moe_simt(const detail::GemmParams& p, cudaStream_t stream) {
-  const int64_t num_tiles = p.max_num_blocks * (p.block_size / kSimtBlockM) * ((p.N + kSimtBlockN - 1) / kSimtBlockN);
+  const int64_t out_width = p.gated ? kSimtBlockN / 2 : kSimtBlockN;
+  const int64_t num_tiles = p.max_num_blocks * (p.block_size / kSimtBlockM) * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
   launch_kernel(fused_moe_simt_kernel<T>, dim3(unsigned(num_tiles)), dim3(kSimtThreads), 0, stream, p);
 }

@@ -5,7 +5,8 @@
 // and kBlockN output columns. Activation rows are gathered (row = slot / top_k) with
 // cp.async into a kStages-deep shared-memory ring; the expert's weight rows [N, K]
 // are K-contiguous, so both operands are "TN" for the MMA. The fp32 accumulators are
-// scaled by the routed weight and stored straight from registers.
+// scaled by the routed weight (and, for a gated GEMM, put through the activation) and
+// stored straight from registers.
 //
 // On Hopper it remains the decode kernel: with 16-row tiles the MMA shape wastes little
 // when a handful of tokens meet an expert, and small tiles (kBlockN = 64) put more CTAs
@@ -19,6 +20,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/fused_moe_tile.cuh"
+#include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
 
 namespace moelora::cuda {
@@ -86,29 +88,25 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   int32_t* tile_slot = reinterpret_cast<int32_t*>(smem_b + Config::kSmemElementsB);  // [kBlockM], -1 = padding
   float* tile_weight = reinterpret_cast<float*>(tile_slot + kBlockM);                  // [kBlockM]
 
-  const int64_t num_n_tiles = (p.N + kBlockN - 1) / kBlockN;
+  // Gated: the tile's kBlockN weight rows give kBlockN / 2 output columns.
+  const int out_width = p.gated ? kBlockN / 2 : kBlockN;
+  const int64_t num_n_tiles = (p.N + out_width - 1) / out_width;
   const int64_t m_tile = blockIdx.x / num_n_tiles;
-  const int64_t n0 = (blockIdx.x % num_n_tiles) * kBlockN;
+  const int64_t n0 = (blockIdx.x % num_n_tiles) * out_width;  // first output column
   const int64_t entry0 = m_tile * kBlockM;  // first entry of sorted_token_ids in this tile
   wait_for_previous_kernel();
   // Device-side count: tiles past the used length exit (the grid is sized from capacity).
   if (entry0 >= *p.num_tokens_post_padded) return;
   const int expert = p.expert_ids[entry0 / p.block_size];
+  // Expert not on this rank (or a dropped slot): no K loop, the epilogue writes zeros.
+  const bool has_expert = expert >= 0 && expert < p.num_experts;
 
   load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight);
   __syncthreads();
 
-  T* out = static_cast<T*>(p.out);
-  if (expert < 0 || expert >= p.num_experts) {
-    // Expert not on this rank (or a dropped slot): its rows are zeros.
-    allow_next_kernel_launch();
-    write_zero_rows<T, kBlockM, kBlockN>(p, n0, tile_slot);
-    return;
-  }
-
   // ---- gmem -> smem: each thread copies fixed rows at one fixed K column ----------
   const T* a_base = static_cast<const T*>(p.a);
-  const T* w_expert = static_cast<const T*>(p.w) + expert * p.w_stride_expert;
+  const T* w_expert = static_cast<const T*>(p.w) + (has_expert ? expert : 0) * p.w_stride_expert;
   const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
   const T* a_row[Config::kChunksA];  // null for padding rows
   const T* b_row[Config::kChunksB];  // null past N
@@ -119,15 +117,20 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   }
 #pragma unroll
   for (int i = 0; i < Config::kChunksB; ++i) {
-    const int64_t n = n0 + (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-    b_row[i] = n < p.N ? w_expert + n * p.w_stride_n : nullptr;
+    const int c = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+    int64_t row = n0 + c;
+    if (p.gated) {
+      const GatedTileColumn<kBlockN> col(c);
+      row = n0 + col.out_col < p.N ? gated_weight_row(p, n0 + col.out_col, col.up) : p.N;
+    }
+    b_row[i] = row < (p.gated ? 2 * p.N : p.N) ? w_expert + row * p.w_stride_n : nullptr;
   }
 
   Tensor sA = make_tensor(make_smem_ptr(smem_a), typename Config::SmemLayoutA{});  // (BLK_M, BLK_K, STAGES)
   Tensor sB = make_tensor(make_smem_ptr(smem_b), typename Config::SmemLayoutB{});  // (BLK_N, BLK_K, STAGES)
   using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
 
-  const int64_t num_k_tiles = (p.K + kBlockK - 1) / kBlockK;
+  const int64_t num_k_tiles = has_expert ? (p.K + kBlockK - 1) / kBlockK : 0;
   auto load_stage = [&](int stage, int64_t k_tile) {
     const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
 #pragma unroll
@@ -187,8 +190,24 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   cp_async_wait<0>();
   allow_next_kernel_launch();
 
-  // ---- epilogue: routed weight, round, scatter rows by slot -------------------
+  // ---- epilogue: routed weight, (activation,) round, scatter rows by slot -------
+  T* out = static_cast<T*>(p.out);
   Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));  // (MMA, MMA_M, MMA_N)
+  if (p.gated) {
+    // The fragment's second half (MMA_N index + MMA_N / 2) holds the columns kBlockN / 2
+    // to the right: the up rows of the gate columns in the first half.
+    constexpr int kHalf = decltype(size(acc))::value / 2;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int r = get<0>(coord(i));
+      const int64_t n = n0 + GatedTileColumn<kBlockN>(get<1>(coord(i))).out_col;
+      const int32_t slot = tile_slot[r];
+      if (slot < 0 || n >= p.N) continue;
+      const float w = tile_weight[r];
+      out[slot * p.out_stride_row + n * p.out_stride_n] = T(gated_activation(p, acc(i) * w, acc(i + kHalf) * w));
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < size(acc); ++i) {
     const int r = get<0>(coord(i));
@@ -203,8 +222,8 @@ template <class Element, int kBlockM, int kBlockN>
 void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
   using Config = FusedMoeSm80Config<Element, kBlockM, kBlockN>;
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
-  const int64_t num_n_tiles = (p.N + Config::kBlockN - 1) / Config::kBlockN;
-  const int64_t num_tiles = num_m_tiles * num_n_tiles;
+  const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
+  const int64_t num_tiles = num_m_tiles * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
   auto kernel = fused_moe_sm80_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));

@@ -1,5 +1,4 @@
-// Pieces every fused_moe kernel shares: the per-tile slot and routed-weight tables, and
-// the zero rows of a tile whose expert is not on this rank.
+// The per-tile slot and routed-weight tables of the fused_moe kernels.
 #pragma once
 
 #include "common/params.h"
@@ -20,17 +19,6 @@ __device__ __forceinline__ void load_tile_slots(const detail::GemmParams& p, int
                          ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
                                           (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
                          : 1.f;
-  }
-}
-
-// Expert not on this rank (or a dropped slot): the tile's rows are zeros.
-template <class T, int kRows, int kCols>
-__device__ __forceinline__ void write_zero_rows(const detail::GemmParams& p, int64_t n0, const int32_t* tile_slot) {
-  T* out = static_cast<T*>(p.out);
-  for (int i = threadIdx.x; i < kRows * kCols; i += blockDim.x) {
-    const int r = i / kCols;
-    const int64_t n = n0 + i % kCols;
-    if (tile_slot[r] >= 0 && n < p.N) out[tile_slot[r] * p.out_stride_row + n * p.out_stride_n] = T(0.f);
   }
 }
 

@@ -399,6 +399,46 @@ std::vector<LayerCase> layer_cases() {
     x.M = 33;
     add(std::string(name) + "_swiglu_fp16", x);
   }
+  // Every tensor-core tile as GEMM1 with the activation fused into its epilogue (CUDA):
+  // each activation's gate/up layout, partial output tiles (I = 200), a K tail (H = 136),
+  // dropped slots, and the routed weight before the activation.
+  static const std::vector<MoeKernelConfig> kGemm1Tiles = [] {
+    std::vector<MoeKernelConfig> tiles;
+    for (int32_t m : {16, 32, 64}) {
+      for (int32_t n : {64, 128}) tiles.push_back({128, {GemmKernel::kSm80, m, n}, {}});
+    }
+    for (int32_t m : {64, 128}) {
+      for (int32_t n : {128, 256}) tiles.push_back({128, {GemmKernel::kSm90, m, n}, {}});
+    }
+    return tiles;
+  }();
+  const Activation activations[] = {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai};
+  for (size_t i = 0; i < kGemm1Tiles.size(); ++i) {
+    const MoeKernelConfig& config = kGemm1Tiles[i];
+    LayerCase x = c;
+    x.M = 150;
+    x.top_k = 4;
+    x.I = 200;
+    x.dropped_share = 0.05;
+    x.options.config = &config;
+    x.options.activation = activations[i % 3];
+    x.options.swiglu_limit = 0.75f;
+    x.options.apply_router_weight_on_input = i % 4 == 3;
+    const std::string act = x.options.activation == Activation::kSilu   ? "silu"
+                            : x.options.activation == Activation::kGelu ? "gelu"
+                                                                        : "swiglu";
+    add("fused_act_" + std::string(config.gemm1.kernel == GemmKernel::kSm90 ? "sm90_" : "sm80_") +
+            std::to_string(config.gemm1.block_m) + "x" + std::to_string(config.gemm1.block_n) + "_" + act +
+            (x.options.apply_router_weight_on_input ? "_weight_on_input" : ""),
+        x, {Backend::kCUDA});
+  }
+  {
+    LayerCase x = c;
+    x.options.fuse_activation = false;  // the separate activation kernel
+    add("unfused_activation", x, {Backend::kCUDA});
+    x.options.activation = Activation::kSwigluOai;
+    add("unfused_activation_swiglu", x, {Backend::kCUDA});
+  }
   return cases;
 }
 

@@ -282,6 +282,9 @@ std::vector<AlignCase> align_cases() {
   add("E1", 9, 1, 1, 16, Routing::kRandom, i32, false, false);
   add("all_dropped", 12, 4, 16, 32, Routing::kAllDropped, i32, false, false);
   add("qwen3_M4096", 4096, 8, 128, 64, Routing::kRandom, i32, false, false);
+  // Past the 80K slots whose groups the CUDA kernel keeps in shared memory: the scatter re-reads ids.
+  add("qwen3_M13000_strided_i64", 13000, 8, 128, 128, Routing::kDropped, i64, true, false);
+  add("qwen3_M10240_contiguous", 10240, 8, 128, 128, Routing::kRandom, i32, false, false);
   add("deepseek_M1000_map", 1000, 8, 256, 128, Routing::kDropped, i64, false, true);
   add("gpt_oss_M256", 256, 4, 128, 16, Routing::kRandom, i32, true, false);
   add("max_experts", 100, 8, kMaxNumExperts, 16, Routing::kRandom, i32, false, false);
