@@ -73,6 +73,7 @@ struct Options {
   bool check = true;
   bool ceilings = false;
   bool baseline = false;   // also time the previous issue's kernels per cell
+  bool trace = false;      // --tune: print every candidate's time
   std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
   std::string json_path;
 };
@@ -81,7 +82,7 @@ struct Options {
   std::fprintf(stderr,
                "moelora_bench: %s\nusage: moelora_bench [--model NAME|all] [--tokens M[,M...]] [--dtype bf16|fp16]\n"
                "       [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings] [--baseline] [--json PATH]\n"
-               "       [--tune DIR]\nmodels:",
+               "       [--tune DIR [--trace]]\nmodels:",
                why.c_str());
   for (const Model& m : kModels) std::fprintf(stderr, " %s", m.name);
   std::fprintf(stderr, "\n");
@@ -117,6 +118,7 @@ Options parse(int argc, char** argv) {
     else if (arg == "--ceilings") o.ceilings = true;
     else if (arg == "--json") o.json_path = value();
     else if (arg == "--baseline") o.baseline = true;
+    else if (arg == "--trace") o.trace = true;
     else if (arg == "--tune") o.tune_dir = value();
     else if (arg == "--help" || arg == "-h") usage("help");
     else usage("unknown argument " + arg);
@@ -584,7 +586,7 @@ std::string tile_json(const moelora::GemmTile& t) {
 // Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),
 // then the best GEMM2 tile with it; the best block size wins. Returns the config and
 // its time.
-std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters,
+std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters, bool trace,
                                                       bool sm90) {
   const double slots_per_expert = double(M) * m.top_k / m.E;
   moelora::MoeKernelConfig best;
@@ -604,6 +606,10 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
         moelora::MoeKernelConfig trial = c;
         (gemm == 1 ? trial.gemm1 : trial.gemm2) = t;
         const double us = cell.time_us(cell.options(&trial), iters);
+        if (trace) {
+          std::printf("  trial %-16s M=%-5lld block_size %3lld gemm%d %s  %9.1f us\n", m.name, (long long)M,
+                      (long long)block_size, gemm, tile_json(t).c_str(), us);
+        }
         if (us < chosen_us) {
           chosen_us = us;
           chosen = t;
@@ -635,7 +641,7 @@ int tune(const Options& o) {
     for (size_t i = 0; i < o.tokens.size(); ++i) {
       const int64_t M = o.tokens[i];
       CudaCell cell(m, M, o.dtype, w13_dev.ptr, w2_dev.ptr);
-      const auto [config, us] = tune_cell(cell, m, M, o.iters > 0 ? o.iters : 7, sm90);
+      const auto [config, us] = tune_cell(cell, m, M, o.iters > 0 ? o.iters : 7, o.trace, sm90);
       std::printf("tune %-16s M=%-5lld %9.1f us  block_size %3lld  gemm1 %s  gemm2 %s\n", m.name, (long long)M, us,
                   (long long)config.block_size, tile_json(config.gemm1).c_str(), tile_json(config.gemm2).c_str());
       std::fflush(stdout);

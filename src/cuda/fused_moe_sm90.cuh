@@ -5,15 +5,16 @@
 //   - warpgroup 0, the producer (56 registers a thread): weight tiles by TMA (one
 //     thread), activation rows by cp.async from all 128 threads, since the rows are
 //     gathered (row = slot / top_k) and TMA on Hopper cannot gather;
-//   - warpgroups 1 and 2, the consumers (224 registers; 128 hold a 64 x 256 accumulator): wgmma from the shared-memory
-//     ring into fp32 accumulators, then the epilogue. kBlockM = 128: each consumer owns
-//     64 rows and the whole width; kBlockM = 64: each owns half the width.
+//   - warpgroups 1 and 2, the consumers (224 registers; a 64 x 256 accumulator takes
+//     128): wgmma from the shared-memory ring into fp32 accumulators, then the
+//     epilogue. kBlockM = 128: each consumer owns 64 rows and the whole width;
+//     kBlockM = 64: each owns half the width.
 // The ring has kStages slots with two mbarriers each: `full` (129 arrivals: one per
 // producer thread through cp.async.mbarrier.arrive.noinc, one from the TMA thread with
 // the weight bytes as its transaction count) and `empty` (one arrival per consumer warp
-// once the wgmmas that read the slot have retired). The whole ring is in flight, and
-// because the producer runs ahead into the next tile while the consumers store this
-// one, the epilogue overlaps the next tile's loads.
+// once the wgmmas that read the slot have retired). The producer runs ahead into the
+// next tile while the consumers store this one, so the next tile's loads overlap the
+// epilogue (the tensor cores still idle during it: the two consumers share one tile).
 //
 // Persistence: the grid is at most one CTA per SM, and CTA b takes tiles b, b + grid, ...
 // in a grouped raster (kGroupM m-tiles down each N column before moving right), so the
@@ -57,6 +58,11 @@ struct FusedMoeSm90Config {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // wgmma batches a consumer leaves in flight when it waits: 1 overlaps consecutive K
+  // steps but holds two ring slots. NOTE: 0 (one slot held, the pipe drained each step)
+  // measured the same on H100 at M = 4096 (Qwen3-30B, Mixtral, DeepSeek): the ring
+  // depth is not what limits the large-M tiles.
+  static constexpr int kMmaInFlight = 1;
   static constexpr int kGroupM = 8;  // raster group (m-tiles per N sweep)
   static_assert(kBlockM == 64 || kBlockM == 128, "kBlockM must be 64 or 128");
   static_assert(kBlockN == 128 || kBlockN == 256, "kBlockN must be 128 or 256");
@@ -150,6 +156,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (threadIdx.x < Config::kProducerThreads) {
     // ================= producer =================
+    // NOTE: 48 spilled the row pointers of the 128-row tiles (ptxas); 56 + 2 x 224 fits 64K.
     cutlass::arch::warpgroup_reg_dealloc<56>();
     const T* a_base = static_cast<const T*>(p.a);
     const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
@@ -250,6 +257,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // Expert not on this rank (or a dropped slot): no K loop, the rows are written as zeros.
     if (expert >= 0 && expert < p.num_experts) {
       int release_stage = stage;
+      int64_t released = 0;
+      auto release = [&] {
+        if (thread % 32 == 0) Barrier::arrive(&empty_bar[release_stage]);
+        release_stage = release_stage + 1 == kStages ? 0 : release_stage + 1;
+        ++released;
+      };
       for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
         Barrier::wait(&full_bar[stage], phase);
         // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
@@ -261,18 +274,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
         }
         warpgroup_commit_batch();
-        // One batch stays in flight; the one before has retired, so its slot goes back.
-        warpgroup_wait<1>();
+        // kMmaInFlight batches stay in flight; the slots of the retired ones go back.
+        warpgroup_wait<Config::kMmaInFlight>();
         warpgroup_fence_operand(acc);
-        if (k_tile > 0) {
-          if (thread % 32 == 0) Barrier::arrive(&empty_bar[release_stage]);
-          release_stage = release_stage + 1 == kStages ? 0 : release_stage + 1;
-        }
+        if (k_tile >= Config::kMmaInFlight) release();
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      if (num_k_tiles > 0 && thread % 32 == 0) Barrier::arrive(&empty_bar[release_stage]);
+      while (released < num_k_tiles) release();
     }
     if (t + gridDim.x >= num_tiles) allow_next_kernel_launch();
 
