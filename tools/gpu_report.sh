@@ -7,7 +7,9 @@
 #   BENCH_TOKENS     token counts for the grid (default: the brief's, 1 to 8192)
 #   BENCH_MODELS     model name or "all" (default all)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
-#   SKIP_TESTS=1     build and benchmark only
+#   SKIP_TESTS=1     build and benchmark only; TEST_RESULTS=DIR then takes ctest.xml,
+#                    pytest.xml and sanitizer_*.log from an earlier SKIP_BENCH=1 run
+#   SKIP_BENCH=1     build and test only (the device allows 10 minutes a command)
 #   TUNE_TOKENS      if set: tune tiles at these token counts first, write the tables to
 #                    $OUT/configs, and benchmark with them ($MOELORA_CONFIG_DIR); copy
 #                    them to configs/ to ship them
@@ -45,6 +47,11 @@ if [ -n "${SANITIZE_FILTER:-}" ]; then
   done
 fi
 fi
+
+if [ -n "${TEST_RESULTS:-}" ]; then
+  cp "$TEST_RESULTS"/ctest.xml "$TEST_RESULTS"/pytest.xml "$TEST_RESULTS"/sanitizer_*.log "$OUT_DIR"/ 2>/dev/null
+fi
+[ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 
 if [ -n "${TUNE_TOKENS:-}" ]; then
   step tune
