@@ -42,6 +42,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
+#include "cuda/fused_moe_tile.cuh"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/tensor_map.h"
@@ -241,16 +242,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // the previous tile's epilogue reads (the barrier below orders the one before).
     int32_t* tile_slot = table_slot + table * kBlockM;
     float* tile_weight = table_weight + table * kBlockM;
-    for (int r = thread; r < kBlockM; r += Config::kConsumerThreads) {
-      const int64_t entry = entry0 + r;
-      const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
-      const bool valid = slot >= 0 && slot < p.num_slots;
-      tile_slot[r] = valid ? slot : -1;
-      tile_weight[r] = valid && p.topk_weights
-                           ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
-                                            (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
-                           : 1.f;
-    }
+    load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight, thread, Config::kConsumerThreads);
     cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, 1);
 
     clear(acc);

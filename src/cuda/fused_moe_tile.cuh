@@ -6,11 +6,12 @@
 namespace moelora::cuda {
 
 // tile_slot[r] = the slot of entry entry0 + r of sorted_token_ids, or -1 for padding;
-// tile_weight[r] = its routed weight (1 without topk_weights). Caller syncs after.
+// tile_weight[r] = its routed weight (1 without topk_weights). Threads thread, thread +
+// num_threads, ... fill it; the caller syncs them after.
 template <int kRows>
 __device__ __forceinline__ void load_tile_slots(const detail::GemmParams& p, int64_t entry0, int32_t* tile_slot,
-                                                float* tile_weight) {
-  for (int r = threadIdx.x; r < kRows; r += blockDim.x) {
+                                                float* tile_weight, int thread, int num_threads) {
+  for (int r = thread; r < kRows; r += num_threads) {
     const int64_t entry = entry0 + r;
     const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
     const bool valid = slot >= 0 && slot < p.num_slots;
@@ -20,6 +21,13 @@ __device__ __forceinline__ void load_tile_slots(const detail::GemmParams& p, int
                                           (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
                          : 1.f;
   }
+}
+
+// Every thread of the block fills the tables.
+template <int kRows>
+__device__ __forceinline__ void load_tile_slots(const detail::GemmParams& p, int64_t entry0, int32_t* tile_slot,
+                                                float* tile_weight) {
+  load_tile_slots<kRows>(p, entry0, tile_slot, tile_weight, int(threadIdx.x), int(blockDim.x));
 }
 
 }  // namespace moelora::cuda
