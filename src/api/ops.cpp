@@ -385,7 +385,9 @@ std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermedi
 
 namespace {
 
-// Workspace layout, each piece 256-byte aligned.
+// Workspace layout, each piece 256-byte aligned. cache1 (GEMM1's [slots, 2I], only when
+// the activation runs as its own kernel) is dead once the activation has read it, before
+// GEMM2 writes cache3 ([slots, H]): the two share one region.
 struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, cache1, cache2, cache3, total;
   AlignCapacity capacity;
@@ -414,9 +416,8 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
   l.expert_ids = take(l.capacity.max_num_blocks * 4);
   l.num_tokens_post_padded = take(4);
-  l.cache1 = take(slots * 2 * s.intermediate_size * elem);
+  l.cache1 = l.cache3 = take(slots * std::max(2 * s.intermediate_size, s.hidden_size) * elem);
   l.cache2 = take(slots * s.intermediate_size * elem);
-  l.cache3 = take(slots * s.hidden_size * elem);
   l.total = at;
   return l;
 }

@@ -57,12 +57,7 @@ const DeviceInfo& current_device_info() {
 
 detail::CudaDeviceFacts current_device_facts() {
   const DeviceInfo& d = current_device_info();
-#ifdef MOELORA_BUILD_SM90A
-  const bool sm90_kernels = is_sm90(d);
-#else
-  const bool sm90_kernels = false;
-#endif
-  return {d.name, d.cc_major, d.cc_minor, d.num_sms, sm90_kernels};
+  return {d.name, d.cc_major, d.cc_minor, d.num_sms, sm90_kernels_available(d)};
 }
 
 namespace {

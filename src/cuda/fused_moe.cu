@@ -13,10 +13,11 @@
 namespace moelora::cuda {
 namespace {
 
-// The tensor-core kernels copy 16-byte chunks of K-contiguous rows.
+// The tensor-core kernels copy 16-byte chunks of K-contiguous rows (and the sm90 weight
+// tensor map cannot describe an empty K).
 bool tensor_core_loadable(const detail::GemmParams& p) {
   constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type
-  return p.dtype != DType::kFloat32 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 &&
+  return p.dtype != DType::kFloat32 && p.K > 0 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 &&
          p.a_stride_row % kElems == 0 && p.w_stride_n % kElems == 0 && p.w_stride_expert % kElems == 0 &&
          aligned16(p.a) && aligned16(p.w);
 }
@@ -79,11 +80,7 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
     return;
   }
   const DeviceInfo& device = current_device_info();
-#ifdef MOELORA_BUILD_SM90A
-  const bool sm90 = is_sm90(device);
-#else
-  const bool sm90 = false;
-#endif
+  const bool sm90 = sm90_kernels_available(device);
   const GemmTile tile = p.tile.kernel == GemmKernel::kAuto ? heuristic_tile(p, device, sm90) : p.tile;
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (tile.kernel == GemmKernel::kSm90) {

@@ -235,6 +235,12 @@ std::vector<GemmCase> gemm_cases() {
   add({"M0", {}, bf16, 0, 2, 4, 32, 32, 16, false, true, contiguous, 0.0, false, 0.0});
   add({"M1_topk1", {}, fp32, 1, 1, 3, 40, 24, 16, false, false, contiguous, 0.0, false, 0.0});
   add({"topk1_E1", {}, bf16, 50, 1, 1, 48, 32, 16, false, true, padded, 0.0, false, 0.0});
+  // K = 0: every output is zero (no weight tensor map can describe an empty K).
+  for (GemmTile t : {GemmTile{}, GemmTile{GemmKernel::kSm80, 16, 64}, GemmTile{GemmKernel::kSm90, 64, 128}}) {
+    GemmCase empty_k{"K0", {}, bf16, 7, 2, 3, 40, 0, 64, false, true, contiguous, 0.0, false, 0.0};
+    empty_k.tile = t;
+    add(empty_k, t.kernel == GemmKernel::kAuto ? all_backends() : std::vector<Backend>{Backend::kCUDA});
+  }
 
   // Every tensor-core tile (CUDA only; the CPU ignores tiles). Partial N and K tiles,
   // several m-tiles per expert (raster groups), dropped slots and remote experts (-1
