@@ -572,7 +572,9 @@ std::vector<moelora::GemmTile> candidate_tiles(int64_t block_size, bool sm90) {
   }
   for (int32_t bm : {64, 128}) {
     for (int32_t bn : {128, 256}) {
-      if (sm90 && block_size % bm == 0) tiles.push_back({moelora::GemmKernel::kSm90, bm, bn});
+      for (int32_t cluster : {1, 2}) {
+        if (sm90 && block_size % bm == 0) tiles.push_back({moelora::GemmKernel::kSm90, bm, bn, cluster});
+      }
     }
   }
   return tiles;
@@ -580,7 +582,8 @@ std::vector<moelora::GemmTile> candidate_tiles(int64_t block_size, bool sm90) {
 
 std::string tile_json(const moelora::GemmTile& t) {
   return std::string("{\"kernel\": \"") + (t.kernel == moelora::GemmKernel::kSm90 ? "sm90" : "sm80") +
-         "\", \"block_m\": " + std::to_string(t.block_m) + ", \"block_n\": " + std::to_string(t.block_n) + "}";
+         "\", \"block_m\": " + std::to_string(t.block_m) + ", \"block_n\": " + std::to_string(t.block_n) +
+         (t.cluster_m > 1 ? ", \"cluster_m\": " + std::to_string(t.cluster_m) : std::string()) + "}";
 }
 
 // Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),

@@ -58,7 +58,9 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
 // ---------------------------------------------------------------------------------
 // Kernel configs of the grouped GEMM (CUDA backend; the CPU backend ignores them).
 //   kSm80: mma.sync, runs on sm_80 and later; block_m 16|32|64, block_n 64|128.
-//   kSm90: wgmma, sm_90 (H100/H200) only;     block_m 64|128,   block_n 128|256.
+//   kSm90: wgmma, sm_90 (H100/H200) only;     block_m 64|128,   block_n 128|256,
+//          cluster_m 1|2 (2: CTA pairs on m-tiles 2p, 2p + 1 share each weight tile
+//          by TMA multicast when both belong to one expert).
 // block_m must divide the alignment block size. kAuto leaves the choice to the
 // launcher's heuristic. A tile applies to the tensor-core path: fp32 operands and
 // unaligned rows always take the CUDA-core kernel.
@@ -67,6 +69,7 @@ struct GemmTile {
   GemmKernel kernel = GemmKernel::kAuto;
   int32_t block_m = 0;
   int32_t block_n = 0;
+  int32_t cluster_m = 1;  // kSm90 only
 };
 // One layer's config: the alignment block size and each GEMM's tile.
 struct MoeKernelConfig {

@@ -16,7 +16,8 @@ namespace {
 // ---- a strict reader for the table format --------------------------------------
 // The format is a fixed subset of JSON: objects, strings without escapes, integers.
 //   {"<tokens>": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64,
-//                 "block_n": 256}, "gemm2": {...}}, ...}
+//                 "block_n": 256, "cluster_m": 2}, "gemm2": {...}}, ...}
+// cluster_m may be left out (1).
 // Unknown keys are errors, so a typo cannot silently fall back to defaults.
 class TableReader {
  public:
@@ -63,8 +64,10 @@ class TableReader {
         t.block_m = int32_t(integer());
       } else if (field == "block_n") {
         t.block_n = int32_t(integer());
+      } else if (field == "cluster_m") {
+        t.cluster_m = int32_t(integer());
       } else {
-        error("one of kernel, block_m, block_n, got \"" + field + "\"");
+        error("one of kernel, block_m, block_n, cluster_m, got \"" + field + "\"");
       }
     });
     return t;
@@ -201,6 +204,12 @@ void check_gemm_tile(const char* op, const char* what, const GemmTile& tile, int
                  (tile.kernel == GemmKernel::kSm80 ? "{16, 32, 64} x {64, 128} for sm80"
                                                    : "{64, 128} x {128, 256} for sm90") +
                  ", got " + std::to_string(tile.block_m) + " x " + std::to_string(tile.block_n));
+  }
+  const bool cluster_ok = tile.kernel == GemmKernel::kSm90 ? (tile.cluster_m == 1 || tile.cluster_m == 2) : tile.cluster_m == 1;
+  if (!cluster_ok) {
+    fail(op, std::string("argument '") + what + "' expected cluster_m " +
+                 (tile.kernel == GemmKernel::kSm90 ? "1 or 2 for sm90" : "1 for sm80") + ", got " +
+                 std::to_string(tile.cluster_m));
   }
   if (block_size % tile.block_m != 0) {
     fail(op, std::string("argument '") + what + "' expected block_m dividing the block size " +

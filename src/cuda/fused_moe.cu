@@ -89,9 +89,11 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
                   "this device is sm_" + std::to_string(device.cc_major) + std::to_string(device.cc_minor));
     }
     if (tile.block_m == 128) {
-      bf16 ? fused_moe_sm90_bf16_m128(p, tile.block_n, s) : fused_moe_sm90_fp16_m128(p, tile.block_n, s);
+      bf16 ? fused_moe_sm90_bf16_m128(p, tile.block_n, tile.cluster_m, s)
+           : fused_moe_sm90_fp16_m128(p, tile.block_n, tile.cluster_m, s);
     } else {
-      bf16 ? fused_moe_sm90_bf16_m64(p, tile.block_n, s) : fused_moe_sm90_fp16_m64(p, tile.block_n, s);
+      bf16 ? fused_moe_sm90_bf16_m64(p, tile.block_n, tile.cluster_m, s)
+           : fused_moe_sm90_fp16_m64(p, tile.block_n, tile.cluster_m, s);
     }
     return;
   }

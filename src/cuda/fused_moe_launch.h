@@ -13,10 +13,11 @@ namespace moelora::cuda {
 void fused_moe_sm80_bf16(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);
 void fused_moe_sm80_fp16(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);
 
-// wgmma (sm_90a): same operand rules; block_m 64|128 dividing p.block_size; block_n 128|256.
-void fused_moe_sm90_bf16_m64(const detail::GemmParams& p, int block_n, cudaStream_t stream);
-void fused_moe_sm90_bf16_m128(const detail::GemmParams& p, int block_n, cudaStream_t stream);
-void fused_moe_sm90_fp16_m64(const detail::GemmParams& p, int block_n, cudaStream_t stream);
-void fused_moe_sm90_fp16_m128(const detail::GemmParams& p, int block_n, cudaStream_t stream);
+// wgmma (sm_90a): same operand rules; block_m 64|128 dividing p.block_size; block_n 128|256;
+// cluster_m 1|2.
+void fused_moe_sm90_bf16_m64(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
+void fused_moe_sm90_bf16_m128(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
+void fused_moe_sm90_fp16_m64(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
+void fused_moe_sm90_fp16_m128(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
 
 }  // namespace moelora::cuda

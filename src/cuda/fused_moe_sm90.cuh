@@ -1,4 +1,5 @@
-// fused_moe on Hopper tensor cores (sm_90a): warp-specialised, persistent, wgmma.
+// fused_moe on Hopper tensor cores (sm_90a): warp-specialised, persistent, wgmma,
+// optionally in 2-CTA clusters that share the weight tile.
 //
 // A CTA of three warpgroups loops over output tiles [kBlockM entries of
 // sorted_token_ids (one expert: kBlockM divides the block size), kBlockN weight rows]:
@@ -12,23 +13,42 @@
 // The ring has kStages slots with two mbarriers each: `full` (129 arrivals: one per
 // producer thread through cp.async.mbarrier.arrive.noinc, one from the TMA thread with
 // the weight bytes as its transaction count) and `empty` (one arrival per consumer warp
-// once the wgmmas that read the slot have retired). The producer runs ahead into the
-// next tile while the consumers store this one, so the next tile's loads overlap the
-// epilogue (the tensor cores still idle during it: the two consumers share one tile).
+// of every CTA of the cluster once the wgmmas that read the slot have retired). The
+// producer runs ahead into the next tile while the consumers store this one.
 //
-// Persistence: the grid is at most one CTA per SM, and CTA b takes tiles b, b + grid, ...
-// in a grouped raster (kGroupM m-tiles down each N column before moving right), so the
-// CTAs working at one time share one expert's weight slab in L2. The tile count comes
-// from the device-side num_tokens_post_padded; no host sync.
+// Clusters (kClusterM = 2). NOTE: measured on H100 (Qwen3-30B, M = 4096, 64 x 256
+// tiles): the kernel is bound by L2 -> SM traffic (L2 throughput 76%, tensor pipe 37%;
+// removing every A load changed nothing, removing the B loads 5%). A 64-row tile loads
+// 32 KB of weights and 8 KB of rows per K step. The two CTAs of a cluster take the two
+// m-tiles of a pair (2p, 2p + 1) in the same n column; when both belong to one expert,
+// each loads half of the weight boxes by TMA multicast into both CTAs, halving the
+// weight traffic. A pair that straddles two experts loads unshared. To keep the ring
+// slots safe to multicast into, every consumer warp releases a slot in both CTAs, so
+// the pair walks its tiles in lockstep (both have the same K steps per tile); a CTA
+// whose own tile is past the end or not on this rank still turns its ring with empty
+// stages. Before exit, the producer waits until every slot is released (the partner's
+// last arrivals land in this CTA's shared memory).
+//
+// Persistence: the grid is at most one CTA per SM (and no more clusters than fit at
+// once), and cluster c takes cluster tiles c, c + clusters, ... in a grouped raster
+// (kGroupM m-tiles down each N column before moving right), so the CTAs working at one
+// time share one expert's weight slab in L2. The tile count comes from the device-side
+// num_tokens_post_padded; no host sync.
 //
 // Gated GEMM (GemmParams::gated): the TMA boxes place gate and up rows so that every
 // consumer thread holds both inputs of its outputs (GatedTileColumn, with slices of
 // kBlockN / kWarpgroupsN columns); the epilogue applies the activation in registers.
 //
+// Epilogue: each quad of lanes holds 8 adjacent columns of a row as four pairs; a 4 x 4
+// transpose of packed pairs across the quad gives every lane 8 adjacent columns, stored
+// as one 16-byte write. NOTE: the pair-wise 4-byte stores used 8 of every 32 bytes a
+// sector moved (ncu) and cost ~220 us of the 1260 us layer (Qwen3-30B, M = 4096).
+//
 // LoRA (issue 4) adds a low-rank wgmma on the A tile already in the ring inside the K
 // loop, and one more before the epilogue; the slot tables are reused as they are.
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -37,6 +57,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "common/params.h"
@@ -49,11 +70,12 @@
 
 namespace moelora::cuda {
 
-template <class Element_, int kBlockM_, int kBlockN_>
+template <class Element_, int kBlockM_, int kBlockN_, int kClusterM_>
 struct FusedMoeSm90Config {
   using Element = Element_;  // cute::bfloat16_t or cute::half_t
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kClusterM = kClusterM_;  // CTAs sharing one weight tile (m-tiles 2p, 2p + 1)
   static constexpr int kBlockK = 64;  // 128 bytes: one 128B-swizzle row
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
@@ -61,12 +83,13 @@ struct FusedMoeSm90Config {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   // wgmma batches a consumer leaves in flight when it waits: 1 overlaps consecutive K
   // steps but holds two ring slots. NOTE: 0 (one slot held, the pipe drained each step)
-  // measured the same on H100 at M = 4096 (Qwen3-30B, Mixtral, DeepSeek): the ring
-  // depth is not what limits the large-M tiles.
+  // measured the same on H100 at M = 4096 (Qwen3-30B, Mixtral, DeepSeek).
   static constexpr int kMmaInFlight = 1;
   static constexpr int kGroupM = 8;  // raster group (m-tiles per N sweep)
   static_assert(kBlockM == 64 || kBlockM == 128, "kBlockM must be 64 or 128");
   static_assert(kBlockN == 128 || kBlockN == 256, "kBlockN must be 128 or 256");
+  static_assert(kClusterM == 1 || kClusterM == 2, "kClusterM must be 1 or 2");
+  static_assert(kGroupM % kClusterM == 0, "a raster group holds whole clusters");
 
   static constexpr int kWarpgroupsM = kBlockM / 64;
   static constexpr int kWarpgroupsN = 2 / kWarpgroupsM;
@@ -75,6 +98,7 @@ struct FusedMoeSm90Config {
   // TMA boxes of weight rows: half a slice each (a gate or an up half), 2 * kWarpgroupsN a stage.
   static constexpr int kBoxRows = kSlice / 2;
   static constexpr int kBoxes = kBlockN / kBoxRows;
+  static_assert(kBoxes % kClusterM == 0, "the CTAs of a cluster load equal shares of the boxes");
   using MmaAtom = decltype(cute::GMMA::ss_op_selector<Element, Element, float,
                                                       cute::Shape<cute::_64, cute::Int<kSlice>, cute::Int<kBlockK>>>());
   using TiledMma = decltype(cute::make_tiled_mma(
@@ -83,9 +107,14 @@ struct FusedMoeSm90Config {
   static constexpr int kStageBytesA = kBlockM * kBlockK * int(sizeof(Element));
   static constexpr int kStageBytesB = kBlockN * kBlockK * int(sizeof(Element));
   static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+  // Activation-row copies: each producer thread owns one 16-byte K column of fixed rows.
+  static constexpr int kChunksPerRow = kBlockK * int(sizeof(Element)) / 16;  // 8
+  static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;      // 16
+  static constexpr int kChunksA = kBlockM / kRowsPerPass;
   // Shared memory past the ring: 1024 bytes of alignment slack, two barriers a slot,
-  // and two tiles' slot/weight tables.
-  static constexpr int kTableBytes = 2 * kBlockM * int(sizeof(int32_t) + sizeof(float));
+  // two tiles' slot/weight tables for the consumers, and the producer's row table.
+  static constexpr int kTableBytes =
+      2 * kBlockM * int(sizeof(int32_t) + sizeof(float)) + kChunksA * kProducerThreads * int(sizeof(int32_t));
   static constexpr int kRingBudget = 232448 - 1024 - 16 * 8 - kTableBytes;  // 227 KB opt-in limit
   // NOTE: more than 8 slots adds nothing (8 already cover ~2 us of loads at 64 x 128).
   static constexpr int kStages = kRingBudget / kStageBytes < 8 ? kRingBudget / kStageBytes : 8;
@@ -100,14 +129,9 @@ struct FusedMoeSm90Config {
   static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
   static constexpr size_t kSmemBytes =
       1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + kTableBytes;
-
-  // Activation-row copies: each producer thread owns one 16-byte K column of fixed rows.
-  static constexpr int kChunksPerRow = kBlockK * int(sizeof(Element)) / 16;  // 8
-  static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;      // 16
-  static constexpr int kChunksA = kBlockM / kRowsPerPass;
 };
 
-// m-tile and n-tile of persistent tile t in the grouped raster.
+// m-tile group and n-tile of persistent cluster tile t in the grouped raster.
 template <int kGroupM>
 __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, int64_t num_n_tiles, int64_t& m_tile,
                                                 int64_t& n_tile) {
@@ -120,6 +144,167 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
   n_tile = local / group_rows;
 }
 
+// The experts of the m-tiles of one cluster tile, as each CTA of the cluster sees them.
+template <int kClusterM>
+struct Sm90ClusterTile {
+  bool own_real;     // this CTA's m-tile exists (< num_m_tiles): it writes its rows
+  bool own_loads;    // ... and its expert is on this rank: it loads and multiplies
+  bool active;       // some CTA of the cluster loads: every CTA turns the ring
+  bool shared;       // all CTAs load the same expert: the weight tile is multicast
+  int expert;        // this CTA's expert (valid when own_loads)
+  int64_t m_tile;    // this CTA's m-tile
+};
+
+// NOTE: every field goes through a shuffle from lane 0, so the compiler knows the
+// branches on it are warp-uniform (the values come from global loads; without this the
+// epilogue's shuffles get divergence fallbacks).
+template <int kBlockM, int kClusterM>
+__device__ __forceinline__ Sm90ClusterTile<kClusterM> sm90_cluster_tile(const detail::GemmParams& p, int64_t m_group,
+                                                                       int64_t num_m_tiles, int cta_rank) {
+  bool own_real = false, own_loads = false, active = false, shared = kClusterM > 1;
+  int own_expert = -1, first_expert = -1;
+#pragma unroll
+  for (int r = 0; r < kClusterM; ++r) {
+    const int64_t m_tile = m_group * kClusterM + r;
+    const bool real = m_tile < num_m_tiles;
+    const int expert = real ? p.expert_ids[m_tile * kBlockM / p.block_size] : -1;
+    const bool loads = expert >= 0 && expert < p.num_experts;
+    active |= loads;
+    if (r == 0) first_expert = loads ? expert : -1;
+    shared &= loads && expert == first_expert;
+    if (r == cta_rank) {
+      own_real = real;
+      own_loads = loads;
+      own_expert = expert;
+    }
+  }
+  const int flags = __shfl_sync(0xffffffffu, int(own_real) | int(own_loads) << 1 | int(active) << 2 | int(shared) << 3, 0);
+  Sm90ClusterTile<kClusterM> c;
+  c.own_real = flags & 1;
+  c.own_loads = flags & 2;
+  c.active = flags & 4;
+  c.shared = flags & 8;
+  c.expert = __shfl_sync(0xffffffffu, own_expert, 0);
+  c.m_tile = m_group * kClusterM + cta_rank;
+  return c;
+}
+
+// Lane q of each quad holds word w[j] for column group j of a 4-group block (its own
+// columns 2q, 2q + 1 of the group); afterwards it holds t[p] = lane p's word of group q,
+// i.e. the 8 adjacent columns of group q in order. Selects, not register indexing, so
+// the arrays stay in registers.
+__device__ __forceinline__ void quad_transpose(const uint32_t (&w)[4], uint32_t (&t)[4]) {
+  const int q = threadIdx.x % 4;
+  auto pick = [&](int i) { return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3]; };
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t[i] = 0;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int peer = q ^ r;
+    const uint32_t got = r == 0 ? pick(q) : __shfl_xor_sync(0xffffffffu, pick(peer), r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) t[i] = peer == i ? got : t[i];
+  }
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack_pair(float v0, float v1) {
+  cute::array<T, 2> pair;
+  pair[0] = T(v0);
+  pair[1] = T(v1);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// 16-byte store to global memory. NOTE: a uint4 store through a cast pointer compiled
+// to four 4-byte stores (nvcc 13.0).
+__device__ __forceinline__ void store_global_16(void* ptr, const uint32_t (&v)[4]) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(ptr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+
+// The epilogue of one consumer warpgroup's accumulator: routed weight, activation
+// (gated), rounding, rows scattered by slot. Templated on the activation so that the
+// unrolled loops carry no per-value branches.
+//
+// Fragment value v = c + 2 * h + 4 * g holds row +8h and element c of the column pair
+// of column group g (8 columns); gated, the second half of the fragment holds the up
+// columns kSlice / 2 to the right of the gate columns in the first half.
+template <class Config>
+struct Sm90TileOutput {
+  using T = typename Config::Element;
+  const detail::GemmParams& p;
+  const int32_t* tile_slot;  // [kBlockM], -1 = padding
+  const float* tile_weight;  // [kBlockM]
+  int64_t n0;                // first output column of the tile
+  bool vector_store;         // 16-byte stores: row-contiguous out, N % 8 == 0, aligned rows
+  bool paired;               // 4-byte pair stores: row-contiguous out, even strides, aligned
+
+  template <bool kGated, detail::ActivationKind kAct, class Acc>
+  __device__ __forceinline__ float output(const Acc& acc, int v, float w) const {
+    constexpr int kValues = decltype(cute::size(acc))::value;
+    if constexpr (kGated) {
+      // The routed weight scales the GEMM output (apply_router_weight_on_input): before the activation.
+      return gated_activation<kAct>(acc(v) * w, acc(v + kValues / 2) * w, p.alpha, p.limit);
+    } else {
+      return acc(v) * w;
+    }
+  }
+
+  template <bool kGated>
+  __device__ __forceinline__ int64_t out_col(int tile_col) const {
+    return n0 + (kGated ? GatedTileColumn<Config::kSlice>(tile_col).out_col : tile_col);
+  }
+
+  template <bool kGated, detail::ActivationKind kAct, class Acc, class Coord>
+  __device__ __forceinline__ void store(const Acc& acc, const Coord& coord) const {
+    using cute::get;
+    constexpr int kValues = decltype(cute::size(acc))::value;
+    constexpr int kGroups = (kGated ? kValues / 2 : kValues) / 4;  // column groups holding outputs
+    T* out = static_cast<T*>(p.out);
+    if (vector_store) {
+      static_assert(kGroups % 4 == 0, "quads transpose blocks of 4 column groups");
+      const int quad_lane = threadIdx.x % 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = get<0>(coord(2 * h));
+        const int32_t slot = tile_slot[row];
+        const float w = tile_weight[row];
+#pragma unroll
+        for (int g0 = 0; g0 < kGroups; g0 += 4) {
+          uint32_t words[4], chunk[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int v = 2 * h + 4 * (g0 + j);
+            words[j] = pack_pair<T>(output<kGated, kAct>(acc, v, w), output<kGated, kAct>(acc, v + 1, w));
+          }
+          quad_transpose(words, chunk);
+          // This lane's chunk: all 8 columns of column group g0 + quad_lane.
+          const int64_t n = out_col<kGated>(get<1>(coord(2 * h + 4 * (g0 + quad_lane))) - 2 * quad_lane);
+          if (slot >= 0 && n < p.N) store_global_16(out + slot * p.out_stride_row + n, chunk);
+        }
+      }
+      return;
+    }
+    // Outputs n and n + 1 of the row of fragment value v, as one 4-byte word when paired.
+#pragma unroll
+    for (int v = 0; v < (kGated ? kValues / 2 : kValues); v += 2) {
+      const int row = get<0>(coord(v));
+      const int32_t slot = tile_slot[row];
+      const int64_t n = out_col<kGated>(get<1>(coord(v)));
+      if (slot < 0 || n >= p.N) continue;
+      const float w = tile_weight[row];
+      T* dst = out + slot * p.out_stride_row + n * p.out_stride_n;
+      const float v0 = output<kGated, kAct>(acc, v, w), v1 = output<kGated, kAct>(acc, v + 1, w);
+      if (paired && n + 1 < p.N) {
+        *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(v0, v1);
+      } else {
+        dst[0] = T(v0);
+        if (n + 1 < p.N) dst[p.out_stride_n] = T(v1);
+      }
+    }
+  }
+};
+
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     fused_moe_sm90_kernel(const __grid_constant__ detail::GemmParams p, const __grid_constant__ WeightTensorMap w_map) {
@@ -128,7 +313,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using T = typename Config::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kBlockK = Config::kBlockK;
-  constexpr int kStages = Config::kStages, kSlice = Config::kSlice;
+  constexpr int kStages = Config::kStages, kSlice = Config::kSlice, kClusterM = Config::kClusterM;
 
   extern __shared__ uint8_t smem_raw[];
   T* smem_a = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -137,15 +322,30 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   uint64_t* empty_bar = full_bar + kStages;
   int32_t* table_slot = reinterpret_cast<int32_t*>(empty_bar + kStages);  // [2][kBlockM], -1 = padding
   float* table_weight = reinterpret_cast<float*>(table_slot + 2 * kBlockM);  // [2][kBlockM]
+  // Row of a behind chunk i of producer thread t, [kChunksA][kProducerThreads], -1 for
+  // padding. NOTE: in shared memory, not registers: 8 rows (or pointers) a thread
+  // spilled the 56-register producer of the 128-row tiles (ptxas).
+  int32_t* producer_rows = reinterpret_cast<int32_t*>(table_weight + 2 * kBlockM);
+
+  // NOTE: in a cluster of two, the shared memory layout (and so every barrier address)
+  // is the same in both CTAs: remote arrivals and multicasts address the peer's copy.
+  const int cta_rank = kClusterM > 1 ? int(cute::block_rank_in_cluster()) : 0;
+  const int64_t cluster_id = blockIdx.x / kClusterM;
+  const int64_t num_clusters = gridDim.x / kClusterM;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       Barrier::init(&full_bar[s], Config::kProducerThreads + 1);
-      Barrier::init(&empty_bar[s], Config::kConsumerWarps);
+      Barrier::init(&empty_bar[s], Config::kConsumerWarps * kClusterM);
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  // The peer's barriers must be initialised before the first remote arrival or multicast.
+  if constexpr (kClusterM > 1) {
+    cute::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   // Gated: kBlockN weight rows give kBlockN / 2 output columns.
   const int out_width = p.gated ? kBlockN / 2 : kBlockN;
@@ -153,11 +353,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int64_t num_k_tiles = (p.K + kBlockK - 1) / kBlockK;
   wait_for_previous_kernel();
   const int64_t num_m_tiles = *p.num_tokens_post_padded / kBlockM;  // a multiple of the block size
-  const int64_t num_tiles = num_m_tiles * num_n_tiles;
+  const int64_t num_m_groups = (num_m_tiles + kClusterM - 1) / kClusterM;
+  const int64_t num_tiles = num_m_groups * num_n_tiles;  // cluster tiles
 
-  if (threadIdx.x < Config::kProducerThreads) {
+  // NOTE: the warpgroup index through a shuffle, so the compiler knows the role branch is
+  // warp-uniform (else every shuffle of the epilogue gets a divergence fallback).
+  const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  if (warpgroup == 0) {
     // ================= producer =================
-    // NOTE: 48 spilled the row pointers of the 128-row tiles (ptxas); 56 + 2 x 224 fits 64K.
+    // NOTE: 56 + 2 x 224 registers a thread fill the 64K of the SM.
     cutlass::arch::warpgroup_reg_dealloc<56>();
     const T* a_base = static_cast<const T*>(p.a);
     const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
@@ -167,45 +371,71 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
     int stage = 0;
     uint32_t phase = 1;  // a fresh barrier counts as having completed the phase before
-    for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int64_t m_tile, n_tile;
-      sm90_tile_coord<Config::kGroupM>(t, num_m_tiles, num_n_tiles, m_tile, n_tile);
-      const int64_t entry0 = m_tile * kBlockM;
-      const int expert = p.expert_ids[entry0 / p.block_size];
-      if (expert < 0 || expert >= p.num_experts) continue;  // the consumers write zeros
-      const T* a_row[Config::kChunksA];  // null for padding rows
+    auto advance = [&] {
+      if (++stage == kStages) { stage = 0; phase ^= 1; }
+    };
+    for (int64_t t = cluster_id; t < num_tiles; t += num_clusters) {
+      int64_t m_group, n_tile;
+      sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
+      const auto tile = sm90_cluster_tile<kBlockM, kClusterM>(p, m_group, num_m_tiles, cta_rank);
+      if (!tile.active) continue;  // the consumers write zeros
+      const int64_t entry0 = tile.m_tile * kBlockM;
+      // Each thread writes and later reads only its own entries: no barrier.
 #pragma unroll
       for (int i = 0; i < Config::kChunksA; ++i) {
         const int64_t entry = entry0 + row0 + i * Config::kRowsPerPass;
-        const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
-        a_row[i] = slot >= 0 && slot < p.num_slots ? a_base + (slot / p.top_k) * p.a_stride_row : nullptr;
+        const int32_t slot = tile.own_loads && entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
+        producer_rows[i * Config::kProducerThreads + threadIdx.x] =
+            slot >= 0 && slot < p.num_slots ? int32_t(slot / p.top_k) : -1;
       }
       const int64_t n0 = n_tile * out_width;
       for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
         Barrier::wait(&empty_bar[stage], phase);
         const int64_t k0 = k_tile * kBlockK;
         if (threadIdx.x == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[stage], Config::kStageBytesB);
+          if (tile.own_loads) {
+            // The whole weight tile lands here: this CTA's boxes and, shared, the peer's.
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[stage], Config::kStageBytesB);
 #pragma unroll
-          for (int b = 0; b < Config::kBoxes; ++b) {
-            // Box b holds tile columns [b * kBoxRows, +kBoxRows): gated, the gate (b even)
-            // or up (b odd) rows of output columns n0 + (b / 2) * kBoxRows + [0, kBoxRows).
-            const int32_t row = int32_t(p.gated ? n0 + (b / 2) * Config::kBoxRows : n0 + b * Config::kBoxRows);
-            const int32_t half = p.gated ? b % 2 : 0;
-            T* dst = smem_b + stage * (kBlockN * kBlockK) + b * (Config::kBoxRows * kBlockK);
-            SM90_TMA_LOAD_4D::copy(&w_map.map, &full_bar[stage], 0, dst, int32_t(k0), interleaved ? half : row,
-                                   interleaved ? row : half, expert);
+            for (int b = 0; b < Config::kBoxes; ++b) {
+              if (tile.shared && b % kClusterM != cta_rank) continue;
+              // Box b holds tile columns [b * kBoxRows, +kBoxRows): gated, the gate (b even)
+              // or up (b odd) rows of output columns n0 + (b / 2) * kBoxRows + [0, kBoxRows).
+              const int32_t row = int32_t(p.gated ? n0 + (b / 2) * Config::kBoxRows : n0 + b * Config::kBoxRows);
+              const int32_t half = p.gated ? b % 2 : 0;
+              T* dst = smem_b + stage * (kBlockN * kBlockK) + b * (Config::kBoxRows * kBlockK);
+              const int32_t c1 = interleaved ? half : row, c2 = interleaved ? row : half;
+              if (tile.shared) {
+                SM90_TMA_LOAD_MULTICAST_4D::copy(&w_map.map, &full_bar[stage], uint16_t((1 << kClusterM) - 1), 0, dst,
+                                                 int32_t(k0), c1, c2, tile.expert);
+              } else {
+                SM90_TMA_LOAD_4D::copy(&w_map.map, &full_bar[stage], 0, dst, int32_t(k0), c1, c2, tile.expert);
+              }
+            }
+          } else {
+            Barrier::arrive(&full_bar[stage]);  // an empty stage: the peer loads alone
           }
         }
         const int64_t k = k0 + k_col;  // K % 8 == 0: a chunk is all in or all out
+        if (tile.own_loads) {
 #pragma unroll
-        for (int i = 0; i < Config::kChunksA; ++i) {
-          const bool ok = a_row[i] != nullptr && k < p.K;
-          CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_row[i] + k : a_base),
-                        *reinterpret_cast<uint128_t*>(&sA(row0 + i * Config::kRowsPerPass, k_col, stage)), ok);
+          for (int i = 0; i < Config::kChunksA; ++i) {
+            const int32_t row = producer_rows[i * Config::kProducerThreads + threadIdx.x];
+            const bool ok = row >= 0 && k < p.K;
+            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_base + row * p.a_stride_row + k : a_base),
+                          *reinterpret_cast<uint128_t*>(&sA(row0 + i * Config::kRowsPerPass, k_col, stage)), ok);
+          }
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        advance();
+      }
+    }
+    if constexpr (kClusterM > 1) {
+      // The peer's consumers release their slots in this CTA too: wait for every slot's
+      // last release before the CTA (and its shared memory) may go away.
+      for (int s = 0; s < kStages; ++s) {
+        Barrier::wait(&empty_bar[stage], phase);
+        advance();
       }
     }
     cp_async_wait<0>();
@@ -226,49 +456,63 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Tensor tCrB = thr_mma.make_fragment_B(tCsB);
   Tensor acc = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
   Tensor coord = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  static_assert(decltype(size<1>(acc))::value == 1 && decltype(size<2>(acc))::value == 1,
+                "one wgmma atom per consumer warpgroup: value v = (column pair, row half, column group)");
   T* out = static_cast<T*>(p.out);
   const bool paired = p.out_stride_n == 1 && p.out_stride_row % 2 == 0 && (reinterpret_cast<uintptr_t>(out) % 4) == 0;
+  // 16-byte stores: 8 columns of a row all in or all out, rows 16-byte aligned.
+  const bool vector_store = p.out_stride_n == 1 && p.out_stride_row % 8 == 0 && p.N % 8 == 0 &&
+                            (reinterpret_cast<uintptr_t>(out) % 16) == 0;
 
   int stage = 0;
   uint32_t phase = 0;
   int table = 0;
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x, table ^= 1) {
-    int64_t m_tile, n_tile;
-    sm90_tile_coord<Config::kGroupM>(t, num_m_tiles, num_n_tiles, m_tile, n_tile);
-    const int64_t entry0 = m_tile * kBlockM;
+  for (int64_t t = cluster_id; t < num_tiles; t += num_clusters) {
+    int64_t m_group, n_tile;
+    sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
+    const auto tile = sm90_cluster_tile<kBlockM, kClusterM>(p, m_group, num_m_tiles, cta_rank);
+    const int64_t entry0 = tile.m_tile * kBlockM;
     const int64_t n0 = n_tile * out_width;
-    const int expert = p.expert_ids[entry0 / p.block_size];
-    // Slot and routed weight of each row; two tables, so this tile's fill cannot race
-    // the previous tile's epilogue reads (the barrier below orders the one before).
+    // Slot and routed weight of each row; two tables, alternating over the tiles this CTA
+    // writes, so this tile's fill cannot race the previous tile's epilogue reads (the
+    // barrier below orders the one before).
     int32_t* tile_slot = table_slot + table * kBlockM;
     float* tile_weight = table_weight + table * kBlockM;
-    load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight, thread, Config::kConsumerThreads);
-    cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, 1);
+    if (tile.own_real) {
+      table ^= 1;
+      load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight, thread, Config::kConsumerThreads);
+      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, 1);
+    }
 
     clear(acc);
-    // Expert not on this rank (or a dropped slot): no K loop, the rows are written as zeros.
-    if (expert >= 0 && expert < p.num_experts) {
+    // Expert not on this rank (or a dropped slot): no wgmma, the rows are written as zeros.
+    if (tile.active) {
       int release_stage = stage;
       int64_t released = 0;
       auto release = [&] {
-        if (thread % 32 == 0) Barrier::arrive(&empty_bar[release_stage]);
+        if (thread % 32 == 0) {
+          Barrier::arrive(&empty_bar[release_stage]);
+          if constexpr (kClusterM > 1) Barrier::arrive(&empty_bar[release_stage], uint32_t(cta_rank ^ 1), 1u);
+        }
         release_stage = release_stage + 1 == kStages ? 0 : release_stage + 1;
         ++released;
       };
       for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
         Barrier::wait(&full_bar[stage], phase);
-        // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
-        cutlass::arch::fence_view_async_shared();
-        warpgroup_fence_operand(acc);
-        warpgroup_arrive();
+        if (tile.own_loads) {
+          // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
+          cutlass::arch::fence_view_async_shared();
+          warpgroup_fence_operand(acc);
+          warpgroup_arrive();
 #pragma unroll
-        for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-          gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+            gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+          }
+          warpgroup_commit_batch();
+          // kMmaInFlight batches stay in flight; the slots of the retired ones go back.
+          warpgroup_wait<Config::kMmaInFlight>();
+          warpgroup_fence_operand(acc);
         }
-        warpgroup_commit_batch();
-        // kMmaInFlight batches stay in flight; the slots of the retired ones go back.
-        warpgroup_wait<Config::kMmaInFlight>();
-        warpgroup_fence_operand(acc);
         if (k_tile >= Config::kMmaInFlight) release();
         if (++stage == kStages) { stage = 0; phase ^= 1; }
       }
@@ -276,74 +520,81 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       warpgroup_fence_operand(acc);
       while (released < num_k_tiles) release();
     }
-    if (t + gridDim.x >= num_tiles) allow_next_kernel_launch();
+    if (t + num_clusters >= num_tiles) allow_next_kernel_launch();
+    if (!tile.own_real) continue;
 
     // ---- epilogue: routed weight, (activation,) round, scatter rows by slot ----
-    // Accumulator pairs (i, i + 1) are adjacent columns of one row: stored as one 4-byte
-    // word when out is row-contiguous. Gated: the fragment's second half holds the up
-    // columns kSlice / 2 to the right of the gate columns in the first half.
-    constexpr int kValues = decltype(size(acc))::value;
-    // Stores outputs n and n + 1 of the row of fragment value i.
-    auto store_pair = [&](int i, int64_t n, float v0, float v1) {
-      const int32_t slot = tile_slot[get<0>(coord(i))];
-      if (slot < 0 || n >= p.N) return;
-      T* dst = out + slot * p.out_stride_row + n * p.out_stride_n;
-      if (paired && n + 1 < p.N) {
-        using Pair = cute::array<T, 2>;
-        Pair v;
-        v[0] = T(v0);
-        v[1] = T(v1);
-        *reinterpret_cast<Pair*>(dst) = v;
-      } else {
-        dst[0] = T(v0);
-        if (n + 1 < p.N) dst[p.out_stride_n] = T(v1);
-      }
-    };
-    if (p.gated) {
-      constexpr int kHalf = kValues / 2;
-#pragma unroll
-      for (int i = 0; i < kHalf; i += 2) {
-        // The routed weight scales the GEMM output (apply_router_weight_on_input): before the activation.
-        const float w = tile_weight[get<0>(coord(i))];
-        store_pair(i, n0 + GatedTileColumn<kSlice>(get<1>(coord(i))).out_col,
-                   gated_activation(p, acc(i) * w, acc(i + kHalf) * w),
-                   gated_activation(p, acc(i + 1) * w, acc(i + 1 + kHalf) * w));
-      }
+    const Sm90TileOutput<Config> tile_out{p, tile_slot, tile_weight, n0, vector_store, paired};
+    if (!p.gated) {
+      tile_out.template store<false, detail::ActivationKind::kSiluAndMul>(acc, coord);
+    } else if (p.activation == detail::ActivationKind::kSiluAndMul) {
+      tile_out.template store<true, detail::ActivationKind::kSiluAndMul>(acc, coord);
+    } else if (p.activation == detail::ActivationKind::kGeluAndMul) {
+      tile_out.template store<true, detail::ActivationKind::kGeluAndMul>(acc, coord);
     } else {
-#pragma unroll
-      for (int i = 0; i < kValues; i += 2) {
-        const float w = tile_weight[get<0>(coord(i))];
-        store_pair(i, n0 + get<1>(coord(i)), acc(i) * w, acc(i + 1) * w);
-      }
+      tile_out.template store<true, detail::ActivationKind::kSwigluOai>(acc, coord);
     }
   }
 #endif
 }
 
-// Launches the kernel for one (element type, tile) instance: one CTA per SM at most.
-template <class Element, int kBlockM, int kBlockN>
+// Clusters of `cluster_size` CTAs of `kernel` that fit on the device at once (cached per
+// device and instance: an occupancy query, no sync).
+template <class Kernel>
+int max_active_clusters(Kernel kernel, int threads, size_t smem_bytes, int cluster_size) {
+  static std::atomic<int> cached[64] = {};
+  const DeviceInfo& device = current_device_info();
+  std::atomic<int>& slot = cached[device.ordinal % 64];
+  int clusters = slot.load(std::memory_order_relaxed);
+  if (clusters == 0) {
+    if (cluster_size == 1) {
+      clusters = device.num_sms;
+    } else {
+      cudaLaunchConfig_t config{};
+      config.gridDim = dim3(unsigned(device.num_sms / cluster_size * cluster_size));
+      config.blockDim = dim3(unsigned(threads));
+      config.dynamicSmemBytes = smem_bytes;
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeClusterDimension;
+      attribute.val.clusterDim.x = unsigned(cluster_size);
+      attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+      if (clusters < 1) throw Error("moelora.fused_moe: no cluster of the sm90 kernel fits on this device");
+    }
+    slot.store(clusters, std::memory_order_relaxed);
+  }
+  return clusters;
+}
+
+// Launches the kernel for one (element type, tile, cluster) instance: at most one CTA
+// per SM, and no more clusters than fit at once (the tile loop is persistent).
+template <class Element, int kBlockM, int kBlockN, int kClusterM>
 void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
-  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN>;
+  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN, kClusterM>;
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
   const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
-  const int64_t num_tiles = num_m_tiles * ((p.N + out_width - 1) / out_width);
+  const int64_t num_tiles = (num_m_tiles + kClusterM - 1) / kClusterM * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
   const WeightTensorMap w_map = make_weight_tensor_map(p, Config::kBoxRows);
   auto kernel = fused_moe_sm90_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
-  const int64_t grid = std::min<int64_t>(num_tiles, current_device_info().num_sms);
-  launch_kernel(kernel, dim3(unsigned(grid)), dim3(Config::kThreads), Config::kSmemBytes, stream, p, w_map);
+  const int64_t clusters = std::min<int64_t>(
+      num_tiles, max_active_clusters(kernel, Config::kThreads, Config::kSmemBytes, kClusterM));
+  launch_kernel_in_clusters(kernel, dim3(unsigned(clusters * kClusterM)), dim3(Config::kThreads), Config::kSmemBytes,
+                            stream, kClusterM, p, w_map);
 }
 
 // The instances of one (element type, tile height): one translation unit each.
 template <class T, int kBlockM>
-void dispatch_fused_moe_sm90(const detail::GemmParams& p, int block_n, cudaStream_t stream) {
-  switch (block_n) {
-    case 128: launch_fused_moe_sm90<T, kBlockM, 128>(p, stream); break;
-    case 256: launch_fused_moe_sm90<T, kBlockM, 256>(p, stream); break;
-    default:
-      throw Error("moelora.fused_moe: no sm90 instance for tile " + std::to_string(kBlockM) + "x" + std::to_string(block_n));
-  }
+void dispatch_fused_moe_sm90(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream) {
+  if (block_n == 128 && cluster_m == 1) return launch_fused_moe_sm90<T, kBlockM, 128, 1>(p, stream);
+  if (block_n == 128 && cluster_m == 2) return launch_fused_moe_sm90<T, kBlockM, 128, 2>(p, stream);
+  if (block_n == 256 && cluster_m == 1) return launch_fused_moe_sm90<T, kBlockM, 256, 1>(p, stream);
+  if (block_n == 256 && cluster_m == 2) return launch_fused_moe_sm90<T, kBlockM, 256, 2>(p, stream);
+  throw Error("moelora.fused_moe: no sm90 instance for tile " + std::to_string(kBlockM) + "x" + std::to_string(block_n) +
+              " in clusters of " + std::to_string(cluster_m));
 }
 
 }  // namespace moelora::cuda

@@ -385,9 +385,11 @@ std::vector<LayerCase> layer_cases() {
   static const MoeKernelConfig kMmaSync{64, {GemmKernel::kSm80, 64, 64}, {GemmKernel::kSm80, 16, 128}};
   static const MoeKernelConfig kWgmma{128, {GemmKernel::kSm90, 128, 256}, {GemmKernel::kSm90, 64, 128}};
   static const MoeKernelConfig kMixed{128, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm80, 32, 64}};
+  static const MoeKernelConfig kClusters{64, {GemmKernel::kSm90, 64, 256, 2}, {GemmKernel::kSm90, 64, 256, 2}};
   static const MoeKernelConfig kAutoTiles{32, {}, {}};
   for (const auto& [name, config] : {std::pair{"config_sm80", &kMmaSync}, std::pair{"config_sm90", &kWgmma},
-                                     std::pair{"config_mixed", &kMixed}, std::pair{"config_auto_tiles", &kAutoTiles}}) {
+                                     std::pair{"config_mixed", &kMixed}, std::pair{"config_sm90_clusters", &kClusters},
+                                     std::pair{"config_auto_tiles", &kAutoTiles}}) {
     LayerCase x = c;
     x.M = 300;
     x.top_k = 4;
@@ -408,7 +410,9 @@ std::vector<LayerCase> layer_cases() {
       for (int32_t n : {64, 128}) tiles.push_back({128, {GemmKernel::kSm80, m, n}, {}});
     }
     for (int32_t m : {64, 128}) {
-      for (int32_t n : {128, 256}) tiles.push_back({128, {GemmKernel::kSm90, m, n}, {}});
+      for (int32_t n : {128, 256}) {
+        for (int32_t cluster : {1, 2}) tiles.push_back({128, {GemmKernel::kSm90, m, n, cluster}, {}});
+      }
     }
     return tiles;
   }();
@@ -428,7 +432,8 @@ std::vector<LayerCase> layer_cases() {
                             : x.options.activation == Activation::kGelu ? "gelu"
                                                                         : "swiglu";
     add("fused_act_" + std::string(config.gemm1.kernel == GemmKernel::kSm90 ? "sm90_" : "sm80_") +
-            std::to_string(config.gemm1.block_m) + "x" + std::to_string(config.gemm1.block_n) + "_" + act +
+            std::to_string(config.gemm1.block_m) + "x" + std::to_string(config.gemm1.block_n) +
+            (config.gemm1.cluster_m > 1 ? "_cluster2_" : "_") + act +
             (x.options.apply_router_weight_on_input ? "_weight_on_input" : ""),
         x, {Backend::kCUDA});
   }

@@ -46,7 +46,8 @@ std::string case_name(const GemmCase& c) {
   const std::string tile = c.tile.kernel == GemmKernel::kAuto
                                ? std::string()
                                : std::string("_") + kernel_name(c.tile.kernel) + "_" + std::to_string(c.tile.block_m) +
-                                     "x" + std::to_string(c.tile.block_n);
+                                     "x" + std::to_string(c.tile.block_n) +
+                                     (c.tile.cluster_m > 1 ? "_cluster" + std::to_string(c.tile.cluster_m) : "");
   return std::string(backend_name(c.backend)) + "_" + dtype_short_name(c.dtype) + "_" + c.name + "_M" +
          std::to_string(c.M) + "_bs" + std::to_string(c.block_size) + tile;
 }
@@ -244,20 +245,33 @@ std::vector<GemmCase> gemm_cases() {
 
   // Every tensor-core tile (CUDA only; the CPU ignores tiles). Partial N and K tiles,
   // several m-tiles per expert (raster groups), dropped slots and remote experts (-1
-  // blocks), both GEMM kinds, and an out whose rows defeat paired stores.
+  // blocks), both GEMM kinds, and an out whose rows defeat paired (and 16-byte) stores.
+  // sm90 in clusters of two: m-tile pairs of one expert (multicast weights), pairs
+  // straddling two experts or a -1 block, and a last pair missing its second tile.
   const Layout odd_out = Layout::kOddOutRows;
   std::vector<GemmTile> tiles;
   for (int32_t bm : {16, 32, 64}) {
     for (int32_t bn : {64, 128}) tiles.push_back({GemmKernel::kSm80, bm, bn});
   }
   for (int32_t bm : {64, 128}) {
-    for (int32_t bn : {128, 256}) tiles.push_back({GemmKernel::kSm90, bm, bn});
+    for (int32_t bn : {128, 256}) {
+      for (int32_t cluster : {1, 2}) tiles.push_back({GemmKernel::kSm90, bm, bn, cluster});
+    }
   }
   const std::vector<Backend> cuda_only{Backend::kCUDA};
   for (const GemmTile& t : tiles) {
     GemmCase gathered{"tile_gathered", {}, bf16, 300, 4, 6, 520, 1000, 128, false, true, contiguous, 0.1, true, 0.0};
     gathered.tile = t;
     add(gathered, cuda_only);
+    if (t.cluster_m > 1) {
+      // Other slot counts per expert, so that the last m-tile pair is sometimes half full.
+      for (int64_t m : {77, 161}) {
+        GemmCase odd{"tile_gathered", {}, bf16, m, 3, 5, 264, 520, 64, false, true, contiguous, 0.0, false, 0.0};
+        odd.tile = t;
+        odd.block_size = std::max<int64_t>(64, t.block_m);
+        add(odd, cuda_only);
+      }
+    }
     GemmCase per_slot{"tile_per_slot", {}, fp16, 97, 2, 3, 264, 136, 128, true, true, odd_out, 0.0, false, 0.0};
     per_slot.tile = t;
     add(per_slot, cuda_only);
