@@ -287,6 +287,13 @@ std::vector<AlignCase> align_cases() {
   add("qwen3_M10240_contiguous", 10240, 8, 128, 128, Routing::kRandom, i32, false, false);
   add("deepseek_M1000_map", 1000, 8, 256, 128, Routing::kDropped, i64, false, true);
   add("gpt_oss_M256", 256, 4, 128, 16, Routing::kRandom, i32, true, false);
+  // The CUDA kernel splits the slots over a cluster of up to 8 CTAs (2048 slots each):
+  // two CTAs with uneven shares, every slot of 8 CTAs in one group, dropped slots and
+  // an expert map across CTAs, and most groups padding.
+  add("two_ctas_M257", 257, 8, 128, 32, Routing::kRandom, i32, false, false);
+  add("one_expert_M5000_8ctas", 5000, 4, 64, 64, Routing::kOneExpert, i32, false, false);
+  add("dropped_map_M3001_8ctas", 3001, 8, 256, 16, Routing::kDropped, i64, true, true);
+  add("worst_padding_M3000", 3000, 1, 256, 256, Routing::kWorstPadding, i32, false, false);
   add("max_experts", 100, 8, kMaxNumExperts, 16, Routing::kRandom, i32, false, false);
   return cases;
 }
