@@ -538,29 +538,32 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #endif
 }
 
-// Clusters of `cluster_size` CTAs of `kernel` that fit on the device at once (cached per
-// device and instance: an occupancy query, no sync).
-template <class Kernel>
-int max_active_clusters(Kernel kernel, int threads, size_t smem_bytes, int cluster_size) {
+// Clusters of the Config's kernel that fit on the device at once (an occupancy query,
+// cached per device and kernel instance; no sync). NOTE: the cache must be per instance:
+// one shared by every instance (all have the same function type) handed the first
+// instance's count to all, and a 64-cluster count from a 2-CTA instance halved the grid
+// of every 1-CTA instance after it (DeepSeek M = 4096: 1750 -> 2800 us).
+template <class Config>
+int sm90_max_active_clusters() {
   static std::atomic<int> cached[64] = {};
   const DeviceInfo& device = current_device_info();
   std::atomic<int>& slot = cached[device.ordinal % 64];
   int clusters = slot.load(std::memory_order_relaxed);
   if (clusters == 0) {
-    if (cluster_size == 1) {
+    if (Config::kClusterM == 1) {
       clusters = device.num_sms;
     } else {
       cudaLaunchConfig_t config{};
-      config.gridDim = dim3(unsigned(device.num_sms / cluster_size * cluster_size));
-      config.blockDim = dim3(unsigned(threads));
-      config.dynamicSmemBytes = smem_bytes;
+      config.gridDim = dim3(unsigned(device.num_sms / Config::kClusterM * Config::kClusterM));
+      config.blockDim = dim3(unsigned(Config::kThreads));
+      config.dynamicSmemBytes = Config::kSmemBytes;
       cudaLaunchAttribute attribute{};
       attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = unsigned(cluster_size);
+      attribute.val.clusterDim.x = unsigned(Config::kClusterM);
       attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
       config.attrs = &attribute;
       config.numAttrs = 1;
-      MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+      MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fused_moe_sm90_kernel<Config>, &config));
       if (clusters < 1) throw Error("moelora.fused_moe: no cluster of the sm90 kernel fits on this device");
     }
     slot.store(clusters, std::memory_order_relaxed);
@@ -580,8 +583,7 @@ void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
   const WeightTensorMap w_map = make_weight_tensor_map(p, Config::kBoxRows);
   auto kernel = fused_moe_sm90_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
-  const int64_t clusters = std::min<int64_t>(
-      num_tiles, max_active_clusters(kernel, Config::kThreads, Config::kSmemBytes, kClusterM));
+  const int64_t clusters = std::min<int64_t>(num_tiles, sm90_max_active_clusters<Config>());
   launch_kernel_in_clusters(kernel, dim3(unsigned(clusters * kClusterM)), dim3(Config::kThreads), Config::kSmemBytes,
                             stream, kClusterM, p, w_map);
 }
