@@ -657,7 +657,8 @@ int tune(const Options& o) {
     if (!f) throw std::runtime_error("cannot write " + file);
     std::fputs(json.c_str(), f);
     std::fclose(f);
-    std::printf("wrote %s\n", file.c_str());
+    // Also on stdout: a file name with '=' and ',' may not survive every transport.
+    std::printf("wrote %s\n%s", file.c_str(), json.c_str());
   }
   return 0;
 }
