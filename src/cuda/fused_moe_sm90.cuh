@@ -16,18 +16,25 @@
 // of every CTA of the cluster once the wgmmas that read the slot have retired). The
 // producer runs ahead into the next tile while the consumers store this one.
 //
-// Clusters (kClusterM = 2). NOTE: measured on H100 (Qwen3-30B, M = 4096, 64 x 256
-// tiles): the kernel is bound by L2 -> SM traffic (L2 throughput 76%, tensor pipe 37%;
-// removing every A load changed nothing, removing the B loads 5%). A 64-row tile loads
-// 32 KB of weights and 8 KB of rows per K step. The two CTAs of a cluster take the two
-// m-tiles of a pair (2p, 2p + 1) in the same n column; when both belong to one expert,
-// each loads half of the weight boxes by TMA multicast into both CTAs, halving the
-// weight traffic. A pair that straddles two experts loads unshared. To keep the ring
-// slots safe to multicast into, every consumer warp releases a slot in both CTAs, so
-// the pair walks its tiles in lockstep (both have the same K steps per tile); a CTA
-// whose own tile is past the end or not on this rank still turns its ring with empty
-// stages. Before exit, the producer waits until every slot is released (the partner's
-// last arrivals land in this CTA's shared memory).
+// Clusters (kClusterM = 2): the two CTAs take the two m-tiles of a pair (2p, 2p + 1) in
+// the same n column; when both belong to one expert, each loads half of the weight
+// boxes by TMA multicast into both CTAs, halving the weight traffic from L2. A pair that
+// straddles two experts loads unshared. To keep the ring slots safe to multicast into,
+// every consumer warp releases a slot in both CTAs, so the pair walks its tiles in
+// lockstep (both have the same K steps per tile); a CTA whose own tile is past the end
+// or not on this rank still turns its ring with empty stages. Before exit, the producer
+// waits until every slot is released (the partner's last arrivals land in this CTA's
+// shared memory). NOTE: measured on H100 at M = 4096, clusters gain 0-4% (Mixtral most):
+// L2 traffic is not what limits these tiles (vLLM's Triton kernel moves as many L2 bytes
+// per FLOP with the same 128 x 256 tile and runs its GEMMs in 697 us where this kernel
+// takes ~950 on Qwen3-30B). The suspect is per-tile serialisation: the consumers load
+// each tile's slots and weights, run the main loop, then store, the tensor cores idle
+// in between.
+// NOTE: a ping-pong version (64-row tiles, one consumer warpgroup each, producer-owned
+// per-tile tables one tile ahead) measured 10% slower and, before an order barrier was
+// added, read stale slots: ring barriers are waited on by parity, so a warpgroup that
+// runs a whole tile ahead sees an older phase of a slot as its own (docs/PERF_NOTES.md,
+// step 3).
 //
 // Persistence: the grid is at most one CTA per SM (and no more clusters than fit at
 // once), and cluster c takes cluster tiles c, c + clusters, ... in a grouped raster
