@@ -152,7 +152,6 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
 }
 
 // The experts of the m-tiles of one cluster tile, as each CTA of the cluster sees them.
-template <int kClusterM>
 struct Sm90ClusterTile {
   bool own_real;     // this CTA's m-tile exists (< num_m_tiles): it writes its rows
   bool own_loads;    // ... and its expert is on this rank: it loads and multiplies
@@ -166,8 +165,8 @@ struct Sm90ClusterTile {
 // branches on it are warp-uniform (the values come from global loads; without this the
 // epilogue's shuffles get divergence fallbacks).
 template <int kBlockM, int kClusterM>
-__device__ __forceinline__ Sm90ClusterTile<kClusterM> sm90_cluster_tile(const detail::GemmParams& p, int64_t m_group,
-                                                                       int64_t num_m_tiles, int cta_rank) {
+__device__ __forceinline__ Sm90ClusterTile sm90_cluster_tile(const detail::GemmParams& p, int64_t m_group,
+                                                             int64_t num_m_tiles, int cta_rank) {
   bool own_real = false, own_loads = false, active = false, shared = kClusterM > 1;
   int own_expert = -1, first_expert = -1;
 #pragma unroll
@@ -186,7 +185,7 @@ __device__ __forceinline__ Sm90ClusterTile<kClusterM> sm90_cluster_tile(const de
     }
   }
   const int flags = __shfl_sync(0xffffffffu, int(own_real) | int(own_loads) << 1 | int(active) << 2 | int(shared) << 3, 0);
-  Sm90ClusterTile<kClusterM> c;
+  Sm90ClusterTile c;
   c.own_real = flags & 1;
   c.own_loads = flags & 2;
   c.active = flags & 4;
