@@ -11,4 +11,17 @@ command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DMOELORA_CUDA="${MOELORA_CUDA:-AUTO}" -DMOELORA_BUILD_PYTHON=ON \
   -DPython_EXECUTABLE="$(command -v "${PYTHON:-python3}")" "$@"
-cmake --build "$BUILD_DIR" -j "$JOBS"
+# NOTE: ptxas reports (C7510..C7515) when it serialises a kernel's wgmmas, e.g. because an
+# ordinary instruction writes the accumulators inside a pipeline stage; that halved the
+# sm90 kernels' tensor rate unnoticed once (docs/PERF_NOTES.md, issue 3 step 4). A fresh
+# compile that prints it fails the build.
+LOG="$BUILD_DIR/build.log"
+mkdir -p "$BUILD_DIR"
+cmake --build "$BUILD_DIR" -j "$JOBS" 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+[ "$status" = 0 ] || exit "$status"
+if grep -q "wgmma.mma_async instructions are serialized" "$LOG"; then
+  grep "wgmma.mma_async instructions are serialized" "$LOG" | head -3
+  echo "error: ptxas serialised wgmma instructions (see above); fix the kernel before shipping it" >&2
+  exit 1
+fi

@@ -260,10 +260,12 @@ struct Sm90TileOutput {
   bool vector_store;         // 16-byte stores: row-contiguous out, N % 8 == 0, aligned rows
   bool paired;               // 4-byte pair stores: row-contiguous out, even strides, aligned
 
-  template <bool kGated, detail::ActivationKind kAct, class Acc>
+  template <bool kGated, detail::ActivationKind kAct, bool kZero, class Acc>
   __device__ __forceinline__ float output(const Acc& acc, int v, float w) const {
     constexpr int kValues = decltype(cute::size(acc))::value;
-    if constexpr (kGated) {
+    if constexpr (kZero) {
+      return 0.f;
+    } else if constexpr (kGated) {
       // The routed weight scales the GEMM output (apply_router_weight_on_input): before the activation.
       return gated_activation<kAct>(acc(v) * w, acc(v + kValues / 2) * w, p.alpha, p.limit);
     } else {
@@ -276,7 +278,9 @@ struct Sm90TileOutput {
     return n0 + (kGated ? GatedTileColumn<Config::kSlice>(tile_col).out_col : tile_col);
   }
 
-  template <bool kGated, detail::ActivationKind kAct, class Acc, class Coord>
+  // kZero: the rows of a tile whose expert is not on this rank; the accumulators are not
+  // read (nothing outside the wgmmas may write them: see the consumer loop).
+  template <bool kGated, detail::ActivationKind kAct, bool kZero, class Acc, class Coord>
   __device__ __forceinline__ void store(const Acc& acc, const Coord& coord) const {
     using cute::get;
     constexpr int kValues = decltype(cute::size(acc))::value;
@@ -296,7 +300,7 @@ struct Sm90TileOutput {
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int v = 2 * h + 4 * (g0 + j);
-            words[j] = pack_pair<T>(output<kGated, kAct>(acc, v, w), output<kGated, kAct>(acc, v + 1, w));
+            words[j] = pack_pair<T>(output<kGated, kAct, kZero>(acc, v, w), output<kGated, kAct, kZero>(acc, v + 1, w));
           }
           quad_transpose(words, chunk);
           // This lane's chunk: all 8 columns of column group g0 + quad_lane.
@@ -315,7 +319,7 @@ struct Sm90TileOutput {
       if (slot < 0 || n >= p.N) continue;
       const float w = tile_weight[row];
       T* dst = out + slot * p.out_stride_row + n * p.out_stride_n;
-      const float v0 = output<kGated, kAct>(acc, v, w), v1 = output<kGated, kAct>(acc, v + 1, w);
+      const float v0 = output<kGated, kAct, kZero>(acc, v, w), v1 = output<kGated, kAct, kZero>(acc, v + 1, w);
       if (paired && n + 1 < p.N) {
         *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(v0, v1);
       } else {
@@ -509,8 +513,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, 1);
     }
 
-    clear(acc);
-    // Expert not on this rank (or a dropped slot): no wgmma, the rows are written as zeros.
+    // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
     if (tile.active) {
       int release_stage = stage;
       int64_t released = 0;
@@ -522,9 +525,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         release_stage = release_stage + 1 == kStages ? 0 : release_stage + 1;
         ++released;
       };
-      for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
-        Barrier::wait(&full_bar[stage], phase);
-        if (tile.own_loads) {
+      auto next_stage = [&] {
+        if (++stage == kStages) { stage = 0; phase ^= 1; }
+      };
+      if (tile.own_loads) {
+        // The first wgmma overwrites the accumulators (no clear: ptxas serialises wgmmas
+        // when ordinary instructions write their accumulators inside a pipeline stage).
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+          Barrier::wait(&full_bar[stage], phase);
           // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
           cutlass::arch::fence_view_async_shared();
           warpgroup_fence_operand(acc);
@@ -532,17 +541,25 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
           for (int kb = 0; kb < size<2>(tCrA); ++kb) {
             gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+            tiled_mma.accumulate_ = GMMA::ScaleOut::One;
           }
           warpgroup_commit_batch();
           // kMmaInFlight batches stay in flight; the slots of the retired ones go back.
           warpgroup_wait<Config::kMmaInFlight>();
           warpgroup_fence_operand(acc);
+          if (k_tile >= Config::kMmaInFlight) release();
+          next_stage();
         }
-        if (k_tile >= Config::kMmaInFlight) release();
-        if (++stage == kStages) { stage = 0; phase ^= 1; }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+      } else {
+        // The peer loads alone: turn the ring with it (empty stages, released at once).
+        for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+          Barrier::wait(&full_bar[stage], phase);
+          release();
+          next_stage();
+        }
       }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc);
       while (released < num_k_tiles) release();
     }
     if (t + num_clusters >= num_tiles) allow_next_kernel_launch();
@@ -550,14 +567,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // ---- epilogue: routed weight, (activation,) round, scatter rows by slot ----
     const Sm90TileOutput<Config> tile_out{p, tile_slot, tile_weight, n0, vector_store, paired};
-    if (!p.gated) {
-      tile_out.template store<false, detail::ActivationKind::kSiluAndMul>(acc, coord);
-    } else if (p.activation == detail::ActivationKind::kSiluAndMul) {
-      tile_out.template store<true, detail::ActivationKind::kSiluAndMul>(acc, coord);
-    } else if (p.activation == detail::ActivationKind::kGeluAndMul) {
-      tile_out.template store<true, detail::ActivationKind::kGeluAndMul>(acc, coord);
+    using detail::ActivationKind;
+    if (!tile.own_loads) {
+      // Expert not on this rank (or only dropped slots): the rows are zeros.
+      if (!p.gated) {
+        tile_out.template store<false, ActivationKind::kSiluAndMul, true>(acc, coord);
+      } else {
+        tile_out.template store<true, ActivationKind::kSiluAndMul, true>(acc, coord);
+      }
+    } else if (!p.gated) {
+      tile_out.template store<false, ActivationKind::kSiluAndMul, false>(acc, coord);
+    } else if (p.activation == ActivationKind::kSiluAndMul) {
+      tile_out.template store<true, ActivationKind::kSiluAndMul, false>(acc, coord);
+    } else if (p.activation == ActivationKind::kGeluAndMul) {
+      tile_out.template store<true, ActivationKind::kGeluAndMul, false>(acc, coord);
     } else {
-      tile_out.template store<true, detail::ActivationKind::kSwigluOai>(acc, coord);
+      tile_out.template store<true, ActivationKind::kSwigluOai, false>(acc, coord);
     }
   }
 #endif
