@@ -27,9 +27,9 @@
 // shared memory). NOTE: measured on H100 at M = 4096, clusters gain 0-4% (Mixtral most):
 // L2 traffic is not what limits these tiles (vLLM's Triton kernel moves as many L2 bytes
 // per FLOP with the same 128 x 256 tile and runs its GEMMs in 697 us where this kernel
-// takes ~950 on Qwen3-30B). The suspect is per-tile serialisation: the consumers load
-// each tile's slots and weights, run the main loop, then store, the tensor cores idle
-// in between.
+// takes ~950 on Qwen3-30B). DRAM traffic is: the static schedule below lets the m-tiles
+// that share a weight tile drift apart, and each reads it from DRAM again (3.7x the weight
+// bytes on Mixtral at M = 4096, ncu; docs/PERF_NOTES.md, step 4).
 // NOTE: a ping-pong version (64-row tiles, one consumer warpgroup each, producer-owned
 // per-tile tables one tile ahead) measured 10% slower and, before an order barrier was
 // added, read stale slots: ring barriers are waited on by parity, so a warpgroup that
