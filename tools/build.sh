@@ -12,9 +12,10 @@ cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DMOELORA_CUDA="${MOELORA_CUDA:-AUTO}" -DMOELORA_BUILD_PYTHON=ON \
   -DPython_EXECUTABLE="$(command -v "${PYTHON:-python3}")" "$@"
 # NOTE: ptxas reports (C7510..C7515) when it serialises a kernel's wgmmas, e.g. because an
-# ordinary instruction writes the accumulators inside a pipeline stage; that halved the
-# sm90 kernels' tensor rate unnoticed once (docs/PERF_NOTES.md, issue 3 step 4). A fresh
-# compile that prints it fails the build.
+# ordinary instruction writes the accumulators inside a pipeline stage. Every sm90
+# instance shipped that way unnoticed once (docs/PERF_NOTES.md, issue 3 step 4; no time
+# lost then, the kernels waited on DRAM, but it caps the tensor rate). A fresh compile
+# that prints it fails the build.
 LOG="$BUILD_DIR/build.log"
 mkdir -p "$BUILD_DIR"
 cmake --build "$BUILD_DIR" -j "$JOBS" 2>&1 | tee "$LOG"
