@@ -586,9 +586,15 @@ std::string tile_json(const moelora::GemmTile& t) {
          (t.cluster_m > 1 ? ", \"cluster_m\": " + std::to_string(t.cluster_m) : std::string()) + "}";
 }
 
+std::string config_json(const moelora::MoeKernelConfig& c) {
+  return "{\"block_size\": " + std::to_string(c.block_size) + ", \"gemm1\": " + tile_json(c.gemm1) +
+         ", \"gemm2\": " + tile_json(c.gemm2) + (c.small_batch ? ", \"small_batch\": 1" : "") + "}";
+}
+
 // Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),
-// then the best GEMM2 tile with it; the best block size wins. Returns the config and
-// its time.
+// then the best GEMM2 tile with it; the best block size wins. Then the small-batch
+// kernels where the chunk has few enough slots: the aligned config stays in the entry
+// (the path of chunks that do not qualify). Returns the config and its time.
 std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters, bool trace,
                                                       bool sm90) {
   const double slots_per_expert = double(M) * m.top_k / m.E;
@@ -626,6 +632,19 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
       best = c;
     }
   }
+  if (M * m.top_k <= moelora::kSmallBatchMaxSlots) {
+    moelora::MoeKernelConfig small = best;
+    small.small_batch = true;
+    const double us = cell.time_us(cell.options(&small), iters);
+    if (trace) {
+      std::printf("  trial %-16s M=%-5lld small_batch  %9.1f us (aligned best %.1f us)\n", m.name, (long long)M, us,
+                  best_us);
+    }
+    if (us < best_us) {
+      best_us = us;
+      best = small;
+    }
+  }
   return {best, best_us};
 }
 
@@ -645,12 +664,9 @@ int tune(const Options& o) {
       const int64_t M = o.tokens[i];
       CudaCell cell(m, M, o.dtype, w13_dev.ptr, w2_dev.ptr);
       const auto [config, us] = tune_cell(cell, m, M, o.iters > 0 ? o.iters : 7, o.trace, sm90);
-      std::printf("tune %-16s M=%-5lld %9.1f us  block_size %3lld  gemm1 %s  gemm2 %s\n", m.name, (long long)M, us,
-                  (long long)config.block_size, tile_json(config.gemm1).c_str(), tile_json(config.gemm2).c_str());
+      std::printf("tune %-16s M=%-5lld %9.1f us  %s\n", m.name, (long long)M, us, config_json(config).c_str());
       std::fflush(stdout);
-      json += "  \"" + std::to_string(M) + "\": {\"block_size\": " + std::to_string(config.block_size) +
-              ", \"gemm1\": " + tile_json(config.gemm1) + ", \"gemm2\": " + tile_json(config.gemm2) + "}" +
-              (i + 1 < o.tokens.size() ? ",\n" : "\n");
+      json += "  \"" + std::to_string(M) + "\": " + config_json(config) + (i + 1 < o.tokens.size() ? ",\n" : "\n");
     }
     json += "}\n";
     FILE* f = std::fopen(file.c_str(), "w");

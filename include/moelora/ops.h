@@ -75,7 +75,15 @@ struct GemmTile {
 struct MoeKernelConfig {
   int64_t block_size = 0;  // 0: heuristic
   GemmTile gemm1, gemm2;
+  // fused_experts on CUDA (bf16/fp16), for chunks of at most kSmallBatchMaxSlots slots:
+  // two kernels read topk_ids directly (no alignment, no padding rows), stream each
+  // routed expert's weight rows once with CUDA-core dot products, and sum the top-k in
+  // GEMM2. A chunk that does not qualify (more slots, fp32, rows not 16-byte aligned)
+  // takes the aligned path with block_size and the tiles above.
+  bool small_batch = false;
 };
+// Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch.
+constexpr int64_t kSmallBatchMaxSlots = 64;
 
 // ---------------------------------------------------------------------------------
 // fused_moe: the grouped expert GEMM over aligned blocks.

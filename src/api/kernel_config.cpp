@@ -16,8 +16,8 @@ namespace {
 // ---- a strict reader for the table format --------------------------------------
 // The format is a fixed subset of JSON: objects, strings without escapes, integers.
 //   {"<tokens>": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64,
-//                 "block_n": 256, "cluster_m": 2}, "gemm2": {...}}, ...}
-// cluster_m may be left out (1).
+//                 "block_n": 256, "cluster_m": 2}, "gemm2": {...}, "small_batch": 1}, ...}
+// cluster_m may be left out (1), small_batch too (0).
 // Unknown keys are errors, so a typo cannot silently fall back to defaults.
 class TableReader {
  public:
@@ -37,8 +37,12 @@ class TableReader {
           config.gemm1 = tile();
         } else if (field == "gemm2") {
           config.gemm2 = tile();
+        } else if (field == "small_batch") {
+          const int64_t flag = integer();
+          if (flag != 0 && flag != 1) error("small_batch 0 or 1");
+          config.small_batch = flag == 1;
         } else {
-          error("one of block_size, gemm1, gemm2, got \"" + field + "\"");
+          error("one of block_size, gemm1, gemm2, small_batch, got \"" + field + "\"");
         }
       });
       if (config.block_size == 0) error("a block_size for tokens " + key);

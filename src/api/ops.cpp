@@ -36,6 +36,9 @@ void require_cuda_backend(const char* op) {
 }
 
 constexpr int64_t kMaxBlockSize = 256;
+// The small-batch path where no table decides (up to M = 4 at top-k 8). NOTE: a
+// guess from the decode measurements, not tuned per shape; the tables decide per M.
+constexpr int64_t kSmallBatchHeuristicSlots = 32;
 
 void check_block_size(const char* op, int64_t block_size, bool multiple_of_16) {
   if (block_size < 16 || block_size > 256 || (multiple_of_16 && block_size % 16 != 0)) {
@@ -363,10 +366,12 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
                            (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);
     if (runs_here) return tuned;
   }
-  // No table: wgmma tiles of 128 rows once experts see enough slots to fill them.
-  const int64_t slots_per_expert =
-      ceil_div(std::max<int64_t>(shape.num_tokens, 1) * shape.top_k, std::max<int64_t>(shape.num_experts, 1));
+  // No table: wgmma tiles of 128 rows once experts see enough slots to fill them; the
+  // small-batch kernels at decode sizes.
+  const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
+  const int64_t slots_per_expert = ceil_div(slots, std::max<int64_t>(shape.num_experts, 1));
   if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
+  config.small_batch = slots <= kSmallBatchHeuristicSlots;
 #else
   (void)num_local_experts;
 #endif
@@ -549,14 +554,58 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     sorted_chunk.shape[0] = cap.max_num_tokens_padded;
     TensorView expert_chunk = expert_ids;
     expert_chunk.shape[0] = cap.max_num_blocks;
-    run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device, stream);
-
     const TensorView x_chunk = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H,
                                       x.strides[0], 1, device);
     const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
     const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul
                                         : options.activation == Activation::kGelu ? detail::ActivationKind::kGeluAndMul
                                                                                   : detail::ActivationKind::kSwigluOai;
+    void* out_chunk = byte_offset(args.out.data, begin * args.out.strides[0] * elem);
+#ifdef MOELORA_WITH_CUDA
+    if (on_cuda(x) && config.small_batch) {
+      const detail::SmallBatchMoeParams small{
+          .dtype = dtype,
+          .x = x_chunk.data,
+          .x_stride_token = x.strides[0],
+          .w13 = args.w13.data,
+          .w13_stride_expert = args.w13.strides[0],
+          .w13_stride_n = args.w13.strides[1],
+          .w2 = args.w2.data,
+          .w2_stride_expert = args.w2.strides[0],
+          .w2_stride_n = args.w2.strides[1],
+          .topk_ids = ids.data,
+          .topk_ids_int64 = ids.dtype == DType::kInt64,
+          .topk_ids_stride_token = ids.strides[0],
+          .topk_ids_stride_k = ids.strides[1],
+          .topk_weights = static_cast<const float*>(weights.data),
+          .topk_weights_stride_token = weights.strides[0],
+          .topk_weights_stride_k = weights.strides[1],
+          .expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr,
+          .num_tokens = tokens,
+          .top_k = top_k,
+          .num_experts = E_global,
+          .num_local_experts = E_local,
+          .H = H,
+          .I = I,
+          .act = cache2.data,
+          .out = out_chunk,
+          .out_stride_token = args.out.strides[0],
+          .out_stride_k = options.no_combine ? args.out.strides[1] : 0,
+          .no_combine = options.no_combine,
+          .router_weight_on_input = options.apply_router_weight_on_input,
+          .routed_scaling_factor = options.routed_scaling_factor,
+          .activation = kind,
+          .alpha = options.swiglu_alpha,
+          .limit = options.swiglu_limit,
+      };
+      // K-contiguous weights are required; a chunk that does not qualify takes the aligned path.
+      if (args.w13.strides[2] == 1 && args.w2.strides[2] == 1 && cuda::fused_experts_small_batch_supported(small)) {
+        cuda::fused_experts_small_batch(small, stream);
+        continue;
+      }
+    }
+#endif
+    run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device, stream);
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
     if (on_cuda(x) && options.fuse_activation) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
@@ -587,7 +636,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     TensorView cache3;
     if (direct) {
       const int64_t row_stride = options.no_combine ? args.out.strides[1] : args.out.strides[0];
-      cache3 = view2d(byte_offset(args.out.data, begin * args.out.strides[0] * elem), dtype, slots, H,
+      cache3 = view2d(out_chunk, dtype, slots, H,
                       top_k == 1 ? args.out.strides[0] : row_stride, 1, device);
     } else {
       cache3 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
@@ -598,7 +647,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     if (!direct) {
       run_sum_reduce(detail::SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,
                                              .input_stride_k = H,
-                                             .out = byte_offset(args.out.data, begin * args.out.strides[0] * elem),
+                                             .out = out_chunk,
                                              .out_stride_token = args.out.strides[0], .num_tokens = tokens,
                                              .top_k = top_k, .hidden = H, .scale = options.routed_scaling_factor},
                      device, stream);

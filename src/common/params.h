@@ -66,6 +66,37 @@ struct GemmParams {
   float alpha = 0.f, limit = 0.f;   // swiglu_oai only
 };
 
+// fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
+// from topk_ids: GEMM1 + activation into `act`, then GEMM2 + the top-k sum into `out`.
+// Weights and hidden_states have unit K stride; 16-bit float types only.
+struct SmallBatchMoeParams {
+  DType dtype;                    // bf16 or fp16: x, w13, w2, act, out
+  const void* x;                  // [num_tokens, H]
+  int64_t x_stride_token;
+  const void* w13;                // [num_local_experts, 2I, H]
+  int64_t w13_stride_expert, w13_stride_n;
+  const void* w2;                 // [num_local_experts, H, I]
+  int64_t w2_stride_expert, w2_stride_n;
+  const void* topk_ids;           // [num_tokens, top_k], global ids
+  bool topk_ids_int64;
+  int64_t topk_ids_stride_token, topk_ids_stride_k;
+  const float* topk_weights;      // [num_tokens, top_k]
+  int64_t topk_weights_stride_token, topk_weights_stride_k;
+  const int32_t* expert_map;      // [num_experts] global -> local or -1; null = identity
+  int64_t num_tokens, top_k;
+  int64_t num_experts;            // global: the range of valid ids
+  int64_t num_local_experts;      // experts in w13 / w2
+  int64_t H, I;
+  void* act;                      // [num_tokens * top_k, I] workspace: GEMM1's output
+  void* out;                      // [num_tokens, H], or [num_tokens, top_k, H] with no_combine
+  int64_t out_stride_token, out_stride_k;
+  bool no_combine;
+  bool router_weight_on_input;    // the routed weight scales GEMM1 (before the activation)
+  float routed_scaling_factor;    // applied to the top-k sum (not with no_combine)
+  ActivationKind activation;
+  float alpha, limit;             // swiglu_oai only
+};
+
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
 struct ActivationParams {
   DType dtype;
@@ -122,4 +153,7 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream);
 void fused_moe(const detail::GemmParams& p, Stream stream);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
+// The small-batch kernels run these parameters (slot count, dtype, alignment).
+bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
+void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream);
 }  // namespace moelora::cuda

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ struct LayerCase {
   DType id_dtype = DType::kInt32;
   double weight_scale = 0.0;     // 0: 1/sqrt(K) per GEMM
   FusedExpertsOptions options{};
+  // CUDA, when set: whether the small-batch kernels (true) or the aligned path (false)
+  // take every chunk. The small-batch kernels never write the alignment part of the
+  // workspace (its first bytes), so its poison shows which path ran.
+  std::optional<bool> expect_small_batch;
 };
 
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
@@ -179,6 +184,12 @@ TEST_P(FusedExpertsTest, MatchesReference) {
   EXPECT_LE(error, ref::tolerance(c.dtype));
   EXPECT_EQ(out.count_unwritten(problem.out_view), 0);
   EXPECT_EQ(out.count_written_outside(problem.out_view), 0);
+  if (c.backend == Backend::kCUDA && c.M > 0 && c.expect_small_batch.has_value()) {
+    problem.workspace.download();
+    EXPECT_EQ(problem.workspace.is_poison(0), *c.expect_small_batch)
+        << (*c.expect_small_batch ? "the aligned path ran instead of the small-batch kernels"
+                                  : "the small-batch kernels ran instead of the aligned path");
+  }
   RecordProperty("rel_error", std::to_string(error));
 }
 
@@ -234,6 +245,14 @@ std::vector<LayerCase> layer_cases() {
       c.local_share = mixtral ? 1.0 : 0.75;
       add(std::string(m.name) + "_ep_M" + std::to_string(M), c);
     }
+    {
+      // Decode on the aligned path (an explicit block size turns the small-batch default off).
+      LayerCase aligned = c;
+      aligned.M = 1;
+      aligned.options.block_size = 16;
+      aligned.expect_small_batch = false;
+      add(std::string(m.name) + "_ep_M1_aligned", aligned);
+    }
     // M = 256 where a GPU does the work; the reference still runs on the host, so
     // mixtral's routing is left uniform (a quarter of its slots local).
     c.M = 256;
@@ -274,20 +293,27 @@ std::vector<LayerCase> layer_cases() {
   }
 
   LayerCase c;  // the small shape, bf16, silu
+  // Decode-sized chunks (at most 32 slots) take the small-batch kernels by default on
+  // CUDA; these cases pin the aligned path with an explicit block size (the heuristic's).
+  auto aligned = [](LayerCase x) {
+    x.options.block_size = 16;
+    x.expect_small_batch = false;
+    return x;
+  };
   {
     LayerCase x = c;
     x.options.chunk_size = 7;
-    add("chunk7_M20", x);
+    add("chunk7_M20", aligned(x));
     x.dtype = fp16;
     x.id_dtype = DType::kInt64;
     x.expert_map = true;
     x.num_global = 16;
     x.dropped_share = 0.2;
-    add("chunk7_M20_expert_map_dropped_i64", x);
+    add("chunk7_M20_expert_map_dropped_i64", aligned(x));
     x = c;
     x.M = 5;
     x.options.chunk_size = 1;
-    add("chunk1_M5", x);
+    add("chunk1_M5", aligned(x));
   }
   {
     LayerCase x = c;
@@ -300,7 +326,7 @@ std::vector<LayerCase> layer_cases() {
     x = c;
     x.inplace = true;
     x.top_k = 1;
-    add("inplace_topk1", x);
+    add("inplace_topk1", aligned(x));
   }
   {
     LayerCase x = c;
@@ -315,13 +341,13 @@ std::vector<LayerCase> layer_cases() {
     x = c;
     x.options.no_combine = true;
     x.top_k = 1;
-    add("no_combine_topk1", x);
+    add("no_combine_topk1", aligned(x));
   }
   {
     LayerCase x = c;
     x.options.apply_router_weight_on_input = true;
     x.top_k = 1;
-    add("weight_on_input_topk1", x);
+    add("weight_on_input_topk1", aligned(x));
     x.top_k = 2;
     x.dtype = fp32;
     add("weight_on_input_topk2", x);
@@ -331,9 +357,9 @@ std::vector<LayerCase> layer_cases() {
     x.options.routed_scaling_factor = 2.5f;
     add("scale2_5", x);
     x.top_k = 1;
-    add("scale2_5_topk1", x);
+    add("scale2_5_topk1", aligned(x));
     x.options.routed_scaling_factor = 1.0f;
-    add("topk1", x);
+    add("topk1", aligned(x));
   }
   {
     LayerCase x = c;
@@ -350,7 +376,7 @@ std::vector<LayerCase> layer_cases() {
     x.M = 0;
     add("M0", x);
     x.M = 1;
-    add("M1", x);
+    add("M1", aligned(x));
     x = c;
     x.M = 50;
     x.top_k = 1;
@@ -359,7 +385,7 @@ std::vector<LayerCase> layer_cases() {
     x = c;
     x.num_global = x.num_local = 1;
     x.top_k = 1;
-    add("E1", x);
+    add("E1", aligned(x));
     x = c;
     x.padded = true;
     x.id_dtype = DType::kInt64;
@@ -436,6 +462,111 @@ std::vector<LayerCase> layer_cases() {
             (config.gemm1.cluster_m > 1 ? "_cluster2_" : "_") + act +
             (x.options.apply_router_weight_on_input ? "_weight_on_input" : ""),
         x, {Backend::kCUDA});
+  }
+  // The small-batch kernels (CUDA; the CPU ignores the flag): every option of the layer,
+  // both 16-bit types, the slot limit, and chunks that fall back to the aligned path.
+  static const MoeKernelConfig kSmallBatch{16, {}, {}, /*small_batch=*/true};
+  {
+    LayerCase sb = c;
+    sb.M = 6;
+    sb.top_k = 4;
+    sb.num_global = sb.num_local = 16;
+    sb.options.config = &kSmallBatch;
+    sb.expect_small_batch = true;
+    auto add_small = [&](const std::string& name, LayerCase x, bool qualifies = true) {
+      x.expect_small_batch = qualifies;
+      add("small_batch_" + name, x);
+    };
+    for (Activation activation : {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai}) {
+      LayerCase x = sb;
+      x.options.activation = activation;
+      x.options.swiglu_limit = 0.75f;
+      const char* act = activation == Activation::kSilu ? "silu" : activation == Activation::kGelu ? "gelu" : "swiglu";
+      add_small(act, x);
+      x.dtype = fp16;
+      add_small(std::string(act) + "_fp16", x);
+    }
+    LayerCase x = sb;
+    x.options.no_combine = true;
+    add_small("no_combine", x);
+    x.padded = true;
+    x.dropped_share = 0.2;
+    x.expert_map = true;
+    x.num_global = 40;
+    x.local_share = 0.5;
+    x.id_dtype = DType::kInt64;
+    add_small("no_combine_padded_dropped_expert_map_i64", x);
+    x = sb;
+    x.inplace = true;
+    add_small("inplace", x);
+    x.options.chunk_size = 1;
+    add_small("inplace_chunk1", x);
+    x = sb;
+    x.M = 40;
+    x.options.chunk_size = 7;  // 28 slots a chunk, the last chunk 5 tokens
+    add_small("chunk7_M40", x);
+    x = sb;
+    x.options.apply_router_weight_on_input = true;
+    add_small("weight_on_input", x);
+    x.top_k = 1;
+    add_small("weight_on_input_topk1", x);
+    x = sb;
+    x.options.routed_scaling_factor = 2.5f;
+    add_small("scale2_5", x);
+    x.top_k = 1;
+    add_small("scale2_5_topk1", x);
+    x = sb;
+    x.dropped_share = 0.3;
+    add_small("dropped", x);
+    x.dropped_share = 1.0;
+    add_small("all_dropped", x);
+    x = sb;
+    x.expert_map = true;
+    x.num_global = 64;
+    x.local_share = 0.3;
+    add_small("expert_map", x);
+    x = sb;
+    x.M = 1;
+    add_small("M1", x);
+    x = sb;
+    x.M = 60;
+    x.top_k = 1;
+    x.one_expert = true;  // one expert, 60 slots: 15 passes of 4 over its rows
+    add_small("one_expert_60_slots", x);
+    x = sb;
+    x.M = 16;  // 64 slots: the limit
+    add_small("M16_topk4", x);
+    x.M = 17;  // 68 slots: the aligned path
+    add_small("M17_topk4_falls_back", x, false);
+    x = sb;
+    x.dtype = fp32;
+    add_small("fp32_falls_back", x, false);
+    x = sb;
+    x.H = 19;  // K % 8 != 0: the aligned path (CUDA-core kernel)
+    x.I = 13;
+    add_small("odd_H19_I13_falls_back", x, false);
+    x = sb;
+    x.H = 1000;
+    x.I = 136;
+    add_small("H1000_I136", x);
+    // the brief's models at decode sizes, as one expert-parallel rank
+    for (const Model& m : models) {
+      LayerCase y = sb;
+      y.top_k = m.top_k;
+      y.H = m.H;
+      y.I = m.I;
+      y.num_global = m.E;
+      y.num_local = m.num_local;
+      y.expert_map = true;
+      y.local_share = 0.75;
+      y.weight_scale = 0.02;
+      y.options.activation = m.activation;
+      for (int64_t M : {1, 4, 8}) {
+        if (m.I > 8192 && M > 1) continue;  // mixtral: one token on the CPU
+        y.M = M;
+        add_small(std::string(m.name) + "_ep_M" + std::to_string(M), y);
+      }
+    }
   }
   {
     LayerCase x = c;

@@ -1,0 +1,390 @@
+// fused_experts' small-batch path (MoeKernelConfig::small_batch): two kernels straight
+// from topk_ids, for chunks of at most kSmallBatchMaxSlots slots.
+//
+// At a few tokens the layer is a stream of the routed experts' weights (Qwen3-30B at
+// M = 1: 8 experts, 75 MB, 25 us at the copy rate), and the aligned path's fixed costs
+// weigh on it: the alignment launch (6-7 us at M = 1 on H100), tiles padded to 16 rows
+// for one slot, GEMM2's [slots, H] round trip and the reduce launch. Here:
+//   GEMM1 (+ activation): one warp per unit (routed expert, output column j) takes the
+//     gate and up rows of j against the hidden row of every slot on that expert. The
+//     units are spread over every warp the device holds at once, so any expert count
+//     and intermediate size balance to within one unit per warp.
+//   GEMM2 (+ the top-k sum): one CTA per block of output rows h. Its warps take (expert,
+//     4 rows) items and leave each slot's dot products in shared memory; then every
+//     token's sum over its slots, in slot order (deterministic, no atomics).
+// Both kernels first build the same slot tables in shared memory: the local expert of
+// each slot (-1: dropped, out of range or not on this rank), the distinct experts in
+// order of first occurrence, and the slots of each. A weight row is read once per
+// kSlotsPerPass slots of its expert: once at decode, where experts rarely repeat.
+// Weights stream through L2 only (ld.global.nc.L1::no_allocate); hidden rows and
+// activations go through L1, where every warp working on one expert finds them.
+#include <algorithm>
+#include <atomic>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/gated_activation.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::ActivationKind;
+using detail::SmallBatchMoeParams;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxSlots = int(kSmallBatchMaxSlots);
+static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables");
+constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows
+constexpr int kChunk = 8;          // elements of a 16-byte load
+constexpr int kWarpChunk = 32 * kChunk;
+// 16-byte loads in flight per lane: GEMM1 2 rows x 8, GEMM2 4 rows x 4. NOTE: 64 KB in
+// flight per SM (GEMM1: two CTAs of 8 warps; GEMM2: one), above the ~25 KB that HBM
+// latency x the per-SM share of the copy rate asks for.
+constexpr int kUnrollGemm1 = 8;
+constexpr int kUnrollGemm2 = 4;
+constexpr int kGemm2RowsPerItem = 4;
+constexpr int kGemm2MaxRows = 64;  // output rows of one GEMM2 CTA
+
+struct SlotTables {
+  int32_t expert[kMaxSlots];           // local expert of slot s, -1: no contribution
+  int32_t first[kMaxSlots];            // first slot with the same expert; kMaxSlots when expert is -1
+  int32_t distinct_expert[kMaxSlots];  // d -> local expert, d in order of first occurrence
+  int32_t group_begin[kMaxSlots + 1];  // slots of d: sorted_slot[group_begin[d] .. group_begin[d + 1])
+  int32_t sorted_slot[kMaxSlots];
+  int32_t num_distinct;
+};
+
+// Every thread of the CTA calls this; it ends with a barrier. O(slots^2) shared reads,
+// 64 slots at most.
+__device__ void build_slot_tables(const SmallBatchMoeParams& p, SlotTables& t) {
+  const int num_slots = int(p.num_tokens * p.top_k);
+  const int s = int(threadIdx.x);
+  if (s < num_slots) {
+    const int token = s / int(p.top_k), j = s - token * int(p.top_k);
+    const int64_t offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
+    const int64_t id = p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
+                                        : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+    int64_t e = -1;
+    if (id >= 0 && id < p.num_experts) e = p.expert_map ? int64_t(p.expert_map[id]) : id;
+    t.expert[s] = e >= 0 && e < p.num_local_experts ? int32_t(e) : -1;
+  }
+  __syncthreads();
+  int first = kMaxSlots, earlier = 0;  // earlier: slots before s on the same expert
+  if (s < num_slots && t.expert[s] >= 0) {
+    first = s;
+    for (int q = s - 1; q >= 0; --q) {
+      if (t.expert[q] == t.expert[s]) {
+        first = q;
+        ++earlier;
+      }
+    }
+  }
+  if (s < kMaxSlots) t.first[s] = first;
+  __syncthreads();
+  if (s < num_slots && first < kMaxSlots) {
+    // Experts are ranked by first occurrence; a group starts after every slot of the
+    // experts ranked before it.
+    int rank = 0, begin = 0;
+    for (int q = 0; q < num_slots; ++q) {
+      const int first_q = t.first[q];
+      rank += first_q == q && q < first;
+      begin += first_q < first;
+    }
+    t.sorted_slot[begin + earlier] = s;
+    if (earlier == 0) {
+      t.distinct_expert[rank] = t.expert[s];
+      t.group_begin[rank] = begin;
+    }
+  }
+  if (s == 0) {
+    int distinct = 0, valid = 0;
+    for (int q = 0; q < num_slots; ++q) {
+      distinct += t.first[q] == q;
+      valid += t.first[q] < kMaxSlots;
+    }
+    t.num_distinct = distinct;
+    t.group_begin[distinct] = valid;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ uint4 load_streaming(const void* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
+template <>
+__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+template <>
+__device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    f[2 * i] = pair.x;
+    f[2 * i + 1] = pair.y;
+  }
+}
+
+// acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp.
+// Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of every row are loaded
+// before the first is used. K % 8 == 0; rows and vecs 16-byte aligned.
+template <class T, int kRows, int kUnroll>
+__device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kSlotsPerPass],
+                                         int num_vecs, int K, float (&acc)[kRows][kSlotsPerPass]) {
+  const int lane = int(threadIdx.x) % 32;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int v = 0; v < kSlotsPerPass; ++v) acc[r][v] = 0.f;
+  }
+  for (int k0 = lane * kChunk; k0 < K; k0 += kWarpChunk * kUnroll) {
+    uint4 w[kRows][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kWarpChunk;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) w[r][u] = k < K ? load_streaming(rows[r] + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int v = 0; v < kSlotsPerPass; ++v) {
+      if (v >= num_vecs) break;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = k0 + u * kWarpChunk;
+        if (k >= K) break;
+        float x[8];
+        to_float8<T>(*reinterpret_cast<const uint4*>(vecs[v] + k), x);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          float wf[8];
+          to_float8<T>(w[r][u], wf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int v = 0; v < kSlotsPerPass; ++v) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) acc[r][v] += __shfl_xor_sync(0xffffffffu, acc[r][v], offset);
+    }
+  }
+}
+
+// acc[r][lane]: the value of slot `lane` of a pass (lane < kSlotsPerPass), without
+// register indexing.
+template <int kRows>
+__device__ __forceinline__ float lane_value(const float (&acc)[kRows][kSlotsPerPass], int r, int lane) {
+  float value = 0.f;
+#pragma unroll
+  for (int v = 0; v < kSlotsPerPass; ++v) value = lane == v ? acc[r][v] : value;
+  return value;
+}
+
+__device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int slot) {
+  const int token = slot / int(p.top_k), j = slot - token * int(p.top_k);
+  return p.topk_weights[token * p.topk_weights_stride_token + j * p.topk_weights_stride_k];
+}
+
+// GEMM1 + activation: act[s][j] = act(x[s / top_k] · gate_j, x[s / top_k] · up_j) for
+// every slot s with a local expert (× its routed weight before the activation when
+// router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
+template <class T, ActivationKind kAct>
+__global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
+  __shared__ SlotTables t;
+  wait_for_previous_kernel();
+  // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
+  // and take the SM slots these CTAs free.
+  allow_next_kernel_launch();
+  build_slot_tables(p, t);
+  const T* x = static_cast<const T*>(p.x);
+  const T* w13 = static_cast<const T*>(p.w13);
+  T* act = static_cast<T*>(p.act);
+  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t num_units = int64_t(t.num_distinct) * I;
+  // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
+    const int d = int(unit / I), j = int(unit - int64_t(d) * I);
+    const T* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
+    // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
+    const bool interleaved = kAct == ActivationKind::kSwigluOai;
+    const T* const rows[2] = {w + int64_t(interleaved ? 2 * j : j) * p.w13_stride_n,
+                              w + int64_t(interleaved ? 2 * j + 1 : I + j) * p.w13_stride_n};
+    const int end = t.group_begin[d + 1];
+    for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
+      const int n = min(kSlotsPerPass, end - g);
+      const T* vecs[kSlotsPerPass];
+#pragma unroll
+      for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
+      float acc[2][kSlotsPerPass];
+      warp_dot<T, 2, kUnrollGemm1>(rows, vecs, n, H, acc);
+      if (lane < n) {
+        const int slot = t.sorted_slot[g + lane];
+        const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
+        const float out = gated_activation<kAct>(lane_value(acc, 0, lane) * w_in, lane_value(acc, 1, lane) * w_in,
+                                                 p.alpha, p.limit);
+        act[int64_t(slot) * I + j] = from_float<T>(out);
+      }
+    }
+  }
+}
+
+// GEMM2 + the top-k sum: out[m][h] = routed_scaling_factor × Σ_j w_mj × (act[m·top_k + j] ·
+// w2[e_mj][h]) over the slots with a local expert (w_mj = 1 when router_weight_on_input);
+// with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
+// NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads in flight.
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
+                                                                         int rows_per_cta) {
+  __shared__ SlotTables t;
+  __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
+  // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
+  // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
+  // kernel that wrote them has completed.
+  build_slot_tables(p, t);
+  wait_for_previous_kernel();
+  const T* w2 = static_cast<const T*>(p.w2);
+  const T* act = static_cast<const T*>(p.act);
+  T* out = static_cast<T*>(p.out);
+  const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
+  const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int row_groups = rows_per_cta / kGemm2RowsPerItem;
+  for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
+    const int items = t.num_distinct * row_groups;
+    for (int item = warp; item < items; item += kWarps) {
+      const int d = item / row_groups, row0 = (item - d * row_groups) * kGemm2RowsPerItem;
+      const T* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
+      const T* rows[kGemm2RowsPerItem];
+      // Rows past H (the last block) repeat row H - 1; their sums are never read.
+#pragma unroll
+      for (int r = 0; r < kGemm2RowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
+      const int end = t.group_begin[d + 1];
+      for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
+        const int n = min(kSlotsPerPass, end - g);
+        const T* vecs[kSlotsPerPass];
+#pragma unroll
+        for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
+        float acc[kGemm2RowsPerItem][kSlotsPerPass];
+        warp_dot<T, kGemm2RowsPerItem, kUnrollGemm2>(rows, vecs, n, I, acc);
+        if (lane < n) {
+          const int slot = t.sorted_slot[g + lane];
+#pragma unroll
+          for (int r = 0; r < kGemm2RowsPerItem; ++r) partial[slot][row0 + r] = lane_value(acc, r, lane);
+        }
+      }
+    }
+    __syncthreads();
+    const int rows_here = min(rows_per_cta, H - h0);
+    if (p.no_combine) {
+      for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kThreads) {
+        const int slot = i / rows_here, r = i - slot * rows_here;
+        const int token = slot / top_k, j = slot - token * top_k;
+        const float w = p.router_weight_on_input ? 1.f : routed_weight(p, slot);
+        const float value = t.expert[slot] >= 0 ? w * partial[slot][r] : 0.f;
+        out[token * p.out_stride_token + j * p.out_stride_k + h0 + r] = from_float<T>(value);
+      }
+    } else {
+      for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kThreads) {
+        const int token = i / rows_here, r = i - token * rows_here;
+        float sum = 0.f;
+        for (int j = 0; j < top_k; ++j) {
+          const int slot = token * top_k + j;
+          if (t.expert[slot] < 0) continue;
+          sum += (p.router_weight_on_input ? 1.f : routed_weight(p, slot)) * partial[slot][r];
+        }
+        out[token * p.out_stride_token + h0 + r] = from_float<T>(p.routed_scaling_factor * sum);
+      }
+    }
+    __syncthreads();  // partial is rewritten by the next block
+  }
+  allow_next_kernel_launch();
+}
+
+// CTAs of `kernel` the device holds at once (occupancy query, cached per device; one
+// cache per kernel instance through the template).
+template <auto kKernel>
+int resident_ctas() {
+  static std::atomic<int> cached[64] = {};
+  const DeviceInfo& device = current_device_info();
+  std::atomic<int>& slot = cached[device.ordinal % 64];
+  int ctas = slot.load(std::memory_order_relaxed);
+  if (ctas == 0) {
+    int per_sm = 0;
+    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+    ctas = std::max(1, per_sm) * device.num_sms;
+    slot.store(ctas, std::memory_order_relaxed);
+  }
+  return ctas;
+}
+
+template <class T, ActivationKind kAct>
+void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream) {
+  constexpr auto gemm1 = small_batch_gemm1_kernel<T, kAct>;
+  launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  // GEMM2: blocks of rows (a multiple of 4, at most 64) so that one wave covers H.
+  constexpr auto gemm2 = small_batch_gemm2_kernel<T>;
+  const int64_t resident = resident_ctas<gemm2>();
+  const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
+  const int rows_per_cta = int((rows + kGemm2RowsPerItem - 1) / kGemm2RowsPerItem * kGemm2RowsPerItem);
+  const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
+  launch_kernel(gemm2, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
+}
+
+template <class T>
+void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream) {
+  switch (p.activation) {
+    case ActivationKind::kSiluAndMul: return launch_small_batch<T, ActivationKind::kSiluAndMul>(p, stream);
+    case ActivationKind::kGeluAndMul: return launch_small_batch<T, ActivationKind::kGeluAndMul>(p, stream);
+    case ActivationKind::kSwigluOai: return launch_small_batch<T, ActivationKind::kSwigluOai>(p, stream);
+  }
+}
+
+}  // namespace
+
+bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
+  const int64_t slots = p.num_tokens * p.top_k;
+  const bool rows_aligned = p.x_stride_token % kChunk == 0 && p.w13_stride_expert % kChunk == 0 &&
+                            p.w13_stride_n % kChunk == 0 && p.w2_stride_expert % kChunk == 0 &&
+                            p.w2_stride_n % kChunk == 0 && aligned16(p.x) && aligned16(p.w13) && aligned16(p.w2) &&
+                            aligned16(p.act);
+  return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= kMaxSlots &&
+         p.H % kChunk == 0 && p.I % kChunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
+         rows_aligned;
+}
+
+void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream) {
+  if (!fused_experts_small_batch_supported(p)) {
+    throw Error("moelora.fused_experts: the small-batch kernels do not take this call (at most " +
+                std::to_string(kMaxSlots) + " slots, bf16/fp16, 16-byte aligned rows)");
+  }
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kBFloat16) {
+    dispatch_activation<__nv_bfloat16>(p, s);
+  } else {
+    dispatch_activation<__half>(p, s);
+  }
+}
+
+}  // namespace moelora::cuda
