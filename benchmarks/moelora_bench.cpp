@@ -2,13 +2,15 @@
 // model's shapes from the design brief, checks it against a float64 reference, and
 // prints time, achieved bandwidth and FLOP rate against the roofline floor.
 //
-//   moelora_bench [--model NAME|all] [--tokens M[,M...]] [--dtype bf16|fp16]
+//   moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]
 //                 [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings]
-//                 [--baseline] [--json PATH]
+//                 [--baseline] [--static-tiles] [--json PATH]
 //   moelora_bench --tune DIR [--model NAME|all] [--tokens ...]   (CUDA only)
 //
 // --baseline also times each cell with the previous issue's kernels (mma.sync, fixed
 // tiles, no programmatic dependent launch) and reports the speed-up.
+// --static-tiles runs the sm90 GEMMs on the static persistent schedule instead of
+// ordered tiles (FusedExpertsOptions::ordered_tiles), for A/B timing.
 // --tune searches block size and tiles per (model, M) and writes the config registry's
 // table for each model into DIR (copy it to configs/ to ship it).
 //
@@ -74,15 +76,16 @@ struct Options {
   bool ceilings = false;
   bool baseline = false;   // also time the previous issue's kernels per cell
   bool trace = false;      // --tune: print every candidate's time
+  bool static_tiles = false;  // sm90 tiles on the static persistent schedule (A/B of ordered tiles)
   std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
   std::string json_path;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
-               "moelora_bench: %s\nusage: moelora_bench [--model NAME|all] [--tokens M[,M...]] [--dtype bf16|fp16]\n"
+               "moelora_bench: %s\nusage: moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]\n"
                "       [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings] [--baseline] [--json PATH]\n"
-               "       [--tune DIR [--trace]]\nmodels:",
+               "       [--static-tiles] [--tune DIR [--trace]]\nmodels:",
                why.c_str());
   for (const Model& m : kModels) std::fprintf(stderr, " %s", m.name);
   std::fprintf(stderr, "\n");
@@ -119,14 +122,21 @@ Options parse(int argc, char** argv) {
     else if (arg == "--json") o.json_path = value();
     else if (arg == "--baseline") o.baseline = true;
     else if (arg == "--trace") o.trace = true;
+    else if (arg == "--static-tiles") o.static_tiles = true;
     else if (arg == "--tune") o.tune_dir = value();
     else if (arg == "--help" || arg == "-h") usage("help");
     else usage("unknown argument " + arg);
   }
-  for (const Model& m : kModels) {
-    if (model == "all" || model == m.name) o.models.push_back(&m);
+  for (size_t at = 0; at <= model.size();) {  // NAME[,NAME...] or all
+    const size_t comma = std::min(model.find(',', at), model.size());
+    const std::string name = model.substr(at, comma - at);
+    const size_t before = o.models.size();
+    for (const Model& m : kModels) {
+      if (name == "all" || name == m.name) o.models.push_back(&m);
+    }
+    if (o.models.size() == before) usage("unknown model " + name);
+    at = comma + 1;
   }
-  if (o.models.empty()) usage("unknown model " + model);
   for (int64_t t : o.tokens) {
     if (t < 1) usage("--tokens must be >= 1");
   }
@@ -546,7 +556,8 @@ Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const
   CudaCell cell(m, M, o.dtype, w13, w2);
   const int iters = o.iters > 0 ? o.iters : 30;
   Row row{&m, M, "cuda", 0, 0, 0, 0, {}};
-  const auto fo = cell.options(nullptr);  // the registry's config
+  auto fo = cell.options(nullptr);  // the registry's config
+  fo.ordered_tiles = !o.static_tiles;
   const std::vector<uint16_t> out = cell.run_once(fo);
   row.time_us = cell.time_us(fo, iters);
   if (o.baseline) {

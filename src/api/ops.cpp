@@ -390,11 +390,14 @@ std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermedi
 
 namespace {
 
+// GEMM1's and GEMM2's ordered-tile counters (GemmParams::tile_counter).
+constexpr int kNumTileCounters = 2;
+
 // Workspace layout, each piece 256-byte aligned. cache1 (GEMM1's [slots, 2I], only when
 // the activation runs as its own kernel) is dead once the activation has read it, before
 // GEMM2 writes cache3 ([slots, H]): the two share one region.
 struct WorkspaceLayout {
-  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, cache1, cache2, cache3, total;
+  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, total;
   AlignCapacity capacity;
 };
 
@@ -421,6 +424,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
   l.expert_ids = take(l.capacity.max_num_blocks * 4);
   l.num_tokens_post_padded = take(4);
+  l.tile_counters = take(kNumTileCounters * 4);
   l.cache1 = l.cache3 = take(slots * std::max(2 * s.intermediate_size, s.hidden_size) * elem);
   l.cache2 = take(slots * s.intermediate_size * elem);
   l.total = at;
@@ -528,6 +532,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   const TensorView sorted_ids = i32(layout.sorted_token_ids, layout.capacity.max_num_tokens_padded);
   const TensorView expert_ids = i32(layout.expert_ids, layout.capacity.max_num_blocks);
   const TensorView ntpp = i32(layout.num_tokens_post_padded, 1);
+  int32_t* tile_counters =
+      on_cuda(x) && options.ordered_tiles ? static_cast<int32_t*>(byte_offset(ws, layout.tile_counters)) : nullptr;
 
   for (int64_t begin = 0; begin < M; begin += chunk) {
     const int64_t tokens = std::min(chunk, M - begin);
@@ -605,7 +611,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       }
     }
 #endif
-    run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device, stream);
+    detail::AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
+    align.tile_counters = tile_counters;
+    align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
+    run_align(align, device, stream);
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
     if (on_cuda(x) && options.fuse_activation) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
@@ -616,13 +625,15 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       gemm1.activation = kind;
       gemm1.alpha = options.swiglu_alpha;
       gemm1.limit = options.swiglu_limit;
+      gemm1.tile_counter = tile_counters;
       run_gemm(gemm1, device, stream);
     } else {
       // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
       const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
-      run_gemm(gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights, top_k,
-                           block_size, config.gemm1),
-               device, stream);
+      detail::GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
+                                             top_k, block_size, config.gemm1);
+      gemm1.tile_counter = tile_counters;
+      run_gemm(gemm1, device, stream);
       run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
                                               .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
                                               .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
@@ -641,8 +652,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     } else {
       cache3 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
     }
-    run_gemm(gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2),
-             device, stream);
+    detail::GemmParams gemm2 =
+        gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
+    gemm2.tile_counter = tile_counters ? tile_counters + 1 : nullptr;
+    run_gemm(gemm2, device, stream);
 
     if (!direct) {
       run_sum_reduce(detail::SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,

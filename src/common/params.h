@@ -28,6 +28,10 @@ struct AlignParams {
   int32_t* expert_ids;            // [max_num_blocks]
   int64_t max_num_blocks;
   int32_t* num_tokens_post_padded;  // [1]
+  // fused_experts: the GEMMs' ordered-tile counters (GemmParams::tile_counter), set to
+  // zero by this kernel after it waits for the kernels before it.
+  int32_t* tile_counters = nullptr;
+  int num_tile_counters = 0;
 };
 
 enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
@@ -61,6 +65,10 @@ struct GemmParams {
   int64_t top_k;                    // a row = slot / top_k
   int64_t block_size;               // entries per expert block of sorted_token_ids
   GemmTile tile;                    // CUDA kernel and tile; kAuto = the launcher's heuristic
+  // sm90 kernel, 1-CTA clusters: take tiles in raster order from this device counter,
+  // zero at launch (fused_experts has the alignment kernel zero it). Null: a static
+  // persistent schedule.
+  int32_t* tile_counter = nullptr;
   bool gated = false;               // N outputs from 2N weight rows through `activation`
   ActivationKind activation = ActivationKind::kSiluAndMul;
   float alpha = 0.f, limit = 0.f;   // swiglu_oai only

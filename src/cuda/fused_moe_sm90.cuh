@@ -122,7 +122,10 @@ struct FusedMoeSm90Config {
   // two tiles' slot/weight tables for the consumers, and the producer's row table.
   static constexpr int kTableBytes =
       2 * kBlockM * int(sizeof(int32_t) + sizeof(float)) + kChunksA * kProducerThreads * int(sizeof(int32_t));
-  static constexpr int kRingBudget = 232448 - 1024 - 16 * 8 - kTableBytes;  // 227 KB opt-in limit
+  // The ordered tile queue (Sm90TileQueue): entries and two barriers each.
+  static constexpr int kTileQueueDepth = 4;
+  static constexpr int kTileQueueBytes = kTileQueueDepth * int(2 * sizeof(uint64_t) + sizeof(int32_t));
+  static constexpr int kRingBudget = 232448 - 1024 - 16 * 8 - kTileQueueBytes - kTableBytes;  // 227 KB opt-in limit
   // NOTE: more than 8 slots adds nothing (8 already cover ~2 us of loads at 64 x 128).
   static constexpr int kStages = kRingBudget / kStageBytes < 8 ? kRingBudget / kStageBytes : 8;
   static_assert(kStages >= 3, "the pipeline needs three slots");
@@ -135,7 +138,7 @@ struct FusedMoeSm90Config {
   static constexpr int kSmemElementsA = cute::cosize(SmemLayoutA{});
   static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
   static constexpr size_t kSmemBytes =
-      1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + kTableBytes;
+      1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + kTileQueueBytes + kTableBytes;
 };
 
 // m-tile group and n-tile of persistent cluster tile t in the grouped raster.
@@ -150,6 +153,71 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
   m_tile = first_m + local % group_rows;
   n_tile = local / group_rows;
 }
+
+// The cluster tiles a CTA takes, in order. Static: c, c + clusters, c + 2 * clusters, ...
+// for cluster c. Ordered (GemmParams::tile_counter, 1-CTA clusters): the next tile of the
+// grouped raster from a device counter, so tiles start in raster order as CTAs free up,
+// whatever the CTAs' drift. The producer's thread 0 takes the indices (Sm90TileTaker)
+// and every warp of the CTA reads them from a ring of kTileQueueDepth entries, each with
+// a `full` barrier (one arrival: the taker's) and an `empty` one (one per warp).
+// NOTE: static, the m-tiles that share a weight tile (consecutive t) drift apart by more
+// than a line's life in L2 over tens of tiles: Mixtral at M = 4096 read its GEMM1 weights
+// 3.7 times from DRAM (ncu, docs/PERF_NOTES.md step 4).
+// Shared memory: full barriers [kDepth], empty barriers [kDepth], entries [kDepth]. One
+// pointer locates all three (NOTE: the producer has 56 registers a thread).
+template <int kDepth>
+struct Sm90TileQueue {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  uint64_t* full;
+  int index = 0;
+  uint32_t phase = 0;
+
+  __device__ __forceinline__ uint64_t* empty() const { return full + kDepth; }
+  __device__ __forceinline__ int32_t* entries() const { return reinterpret_cast<int32_t*>(full + 2 * kDepth); }
+  __device__ __forceinline__ void step() {
+    if (++index == kDepth) {
+      index = 0;
+      phase ^= 1;
+    }
+  }
+  // Every thread of a warp calls this together; lane 0 releases the entry.
+  __device__ __forceinline__ int32_t pop() {
+    Barrier::wait(&full[index], phase);
+    const int32_t t = entries()[index];
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) Barrier::arrive(&empty()[index]);
+    step();
+    return t;
+  }
+};
+
+// The producer's thread 0: takes tile indices from the counter one tile ahead of the
+// one it publishes, so the atomic's round trip hides behind a tile of loads. The last
+// index it publishes is the first one past the end (every warp's stop).
+template <int kDepth>
+struct Sm90TileTaker {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  Sm90TileQueue<kDepth> slots;  // phase: of the empty barriers, starting at 1 (a fresh
+                                // barrier counts as having completed the phase before)
+  int32_t next = 0;
+
+  __device__ __forceinline__ void push(int32_t t) {
+    Barrier::wait(&slots.empty()[slots.index], slots.phase);
+    slots.entries()[slots.index] = t;
+    Barrier::arrive(&slots.full[slots.index]);  // release: the entry is visible to the waiters
+    slots.step();
+  }
+  __device__ __forceinline__ void start(int32_t* counter, int32_t num_tiles) {
+    const int32_t first = atomicAdd(counter, 1);
+    push(first);
+    if (first < num_tiles) next = atomicAdd(counter, 1);
+  }
+  // After the CTA took a tile: publish the one after it, fetch the next.
+  __device__ __forceinline__ void advance(int32_t* counter, int32_t num_tiles) {
+    push(next);
+    if (next < num_tiles) next = atomicAdd(counter, 1);
+  }
+};
 
 // The experts of the m-tiles of one cluster tile, as each CTA of the cluster sees them.
 struct Sm90ClusterTile {
@@ -345,7 +413,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   T* smem_b = smem_a + Config::kSmemElementsA;
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_b + Config::kSmemElementsB);
   uint64_t* empty_bar = full_bar + kStages;
-  int32_t* table_slot = reinterpret_cast<int32_t*>(empty_bar + kStages);  // [2][kBlockM], -1 = padding
+  uint64_t* tile_queue = empty_bar + kStages;  // the ordered tile queue (Sm90TileQueue)
+  int32_t* table_slot = reinterpret_cast<int32_t*>(tile_queue) + Config::kTileQueueBytes / 4;  // [2][kBlockM], -1 = padding
   float* table_weight = reinterpret_cast<float*>(table_slot + 2 * kBlockM);  // [2][kBlockM]
   // Row of a behind chunk i of producer thread t, [kProducerThreads][kChunksA] (16-byte
   // aligned), -1 for padding. NOTE: in shared memory, not registers: 8 rows (or
@@ -364,6 +433,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       Barrier::init(&full_bar[s], Config::kProducerThreads + 1);
       Barrier::init(&empty_bar[s], Config::kConsumerWarps * kClusterM);
     }
+    for (int q = 0; q < Config::kTileQueueDepth; ++q) {
+      Barrier::init(&tile_queue[q], 1);                                           // full: the taker
+      Barrier::init(&tile_queue[Config::kTileQueueDepth + q], Config::kThreads / 32);  // empty: every warp
+    }
     cutlass::arch::fence_barrier_init();
   }
   // The peer's barriers must be initialised before the first remote arrival or multicast.
@@ -381,6 +454,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int64_t num_m_tiles = *p.num_tokens_post_padded / kBlockM;  // a multiple of the block size
   const int64_t num_m_groups = (num_m_tiles + kClusterM - 1) / kClusterM;
   const int64_t num_tiles = num_m_groups * num_n_tiles;  // cluster tiles
+  // Ordered tiles need the counter (zeroed by the alignment kernel before this grid).
+  const bool ordered = kClusterM == 1 && p.tile_counter != nullptr;
+  Sm90TileQueue<Config::kTileQueueDepth> queue{tile_queue};
+  int64_t static_next = cluster_id;
+  // Every warp of the CTA calls this once per tile, in the same order.
+  auto next_tile = [&]() -> int64_t {
+    if (ordered) return queue.pop();
+    const int64_t t = static_next;
+    static_next += num_clusters;
+    return t;
+  };
 
   // NOTE: the warpgroup index through a shuffle, so the compiler knows the role branch is
   // warp-uniform (else every shuffle of the epilogue gets a divergence fallback).
@@ -400,7 +484,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     auto advance = [&] {
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     };
-    for (int64_t t = cluster_id; t < num_tiles; t += num_clusters) {
+    Sm90TileTaker<Config::kTileQueueDepth> taker{{tile_queue, 0, 1}};
+    if (ordered && threadIdx.x == 0) taker.start(p.tile_counter, int32_t(num_tiles));
+    for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
+      if (ordered && threadIdx.x == 0) taker.advance(p.tile_counter, int32_t(num_tiles));
       int64_t m_group, n_tile;
       sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
       const auto tile = sm90_cluster_tile<kBlockM, kClusterM>(p, m_group, num_m_tiles, cta_rank);
@@ -496,7 +583,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   int table = 0;
-  for (int64_t t = cluster_id; t < num_tiles; t += num_clusters) {
+  for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
     int64_t m_group, n_tile;
     sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
     const auto tile = sm90_cluster_tile<kBlockM, kClusterM>(p, m_group, num_m_tiles, cta_rank);
@@ -562,7 +649,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
       while (released < num_k_tiles) release();
     }
-    if (t + num_clusters >= num_tiles) allow_next_kernel_launch();
+    // Static: this CTA's last tile (ordered: only the counter knows; the CTA's exit lets
+    // the next kernel launch).
+    if (!ordered && t + num_clusters >= num_tiles) allow_next_kernel_launch();
     if (!tile.own_real) continue;
 
     // ---- epilogue: routed weight, (activation,) round, scatter rows by slot ----

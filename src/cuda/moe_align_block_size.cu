@@ -107,6 +107,8 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   wait_for_previous_kernel();
   // One wave, no later CTAs to protect: let the GEMM's CTAs launch and park now.
   allow_next_kernel_launch();
+  // The kernels before this one are done with the counters; the GEMMs after it wait for it.
+  if (ctas.rank == 0 && int(threadIdx.x) < p.num_tile_counters) p.tile_counters[threadIdx.x] = 0;
   // Every entry starts as the sentinel; the scatter (after two cluster barriers) overwrites
   // the real slots.
   for (int i = ctas.rank * kAlignThreads + threadIdx.x; i < int(p.max_num_tokens_padded); i += ctas.count * kAlignThreads) {

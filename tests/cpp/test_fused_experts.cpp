@@ -568,6 +568,25 @@ std::vector<LayerCase> layer_cases() {
       }
     }
   }
+  // Ordered sm90 tiles (the default) against the static schedule, and counters reused
+  // by the chunks of one call (each chunk's alignment zeroes them).
+  {
+    static const MoeKernelConfig kWgmma64{64, {GemmKernel::kSm90, 64, 128}, {GemmKernel::kSm90, 64, 256}};
+    LayerCase x = c;
+    x.M = 300;
+    x.top_k = 4;
+    x.num_global = x.num_local = 16;
+    x.dropped_share = 0.05;
+    x.options.config = &kWgmma64;
+    add("sm90_ordered_tiles", x, {Backend::kCUDA});
+    x.options.chunk_size = 70;
+    add("sm90_ordered_tiles_chunk70", x, {Backend::kCUDA});
+    x.options.ordered_tiles = false;
+    add("sm90_static_tiles_chunk70", x, {Backend::kCUDA});
+    x.options.chunk_size = 64 * 1024;
+    x.options.config = &kWgmma;
+    add("sm90_static_tiles_128x256", x, {Backend::kCUDA});
+  }
   {
     LayerCase x = c;
     x.options.fuse_activation = false;  // the separate activation kernel
@@ -588,6 +607,35 @@ class FusedExpertsBackendTest : public ::testing::TestWithParam<Backend> {
   void SetUp() override { MOELORA_SKIP_UNLESS_AVAILABLE(GetParam()); }
   Backend backend() const { return GetParam(); }
 };
+
+// Calls after the first reuse the workspace's tile counters and cached tables: the same
+// problem run three times (output poisoned before each) gives the same result each time.
+TEST(FusedExpertsRepeated, CallsReuseTheTileCounters) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  static const MoeKernelConfig kWgmma{64, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm90, 128, 128}};
+#ifdef MOELORA_WITH_CUDA
+  if (!cuda::current_device_facts().sm90_kernels) GTEST_SKIP() << "wgmma tiles need an sm_90 device";
+#endif
+  LayerCase c;
+  c.backend = Backend::kCUDA;
+  c.M = 500;
+  c.top_k = 4;
+  c.num_global = c.num_local = 16;
+  c.options.config = &kWgmma;
+  c.options.chunk_size = 200;
+  std::mt19937 rng(907);
+  LayerProblem problem(c, rng);
+  const std::vector<double> expected = problem.reference(c);
+  TestStream stream(c.backend);
+  for (int call = 0; call < 3; ++call) {
+    problem.out.poison();
+    fused_experts(problem.args, c.options, stream.handle());
+    stream.sync();
+    problem.out.download();
+    EXPECT_LE(ref::rel_error(problem.out.read(problem.out_view), expected), ref::tolerance(c.dtype)) << "call " << call;
+    EXPECT_EQ(problem.out.count_unwritten(problem.out_view), 0) << "call " << call;
+  }
+}
 
 // The block size a chunk uses never needs more workspace than the query reported, for
 // any chunk count; and a larger workspace is fine.
