@@ -38,15 +38,15 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSlots = int(kSmallBatchMaxSlots);
 static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables");
-constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows
+constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows (GEMM2's 16-row items: 2)
 constexpr int kChunk = 8;          // elements of a 16-byte load
 constexpr int kWarpChunk = 32 * kChunk;
-// 16-byte loads in flight per lane: GEMM1 2 rows x 8, GEMM2 4 rows x 4. NOTE: 64 KB in
+// 16-byte loads in flight per lane: GEMM1 2 rows x 8; GEMM2 4 rows x 4, or 16 rows x 1
+// when I <= 512 (a row of I = 256 is one chunk a lane: 4-row items left 2 KB in flight
+// per warp, and DeepSeek's M = 2 ran slower than the aligned path). NOTE: ~64 KB in
 // flight per SM (GEMM1: two CTAs of 8 warps; GEMM2: one), above the ~25 KB that HBM
 // latency x the per-SM share of the copy rate asks for.
 constexpr int kUnrollGemm1 = 8;
-constexpr int kUnrollGemm2 = 4;
-constexpr int kGemm2RowsPerItem = 4;
 constexpr int kGemm2MaxRows = 64;  // output rows of one GEMM2 CTA
 
 struct SlotTables {
@@ -145,14 +145,14 @@ __device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8])
 // acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp.
 // Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of every row are loaded
 // before the first is used. K % 8 == 0; rows and vecs 16-byte aligned.
-template <class T, int kRows, int kUnroll>
-__device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kSlotsPerPass],
-                                         int num_vecs, int K, float (&acc)[kRows][kSlotsPerPass]) {
+template <class T, int kRows, int kUnroll, int kVecs>
+__device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kVecs], int num_vecs,
+                                         int K, float (&acc)[kRows][kVecs]) {
   const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-    for (int v = 0; v < kSlotsPerPass; ++v) acc[r][v] = 0.f;
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = 0.f;
   }
   for (int k0 = lane * kChunk; k0 < K; k0 += kWarpChunk * kUnroll) {
     uint4 w[kRows][kUnroll];
@@ -163,7 +163,7 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
       for (int r = 0; r < kRows; ++r) w[r][u] = k < K ? load_streaming(rows[r] + k) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int v = 0; v < kSlotsPerPass; ++v) {
+    for (int v = 0; v < kVecs; ++v) {
       if (v >= num_vecs) break;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -184,20 +184,20 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-    for (int v = 0; v < kSlotsPerPass; ++v) {
+    for (int v = 0; v < kVecs; ++v) {
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) acc[r][v] += __shfl_xor_sync(0xffffffffu, acc[r][v], offset);
     }
   }
 }
 
-// acc[r][lane]: the value of slot `lane` of a pass (lane < kSlotsPerPass), without
-// register indexing.
-template <int kRows>
-__device__ __forceinline__ float lane_value(const float (&acc)[kRows][kSlotsPerPass], int r, int lane) {
+// acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
+// indexing.
+template <int kRows, int kVecs>
+__device__ __forceinline__ float lane_value(const float (&acc)[kRows][kVecs], int r, int lane) {
   float value = 0.f;
 #pragma unroll
-  for (int v = 0; v < kSlotsPerPass; ++v) value = lane == v ? acc[r][v] : value;
+  for (int v = 0; v < kVecs; ++v) value = lane == v ? acc[r][v] : value;
   return value;
 }
 
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const Sm
 #pragma unroll
       for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
       float acc[2][kSlotsPerPass];
-      warp_dot<T, 2, kUnrollGemm1>(rows, vecs, n, H, acc);
+      warp_dot<T, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
       if (lane < n) {
         const int slot = t.sorted_slot[g + lane];
         const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
@@ -253,10 +253,13 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const Sm
 // GEMM2 + the top-k sum: out[m][h] = routed_scaling_factor × Σ_j w_mj × (act[m·top_k + j] ·
 // w2[e_mj][h]) over the slots with a local expert (w_mj = 1 when router_weight_on_input);
 // with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
-// NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads in flight.
-template <class T>
+// kRowsPerItem x kUnroll: the rows a warp item takes and the chunks of each loaded before
+// use. NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads.
+template <class T, int kRowsPerItem, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
                                                                          int rows_per_cta) {
+  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators).
+  constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
   __shared__ SlotTables t;
   __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
   // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
@@ -270,28 +273,28 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
   const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
   const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int row_groups = rows_per_cta / kGemm2RowsPerItem;
+  const int row_groups = rows_per_cta / kRowsPerItem;
   for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
     const int items = t.num_distinct * row_groups;
     for (int item = warp; item < items; item += kWarps) {
-      const int d = item / row_groups, row0 = (item - d * row_groups) * kGemm2RowsPerItem;
+      const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
       const T* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
-      const T* rows[kGemm2RowsPerItem];
+      const T* rows[kRowsPerItem];
       // Rows past H (the last block) repeat row H - 1; their sums are never read.
 #pragma unroll
-      for (int r = 0; r < kGemm2RowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
+      for (int r = 0; r < kRowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
       const int end = t.group_begin[d + 1];
-      for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
-        const int n = min(kSlotsPerPass, end - g);
-        const T* vecs[kSlotsPerPass];
+      for (int g = t.group_begin[d]; g < end; g += kVecs) {
+        const int n = min(kVecs, end - g);
+        const T* vecs[kVecs];
 #pragma unroll
-        for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
-        float acc[kGemm2RowsPerItem][kSlotsPerPass];
-        warp_dot<T, kGemm2RowsPerItem, kUnrollGemm2>(rows, vecs, n, I, acc);
+        for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
+        float acc[kRowsPerItem][kVecs];
+        warp_dot<T, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
         if (lane < n) {
           const int slot = t.sorted_slot[g + lane];
 #pragma unroll
-          for (int r = 0; r < kGemm2RowsPerItem; ++r) partial[slot][row0 + r] = lane_value(acc, r, lane);
+          for (int r = 0; r < kRowsPerItem; ++r) partial[slot][row0 + r] = lane_value(acc, r, lane);
         }
       }
     }
@@ -339,17 +342,26 @@ int resident_ctas() {
   return ctas;
 }
 
+// GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave
+// covers H.
+template <auto kKernel, int kRowsPerItem>
+void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream) {
+  const int64_t resident = resident_ctas<kKernel>();
+  const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
+  const int rows_per_cta = int((rows + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem);
+  const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
+  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
+}
+
 template <class T, ActivationKind kAct>
 void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream) {
   constexpr auto gemm1 = small_batch_gemm1_kernel<T, kAct>;
   launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
-  // GEMM2: blocks of rows (a multiple of 4, at most 64) so that one wave covers H.
-  constexpr auto gemm2 = small_batch_gemm2_kernel<T>;
-  const int64_t resident = resident_ctas<gemm2>();
-  const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
-  const int rows_per_cta = int((rows + kGemm2RowsPerItem - 1) / kGemm2RowsPerItem * kGemm2RowsPerItem);
-  const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
-  launch_kernel(gemm2, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
+  if (p.I <= 512) {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, 16, 1>, 16>(p, stream);
+  } else {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, 4, 4>, 4>(p, stream);
+  }
 }
 
 template <class T>

@@ -31,6 +31,7 @@ struct LayerCase {
   bool one_expert = false;       // every slot on one expert
   bool inplace = false;          // out is hidden_states
   bool padded = false;           // hidden_states, out, topk_ids, topk_weights with padded rows
+  int64_t x_row_pad = 9;         // padded: hidden_states elements past each row (9: rows not 16-byte aligned)
   DType id_dtype = DType::kInt32;
   double weight_scale = 0.0;     // 0: 1/sqrt(K) per GEMM
   FusedExpertsOptions options{};
@@ -76,7 +77,7 @@ std::vector<int64_t> make_routing(const LayerCase& c, const std::vector<int64_t>
 // All buffers of one fused_experts call, filled, uploaded and poisoned.
 struct LayerProblem {
   LayerProblem(const LayerCase& c, std::mt19937& rng)
-      : x_row_stride(c.padded ? c.H + 9 : c.H),
+      : x_row_stride(c.padded ? c.H + c.x_row_pad : c.H),
         out_rows(c.options.no_combine ? c.M * c.top_k : c.M),
         out_row_stride(c.padded ? c.H + 3 : c.H),
         ids_row_stride(c.padded ? c.top_k + 2 : c.top_k),
@@ -490,12 +491,15 @@ std::vector<LayerCase> layer_cases() {
     x.options.no_combine = true;
     add_small("no_combine", x);
     x.padded = true;
+    x.x_row_pad = 8;  // hidden rows stay 16-byte aligned
     x.dropped_share = 0.2;
     x.expert_map = true;
     x.num_global = 40;
     x.local_share = 0.5;
     x.id_dtype = DType::kInt64;
     add_small("no_combine_padded_dropped_expert_map_i64", x);
+    x.x_row_pad = 9;  // hidden rows not 16-byte aligned: the aligned path
+    add_small("no_combine_unaligned_rows_falls_back", x, false);
     x = sb;
     x.inplace = true;
     add_small("inplace", x);
@@ -612,7 +616,7 @@ class FusedExpertsBackendTest : public ::testing::TestWithParam<Backend> {
 // problem run three times (output poisoned before each) gives the same result each time.
 TEST(FusedExpertsRepeated, CallsReuseTheTileCounters) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
-  static const MoeKernelConfig kWgmma{64, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm90, 128, 128}};
+  static const MoeKernelConfig kWgmma{128, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm90, 128, 128}};
 #ifdef MOELORA_WITH_CUDA
   if (!cuda::current_device_facts().sm90_kernels) GTEST_SKIP() << "wgmma tiles need an sm_90 device";
 #endif
