@@ -41,12 +41,13 @@ static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables
 constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows (GEMM2's 16-row items: 2)
 constexpr int kChunk = 8;          // elements of a 16-byte load
 constexpr int kWarpChunk = 32 * kChunk;
-// 16-byte loads in flight per lane: GEMM1 2 rows x 8; GEMM2 4 rows x 4, or 16 rows x 1
+// 16-byte loads in flight per lane: GEMM1 2 rows x 4 (x 8 spilled once the input
+// vector's chunks were batched too, under the 128-register cap); GEMM2 4 rows x 4, or 16 rows x 1
 // when I <= 512 (a row of I = 256 is one chunk a lane: 4-row items left 2 KB in flight
 // per warp, and DeepSeek's M = 2 ran slower than the aligned path). NOTE: ~64 KB in
 // flight per SM (GEMM1: two CTAs of 8 warps; GEMM2: one), above the ~25 KB that HBM
 // latency x the per-SM share of the copy rate asks for.
-constexpr int kUnrollGemm1 = 8;
+constexpr int kUnrollGemm1 = 4;
 constexpr int kGemm2MaxRows = 64;  // output rows of one GEMM2 CTA
 
 struct SlotTables {
@@ -165,12 +166,19 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) {
       if (v >= num_vecs) break;
+      // NOTE: all of the vector's chunks in flight before the first use. A load next to
+      // each use (with a break at K) left them serialised in the SASS, one L1/L2 round
+      // trip per chunk, and the kernels streamed at 36-57% of peak (ncu, H100, M = 1).
+      uint4 xv[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = k0 + u * kWarpChunk;
-        if (k >= K) break;
+        xv[u] = k < K ? *reinterpret_cast<const uint4*>(vecs[v] + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
         float x[8];
-        to_float8<T>(*reinterpret_cast<const uint4*>(vecs[v] + k), x);
+        to_float8<T>(xv[u], x);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
           float wf[8];
