@@ -36,9 +36,6 @@ void require_cuda_backend(const char* op) {
 }
 
 constexpr int64_t kMaxBlockSize = 256;
-// The small-batch path where no table decides (up to M = 4 at top-k 8). NOTE: a
-// guess from the decode measurements, not tuned per shape; the tables decide per M.
-constexpr int64_t kSmallBatchHeuristicSlots = 32;
 
 void check_block_size(const char* op, int64_t block_size, bool multiple_of_16) {
   if (block_size < 16 || block_size > 256 || (multiple_of_16 && block_size % 16 != 0)) {
@@ -367,11 +364,14 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
     if (runs_here) return tuned;
   }
   // No table: wgmma tiles of 128 rows once experts see enough slots to fill them; the
-  // small-batch kernels at decode sizes.
+  // small-batch kernels while there are no more slots than experts. NOTE: that rule
+  // matches every cell the H100 tuner measured (docs/PERF_NOTES.md, issue 3 step 5):
+  // small-batch won up to 64 slots on the 64-256-expert models and up to 8 on Mixtral
+  // (8 experts), and lost beyond.
   const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   const int64_t slots_per_expert = ceil_div(slots, std::max<int64_t>(shape.num_experts, 1));
   if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
-  config.small_batch = slots <= kSmallBatchHeuristicSlots;
+  config.small_batch = slots <= std::min(kSmallBatchMaxSlots, shape.num_experts);
 #else
   (void)num_local_experts;
 #endif

@@ -27,9 +27,9 @@
 // shared memory). NOTE: measured on H100 at M = 4096, clusters gain 0-4% (Mixtral most):
 // L2 traffic is not what limits these tiles (vLLM's Triton kernel moves as many L2 bytes
 // per FLOP with the same 128 x 256 tile and runs its GEMMs in 697 us where this kernel
-// takes ~950 on Qwen3-30B). DRAM traffic is: the static schedule below lets the m-tiles
-// that share a weight tile drift apart, and each reads it from DRAM again (3.7x the weight
-// bytes on Mixtral at M = 4096, ncu; docs/PERF_NOTES.md, step 4).
+// takes ~950 on Qwen3-30B). Nor is DRAM: ordered tiles (below) cut Mixtral's GEMM1 DRAM
+// reads at M = 4096 from 9.9 to 4.3 GB but its time only from 4.38 to 4.07 ms (ncu,
+// H100; docs/PERF_NOTES.md, step 5): the tensor pipe waits on the ring's fill.
 // NOTE: a ping-pong version (64-row tiles, one consumer warpgroup each, producer-owned
 // per-tile tables one tile ahead) measured 10% slower and, before an order barrier was
 // added, read stale slots: ring barriers are waited on by parity, so a warpgroup that
@@ -37,10 +37,11 @@
 // step 3).
 //
 // Persistence: the grid is at most one CTA per SM (and no more clusters than fit at
-// once), and cluster c takes cluster tiles c, c + clusters, ... in a grouped raster
-// (kGroupM m-tiles down each N column before moving right), so the CTAs working at one
-// time share one expert's weight slab in L2. The tile count comes from the device-side
-// num_tokens_post_padded; no host sync.
+// once), and the tiles follow a grouped raster (kGroupM m-tiles down each N column before
+// moving right), so the CTAs working at one time share one expert's weight slab in L2.
+// Cluster c takes cluster tiles c, c + clusters, ... (static), or, with a tile counter
+// (1-CTA clusters), the next tile in raster order as it frees up (Sm90TileQueue). The
+// tile count comes from the device-side num_tokens_post_padded; no host sync.
 //
 // Gated GEMM (GemmParams::gated): the TMA boxes place gate and up rows so that every
 // consumer thread holds both inputs of its outputs (GatedTileColumn, with slices of

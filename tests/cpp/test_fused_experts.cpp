@@ -294,7 +294,7 @@ std::vector<LayerCase> layer_cases() {
   }
 
   LayerCase c;  // the small shape, bf16, silu
-  // Decode-sized chunks (at most 32 slots) take the small-batch kernels by default on
+  // Decode-sized chunks (no more slots than experts) take the small-batch kernels by default on
   // CUDA; these cases pin the aligned path with an explicit block size (the heuristic's).
   auto aligned = [](LayerCase x) {
     x.options.block_size = 16;

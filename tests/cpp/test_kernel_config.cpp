@@ -13,7 +13,7 @@ using ::testing::HasSubstr;
 
 const char* kTable = R"({
   "1": {"block_size": 16, "gemm1": {"kernel": "sm80", "block_m": 16, "block_n": 64},
-        "gemm2": {"kernel": "sm80", "block_m": 16, "block_n": 128}},
+        "gemm2": {"kernel": "sm80", "block_m": 16, "block_n": 128}, "small_batch": 1},
   "64": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64, "block_n": 256},
          "gemm2": {"kernel": "auto"}},
   "4096": {"block_size": 128, "gemm1": {"kernel": "sm90", "block_m": 128, "block_n": 256},
@@ -30,6 +30,8 @@ TEST(KernelConfig, ParsesATable) {
   EXPECT_EQ(c.gemm1.block_n, 256);
   EXPECT_EQ(c.gemm2.kernel, GemmKernel::kAuto);
   EXPECT_EQ(table.at(1).gemm2.block_n, 128);
+  EXPECT_TRUE(table.at(1).small_batch);
+  EXPECT_FALSE(c.small_batch);
 }
 
 TEST(KernelConfig, NearestTokenCountWinsTiesGoToTheSmaller) {
@@ -55,6 +57,7 @@ TEST(KernelConfig, RejectsMalformedTablesNamingTheSource) {
       {R"({"1": {"block_size": 16}} trailing)", "end of text"},
       {R"({"1": {"block_size": 16})", "'}'"},
       {R"({"1": {"block_size": "16"}})", "integer"},
+      {R"({"1": {"block_size": 16, "small_batch": 2}})", "small_batch 0 or 1"},
   };
   for (const auto& [json, expected] : bad) {
     SCOPED_TRACE(json);
