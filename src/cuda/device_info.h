@@ -1,6 +1,8 @@
 // Facts about the current CUDA device that launchers and the config registry need.
 #pragma once
 
+#include <atomic>
+
 namespace moelora::cuda {
 
 struct DeviceInfo {
@@ -13,6 +15,20 @@ struct DeviceInfo {
 
 // The current device's facts, queried once per device and cached. Throws on CUDA errors.
 const DeviceInfo& current_device_info();
+
+// A per-device value computed once on first use (an occupancy query, say) and kept in
+// the caller's cache, one per kernel instance; 0 means not computed yet. No sync.
+template <class Compute>
+int cached_per_device(std::atomic<int> (&cache)[64], Compute&& compute) {
+  const DeviceInfo& device = current_device_info();
+  std::atomic<int>& slot = cache[device.ordinal % 64];
+  int value = slot.load(std::memory_order_relaxed);
+  if (value == 0) {
+    value = compute(device);
+    slot.store(value, std::memory_order_relaxed);
+  }
+  return value;
+}
 
 // sm_90a kernels (wgmma) run here: compute capability 9.0 exactly.
 inline bool is_sm90(const DeviceInfo& d) { return d.cc_major == 9 && d.cc_minor == 0; }

@@ -20,6 +20,7 @@
 // activations go through L1, where every warp working on one expert finds them.
 #include <algorithm>
 #include <atomic>
+#include <string>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
@@ -337,17 +338,12 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
 // cache per kernel instance through the template).
 template <auto kKernel>
 int resident_ctas() {
-  static std::atomic<int> cached[64] = {};
-  const DeviceInfo& device = current_device_info();
-  std::atomic<int>& slot = cached[device.ordinal % 64];
-  int ctas = slot.load(std::memory_order_relaxed);
-  if (ctas == 0) {
+  static std::atomic<int> cache[64] = {};
+  return cached_per_device(cache, [](const DeviceInfo& device) {
     int per_sm = 0;
     MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
-    ctas = std::max(1, per_sm) * device.num_sms;
-    slot.store(ctas, std::memory_order_relaxed);
-  }
-  return ctas;
+    return std::max(1, per_sm) * device.num_sms;
+  });
 }
 
 // GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave

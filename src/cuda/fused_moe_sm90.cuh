@@ -685,30 +685,24 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 // of every 1-CTA instance after it (DeepSeek M = 4096: 1750 -> 2800 us).
 template <class Config>
 int sm90_max_active_clusters() {
-  static std::atomic<int> cached[64] = {};
-  const DeviceInfo& device = current_device_info();
-  std::atomic<int>& slot = cached[device.ordinal % 64];
-  int clusters = slot.load(std::memory_order_relaxed);
-  if (clusters == 0) {
-    if (Config::kClusterM == 1) {
-      clusters = device.num_sms;
-    } else {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(unsigned(device.num_sms / Config::kClusterM * Config::kClusterM));
-      config.blockDim = dim3(unsigned(Config::kThreads));
-      config.dynamicSmemBytes = Config::kSmemBytes;
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = unsigned(Config::kClusterM);
-      attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fused_moe_sm90_kernel<Config>, &config));
-      if (clusters < 1) throw Error("moelora.fused_moe: no cluster of the sm90 kernel fits on this device");
-    }
-    slot.store(clusters, std::memory_order_relaxed);
-  }
-  return clusters;
+  static std::atomic<int> cache[64] = {};
+  return cached_per_device(cache, [](const DeviceInfo& device) {
+    if (Config::kClusterM == 1) return device.num_sms;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(device.num_sms / Config::kClusterM * Config::kClusterM));
+    config.blockDim = dim3(unsigned(Config::kThreads));
+    config.dynamicSmemBytes = Config::kSmemBytes;
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = unsigned(Config::kClusterM);
+    attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    int clusters = 0;
+    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, fused_moe_sm90_kernel<Config>, &config));
+    if (clusters < 1) throw Error("moelora.fused_moe: no cluster of the sm90 kernel fits on this device");
+    return clusters;
+  });
 }
 
 // Launches the kernel for one (element type, tile, cluster) instance: at most one CTA

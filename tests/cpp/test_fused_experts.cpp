@@ -228,8 +228,8 @@ std::vector<LayerCase> layer_cases() {
       {"olmoe_1b_7b", 64, 8, 2048, 1024, 8, Activation::kSilu},
       {"gpt_oss_120b", 128, 4, 2880, 2880, 2, Activation::kSwigluOai},
   };
-  for (const Model& m : models) {
-    LayerCase c;
+  // A model's shapes on one rank of num_local experts, on top of `c`.
+  auto model_rank = [](const Model& m, LayerCase c) {
     c.top_k = m.top_k;
     c.H = m.H;
     c.I = m.I;
@@ -239,6 +239,10 @@ std::vector<LayerCase> layer_cases() {
     c.local_share = 0.75;
     c.weight_scale = 0.02;
     c.options.activation = m.activation;
+    return c;
+  };
+  for (const Model& m : models) {
+    LayerCase c = model_rank(m, LayerCase{});
     const bool mixtral = m.I > 8192;  // 176M multiply-adds a slot: one token on the CPU
     for (int64_t M : {1, 16, 64}) {
       if (mixtral && M > 1) continue;
@@ -555,16 +559,7 @@ std::vector<LayerCase> layer_cases() {
     add_small("H1000_I136", x);
     // the brief's models at decode sizes, as one expert-parallel rank
     for (const Model& m : models) {
-      LayerCase y = sb;
-      y.top_k = m.top_k;
-      y.H = m.H;
-      y.I = m.I;
-      y.num_global = m.E;
-      y.num_local = m.num_local;
-      y.expert_map = true;
-      y.local_share = 0.75;
-      y.weight_scale = 0.02;
-      y.options.activation = m.activation;
+      LayerCase y = model_rank(m, sb);
       for (int64_t M : {1, 4, 8}) {
         if (m.I > 8192 && M > 1) continue;  // mixtral: one token on the CPU
         y.M = M;
