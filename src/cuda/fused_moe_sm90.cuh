@@ -162,8 +162,10 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
 // and every warp of the CTA reads them from a ring of kTileQueueDepth entries, each with
 // a `full` barrier (one arrival: the taker's) and an `empty` one (one per warp).
 // NOTE: static, the m-tiles that share a weight tile (consecutive t) drift apart by more
-// than a line's life in L2 over tens of tiles: Mixtral at M = 4096 read its GEMM1 weights
-// 3.7 times from DRAM (ncu, docs/PERF_NOTES.md step 4).
+// than a line's life in L2 over tens of tiles: Mixtral's GEMM1 at M = 4096 (1.9 GB of
+// weights) read 9.9 GB from DRAM static and 4.3 GB ordered (ncu, docs/PERF_NOTES.md
+// step 5).
+//
 // Shared memory: full barriers [kDepth], empty barriers [kDepth], entries [kDepth]. One
 // pointer locates all three (NOTE: the producer has 56 registers a thread).
 template <int kDepth>
