@@ -92,6 +92,16 @@ struct Options {
   std::exit(2);
 }
 
+std::vector<std::string> split_commas(const std::string& list) {
+  std::vector<std::string> items;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    items.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return items;
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   std::string model = "qwen3-30b-a3b";
@@ -104,12 +114,7 @@ Options parse(int argc, char** argv) {
     if (arg == "--model") model = value();
     else if (arg == "--tokens") {
       o.tokens.clear();
-      std::string list = value();
-      for (size_t at = 0; at <= list.size();) {
-        const size_t comma = std::min(list.find(',', at), list.size());
-        o.tokens.push_back(std::stoll(list.substr(at, comma - at)));
-        at = comma + 1;
-      }
+      for (const std::string& t : split_commas(value())) o.tokens.push_back(std::stoll(t));
     } else if (arg == "--dtype") {
       const std::string d = value();
       if (d == "bf16") o.dtype = DType::kBFloat16;
@@ -127,15 +132,12 @@ Options parse(int argc, char** argv) {
     else if (arg == "--help" || arg == "-h") usage("help");
     else usage("unknown argument " + arg);
   }
-  for (size_t at = 0; at <= model.size();) {  // NAME[,NAME...] or all
-    const size_t comma = std::min(model.find(',', at), model.size());
-    const std::string name = model.substr(at, comma - at);
+  for (const std::string& name : split_commas(model)) {  // NAME[,NAME...] or all
     const size_t before = o.models.size();
     for (const Model& m : kModels) {
       if (name == "all" || name == m.name) o.models.push_back(&m);
     }
     if (o.models.size() == before) usage("unknown model " + name);
-    at = comma + 1;
   }
   for (int64_t t : o.tokens) {
     if (t < 1) usage("--tokens must be >= 1");

@@ -431,6 +431,53 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   return l;
 }
 
+#ifdef MOELORA_WITH_CUDA
+// The small-batch kernels' parameters for one chunk: x_chunk, ids and weights are the
+// chunk's rows; act is GEMM1's output in the workspace, out_chunk the chunk's first row.
+detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
+                                               const TensorView& x_chunk, const TensorView& ids,
+                                               const TensorView& weights, void* act, void* out_chunk,
+                                               int64_t num_experts, detail::ActivationKind kind) {
+  return detail::SmallBatchMoeParams{
+      .dtype = x_chunk.dtype,
+      .x = x_chunk.data,
+      .x_stride_token = x_chunk.strides[0],
+      .w13 = args.w13.data,
+      .w13_stride_expert = args.w13.strides[0],
+      .w13_stride_n = args.w13.strides[1],
+      .w13_stride_k = args.w13.strides[2],
+      .w2 = args.w2.data,
+      .w2_stride_expert = args.w2.strides[0],
+      .w2_stride_n = args.w2.strides[1],
+      .w2_stride_k = args.w2.strides[2],
+      .topk_ids = ids.data,
+      .topk_ids_int64 = ids.dtype == DType::kInt64,
+      .topk_ids_stride_token = ids.strides[0],
+      .topk_ids_stride_k = ids.strides[1],
+      .topk_weights = static_cast<const float*>(weights.data),
+      .topk_weights_stride_token = weights.strides[0],
+      .topk_weights_stride_k = weights.strides[1],
+      .expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr,
+      .num_tokens = x_chunk.shape[0],
+      .top_k = ids.shape[1],
+      .num_experts = num_experts,
+      .num_local_experts = args.w13.shape[0],
+      .H = x_chunk.shape[1],
+      .I = args.w2.shape[2],
+      .act = act,
+      .out = out_chunk,
+      .out_stride_token = args.out.strides[0],
+      .out_stride_k = options.no_combine ? args.out.strides[1] : 0,
+      .no_combine = options.no_combine,
+      .router_weight_on_input = options.apply_router_weight_on_input,
+      .routed_scaling_factor = options.routed_scaling_factor,
+      .activation = kind,
+      .alpha = options.swiglu_alpha,
+      .limit = options.swiglu_limit,
+  };
+}
+#endif
+
 }  // namespace
 
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape, const FusedExpertsOptions& options) {
@@ -569,43 +616,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     void* out_chunk = byte_offset(args.out.data, begin * args.out.strides[0] * elem);
 #ifdef MOELORA_WITH_CUDA
     if (on_cuda(x) && config.small_batch) {
-      const detail::SmallBatchMoeParams small{
-          .dtype = dtype,
-          .x = x_chunk.data,
-          .x_stride_token = x.strides[0],
-          .w13 = args.w13.data,
-          .w13_stride_expert = args.w13.strides[0],
-          .w13_stride_n = args.w13.strides[1],
-          .w2 = args.w2.data,
-          .w2_stride_expert = args.w2.strides[0],
-          .w2_stride_n = args.w2.strides[1],
-          .topk_ids = ids.data,
-          .topk_ids_int64 = ids.dtype == DType::kInt64,
-          .topk_ids_stride_token = ids.strides[0],
-          .topk_ids_stride_k = ids.strides[1],
-          .topk_weights = static_cast<const float*>(weights.data),
-          .topk_weights_stride_token = weights.strides[0],
-          .topk_weights_stride_k = weights.strides[1],
-          .expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr,
-          .num_tokens = tokens,
-          .top_k = top_k,
-          .num_experts = E_global,
-          .num_local_experts = E_local,
-          .H = H,
-          .I = I,
-          .act = cache2.data,
-          .out = out_chunk,
-          .out_stride_token = args.out.strides[0],
-          .out_stride_k = options.no_combine ? args.out.strides[1] : 0,
-          .no_combine = options.no_combine,
-          .router_weight_on_input = options.apply_router_weight_on_input,
-          .routed_scaling_factor = options.routed_scaling_factor,
-          .activation = kind,
-          .alpha = options.swiglu_alpha,
-          .limit = options.swiglu_limit,
-      };
-      // K-contiguous weights are required; a chunk that does not qualify takes the aligned path.
-      if (args.w13.strides[2] == 1 && args.w2.strides[2] == 1 && cuda::fused_experts_small_batch_supported(small)) {
+      const detail::SmallBatchMoeParams small =
+          small_batch_params(args, options, x_chunk, ids, weights, cache2.data, out_chunk, E_global, kind);
+      // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
+      if (cuda::fused_experts_small_batch_supported(small)) {
         cuda::fused_experts_small_batch(small, stream);
         continue;
       }

@@ -76,15 +76,16 @@ struct GemmParams {
 
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
 // from topk_ids: GEMM1 + activation into `act`, then GEMM2 + the top-k sum into `out`.
-// Weights and hidden_states have unit K stride; 16-bit float types only.
+// fused_experts_small_batch_supported() says whether the kernels take these (unit K
+// strides, 16-byte aligned rows, 16-bit float types, at most kSmallBatchMaxSlots slots).
 struct SmallBatchMoeParams {
   DType dtype;                    // bf16 or fp16: x, w13, w2, act, out
-  const void* x;                  // [num_tokens, H]
+  const void* x;                  // [num_tokens, H], unit stride on H
   int64_t x_stride_token;
   const void* w13;                // [num_local_experts, 2I, H]
-  int64_t w13_stride_expert, w13_stride_n;
+  int64_t w13_stride_expert, w13_stride_n, w13_stride_k;
   const void* w2;                 // [num_local_experts, H, I]
-  int64_t w2_stride_expert, w2_stride_n;
+  int64_t w2_stride_expert, w2_stride_n, w2_stride_k;
   const void* topk_ids;           // [num_tokens, top_k], global ids
   bool topk_ids_int64;
   int64_t topk_ids_stride_token, topk_ids_stride_k;

@@ -122,26 +122,12 @@ __device__ __forceinline__ uint4 load_streaming(const void* ptr) {
   return v;
 }
 
+// The 8 elements of a 16-byte chunk as fp32.
 template <class T>
-__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]);
-template <>
-__device__ __forceinline__ void to_float8<__nv_bfloat16>(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]) {
+  const Vec16<T>& chunk = reinterpret_cast<const Vec16<T>&>(v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-template <>
-__device__ __forceinline__ void to_float8<__half>(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-    f[2 * i] = pair.x;
-    f[2 * i + 1] = pair.y;
-  }
+  for (int i = 0; i < 8; ++i) f[i] = to_float(chunk.v[i]);
 }
 
 // acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp.
@@ -381,7 +367,8 @@ void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream) {
 
 bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   const int64_t slots = p.num_tokens * p.top_k;
-  const bool rows_aligned = p.x_stride_token % kChunk == 0 && p.w13_stride_expert % kChunk == 0 &&
+  const bool rows_aligned = p.w13_stride_k == 1 && p.w2_stride_k == 1 && p.x_stride_token % kChunk == 0 &&
+                            p.w13_stride_expert % kChunk == 0 &&
                             p.w13_stride_n % kChunk == 0 && p.w2_stride_expert % kChunk == 0 &&
                             p.w2_stride_n % kChunk == 0 && aligned16(p.x) && aligned16(p.w13) && aligned16(p.w2) &&
                             aligned16(p.act);
