@@ -163,7 +163,7 @@ struct FusedExpertsOptions {
   // reaches memory). false runs the separate activation kernel, as the CPU backend
   // always does; for A/B measurements.
   bool fuse_activation = true;
-  // CUDA, sm90 tiles in 1-CTA clusters: take output tiles in raster order from a device
+  // CUDA, sm90 tiles: take output tiles (cluster tiles) in raster order from a device
   // counter (kept in the workspace) instead of a static persistent schedule, so the
   // m-tiles that share an expert's weight tile run together and read it from DRAM once.
   // false: the static schedule; for A/B measurements.

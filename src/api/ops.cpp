@@ -392,12 +392,16 @@ namespace {
 
 // GEMM1's and GEMM2's ordered-tile counters (GemmParams::tile_counter).
 constexpr int kNumTileCounters = 2;
+// Chunks of at least this many slots get room for the activation in sorted order
+// (GemmParams::out_rows_sorted: padded entries, not slots); smaller ones keep it by slot.
+constexpr int64_t kSortedActivationMinSlots = 512;
 
 // Workspace layout, each piece 256-byte aligned. cache1 (GEMM1's [slots, 2I], only when
 // the activation runs as its own kernel) is dead once the activation has read it, before
 // GEMM2 writes cache3 ([slots, H]): the two share one region.
 struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, total;
+  int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   AlignCapacity capacity;
 };
 
@@ -426,7 +430,8 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.num_tokens_post_padded = take(4);
   l.tile_counters = take(kNumTileCounters * 4);
   l.cache1 = l.cache3 = take(slots * std::max(2 * s.intermediate_size, s.hidden_size) * elem);
-  l.cache2 = take(slots * s.intermediate_size * elem);
+  l.cache2_rows = slots >= kSortedActivationMinSlots ? std::max(slots, l.capacity.max_num_tokens_padded) : slots;
+  l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
   l.total = at;
   return l;
 }
@@ -609,7 +614,15 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     expert_chunk.shape[0] = cap.max_num_blocks;
     const TensorView x_chunk = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H,
                                       x.strides[0], 1, device);
-    const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
+    // With both GEMMs on the sm90 kernel, GEMM1 writes the activation in sorted order
+    // (row = entry), and GEMM2 loads each tile's rows as one TMA box instead of gathering
+    // them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of Mixtral's layer at
+    // M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
+    const bool sorted_activation = on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
+                                   config.gemm2.kernel == GemmKernel::kSm90 &&
+                                   cap.max_num_tokens_padded <= layout.cache2_rows;
+    const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
+                                     sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
     const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul
                                         : options.activation == Activation::kGelu ? detail::ActivationKind::kGeluAndMul
                                                                                   : detail::ActivationKind::kSwigluOai;
@@ -635,6 +648,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       detail::GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                              top_k, block_size, config.gemm1);
       gemm1.N = I;
+      gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
+      gemm1.out_rows_sorted = sorted_activation;
       gemm1.gated = true;
       gemm1.activation = kind;
       gemm1.alpha = options.swiglu_alpha;
@@ -669,6 +684,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     detail::GemmParams gemm2 =
         gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
     gemm2.tile_counter = tile_counters ? tile_counters + 1 : nullptr;
+    gemm2.a_rows_sorted = sorted_activation;
     run_gemm(gemm2, device, stream);
 
     if (!direct) {

@@ -65,13 +65,18 @@ struct GemmParams {
   int64_t top_k;                    // a row = slot / top_k
   int64_t block_size;               // entries per expert block of sorted_token_ids
   GemmTile tile;                    // CUDA kernel and tile; kAuto = the launcher's heuristic
-  // sm90 kernel, 1-CTA clusters: take tiles in raster order from this device counter,
+  // sm90 kernel: take (cluster) tiles in raster order from this device counter,
   // zero at launch (fused_experts has the alignment kernel zero it). Null: a static
   // persistent schedule.
   int32_t* tile_counter = nullptr;
   bool gated = false;               // N outputs from 2N weight rows through `activation`
   ActivationKind activation = ActivationKind::kSiluAndMul;
   float alpha = 0.f, limit = 0.f;   // swiglu_oai only
+  // sm90 kernel only (fused_experts with both GEMMs on it): GEMM1 stores row r of a tile
+  // at its entry (m_tile * block_m + r) instead of its slot; GEMM2 reads its A rows
+  // there, so a tile's rows are consecutive and arrive in one TMA box.
+  bool out_rows_sorted = false;
+  bool a_rows_sorted = false;
 };
 
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight

@@ -1,5 +1,7 @@
 // fused_moe launcher: resolves the tile (the caller's, else a heuristic) and launches
 // the kernel instance. No sync, no allocation.
+#include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #include "common/params.h"
@@ -72,6 +74,24 @@ WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows
   return w_map;
 }
 
+ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int box_rows) {
+  const uint64_t elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  cuuint64_t dims[2] = {cuuint64_t(p.K), cuuint64_t(std::max<int64_t>(p.num_rows, 1))};
+  cuuint64_t strides[1] = {uint64_t(p.a_stride_row) * elem};
+  cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
+  cuuint32_t element_strides[2] = {1, 1};
+  ActivationTensorMap a_map{};
+  const CUresult status = tensor_map_encode_tiled()(
+      &a_map.map, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      const_cast<void*>(p.a), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    throw Error("moelora.fused_moe: cuTensorMapEncodeTiled failed for the activation tensor (CUresult " +
+                std::to_string(int(status)) + ")");
+  }
+  return a_map;
+}
+
 void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
@@ -83,6 +103,9 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const bool sm90 = sm90_kernels_available(device);
   const GemmTile tile = p.tile.kernel == GemmKernel::kAuto ? heuristic_tile(p, device, sm90) : p.tile;
   const bool bf16 = p.dtype == DType::kBFloat16;
+  if ((p.a_rows_sorted || p.out_rows_sorted) && tile.kernel != GemmKernel::kSm90) {
+    throw std::logic_error("moelora.fused_moe: sorted A or output rows need the sm90 kernel");
+  }
   if (tile.kernel == GemmKernel::kSm90) {
     if (!sm90) {
       throw Error("moelora.fused_moe: the sm90 (wgmma) tile needs an sm_90 device and a build with sm_90a kernels; "

@@ -5,14 +5,19 @@
 // sorted_token_ids (one expert: kBlockM divides the block size), kBlockN weight rows]:
 //   - warpgroup 0, the producer (56 registers a thread): weight tiles by TMA (one
 //     thread), activation rows by cp.async from all 128 threads, since the rows are
-//     gathered (row = slot / top_k) and TMA on Hopper cannot gather;
+//     gathered (row = slot / top_k) and TMA on Hopper cannot gather; or, when the rows
+//     are in sorted order (GemmParams::a_rows_sorted: GEMM2 of fused_experts, whose
+//     GEMM1 stored the activation by entry), the whole A tile as one TMA box. NOTE: the
+//     gathered cp.async rows cost far more than their bytes: dropping them sped
+//     Mixtral's layer at M = 4096 up ~1.5x, dropping the twice larger weight tiles 1.15x;
+//     one TMA box per gathered row was slower still (H100, docs/PERF_NOTES.md step 6);
 //   - warpgroups 1 and 2, the consumers (224 registers; a 64 x 256 accumulator takes
 //     128): wgmma from the shared-memory ring into fp32 accumulators, then the
 //     epilogue. kBlockM = 128: each consumer owns 64 rows and the whole width;
 //     kBlockM = 64: each owns half the width.
 // The ring has kStages slots with two mbarriers each: `full` (129 arrivals: one per
-// producer thread through cp.async.mbarrier.arrive.noinc, one from the TMA thread with
-// the weight bytes as its transaction count) and `empty` (one arrival per consumer warp
+// producer thread through cp.async.mbarrier.arrive.noinc, or a plain arrival with sorted
+// rows, and one from the TMA thread with the TMA bytes as its transaction count) and `empty` (one arrival per consumer warp
 // of every CTA of the cluster once the wgmmas that read the slot have retired). The
 // producer runs ahead into the next tile while the consumers store this one.
 //
@@ -39,8 +44,8 @@
 // Persistence: the grid is at most one CTA per SM (and no more clusters than fit at
 // once), and the tiles follow a grouped raster (kGroupM m-tiles down each N column before
 // moving right), so the CTAs working at one time share one expert's weight slab in L2.
-// Cluster c takes cluster tiles c, c + clusters, ... (static), or, with a tile counter
-// (1-CTA clusters), the next tile in raster order as it frees up (Sm90TileQueue). The
+// Cluster c takes cluster tiles c, c + clusters, ... (static), or, with a tile counter,
+// the next tile in raster order as it frees up (Sm90TileQueue). The
 // tile count comes from the device-side num_tokens_post_padded; no host sync.
 //
 // Gated GEMM (GemmParams::gated): the TMA boxes place gate and up rows so that every
@@ -156,11 +161,17 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
 }
 
 // The cluster tiles a CTA takes, in order. Static: c, c + clusters, c + 2 * clusters, ...
-// for cluster c. Ordered (GemmParams::tile_counter, 1-CTA clusters): the next tile of the
-// grouped raster from a device counter, so tiles start in raster order as CTAs free up,
-// whatever the CTAs' drift. The producer's thread 0 takes the indices (Sm90TileTaker)
-// and every warp of the CTA reads them from a ring of kTileQueueDepth entries, each with
-// a `full` barrier (one arrival: the taker's) and an `empty` one (one per warp).
+// for cluster c. Ordered (GemmParams::tile_counter): the next tile of the grouped raster
+// from a device counter, so tiles start in raster order as CTAs free up, whatever the
+// CTAs' drift. The producer's thread 0 (of the leader CTA in a cluster) takes the
+// indices (Sm90TileTaker) and every warp reads them from a ring of kTileQueueDepth
+// entries, each with a `full` barrier (one arrival: the taker's) and an `empty` one (one
+// per warp of the cluster, counted in the leader). In a cluster the taker writes each
+// entry into every CTA's ring (st.shared::cluster, then a release arrival at cluster
+// scope on that CTA's `full`; the waiters acquire at cluster scope), so the CTAs of a
+// pair walk the same tiles, as the shared weight boxes need. NOTE: ordered 2-CTA
+// clusters measured from 6% faster to 4% slower than ordered 1-CTA ones at M = 4096-8192
+// (H100, step 6); the tables choose per cell.
 // NOTE: static, the m-tiles that share a weight tile (consecutive t) drift apart by more
 // than a line's life in L2 over tens of tiles: Mixtral's GEMM1 at M = 4096 (1.9 GB of
 // weights) read 9.9 GB from DRAM static and 4.3 GB ordered (ncu, docs/PERF_NOTES.md
@@ -168,7 +179,7 @@ __device__ __forceinline__ void sm90_tile_coord(int64_t t, int64_t num_m_tiles, 
 //
 // Shared memory: full barriers [kDepth], empty barriers [kDepth], entries [kDepth]. One
 // pointer locates all three (NOTE: the producer has 56 registers a thread).
-template <int kDepth>
+template <int kDepth, int kClusterM>
 struct Sm90TileQueue {
   using Barrier = cutlass::arch::ClusterBarrier;
   uint64_t* full;
@@ -183,31 +194,68 @@ struct Sm90TileQueue {
       phase ^= 1;
     }
   }
-  // Every thread of a warp calls this together; lane 0 releases the entry.
-  __device__ __forceinline__ int32_t pop() {
-    Barrier::wait(&full[index], phase);
+  // Every thread of a warp calls this together; lane 0 releases the entry (in a cluster,
+  // to the leader CTA, whose taker fills every CTA's queue). The stop entry (>= num_tiles)
+  // is not released: nothing is pushed after it, and a cluster peer may exit at once.
+  __device__ __forceinline__ int32_t pop(int64_t num_tiles) {
+    if constexpr (kClusterM == 1) {
+      Barrier::wait(&full[index], phase);
+    } else {
+      // The entry came from the leader CTA: acquire at cluster scope.
+      const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full[index]));
+      asm volatile(
+          "{\n\t.reg .pred done;\n"
+          "wait_%=:\n\t"
+          "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+          "@!done bra wait_%=;\n\t}" ::"r"(bar),
+          "r"(phase)
+          : "memory");
+    }
     const int32_t t = entries()[index];
     __syncwarp();
-    if (threadIdx.x % 32 == 0) Barrier::arrive(&empty()[index]);
+    if (threadIdx.x % 32 == 0 && t < num_tiles) {
+      if constexpr (kClusterM == 1) {
+        Barrier::arrive(&empty()[index]);
+      } else {
+        Barrier::arrive(&empty()[index], 0u, 1u);
+      }
+    }
     step();
     return t;
   }
 };
 
-// The producer's thread 0: takes tile indices from the counter one tile ahead of the
-// one it publishes, so the atomic's round trip hides behind a tile of loads. The last
-// index it publishes is the first one past the end (every warp's stop).
-template <int kDepth>
+// The producer's thread 0 (of the leader CTA in a cluster): takes tile indices from the
+// counter one tile ahead of the one it publishes, so the atomic's round trip hides
+// behind a tile of loads. The last index it publishes is the first one past the end
+// (every warp's stop). In a cluster it writes the entry into every CTA's queue.
+template <int kDepth, int kClusterM>
 struct Sm90TileTaker {
   using Barrier = cutlass::arch::ClusterBarrier;
-  Sm90TileQueue<kDepth> slots;  // phase: of the empty barriers, starting at 1 (a fresh
-                                // barrier counts as having completed the phase before)
+  Sm90TileQueue<kDepth, kClusterM> slots;  // phase: of the empty barriers, starting at 1 (a fresh
+                                           // barrier counts as having completed the phase before)
   int32_t next = 0;
 
   __device__ __forceinline__ void push(int32_t t) {
     Barrier::wait(&slots.empty()[slots.index], slots.phase);
-    slots.entries()[slots.index] = t;
-    Barrier::arrive(&slots.full[slots.index]);  // release: the entry is visible to the waiters
+    if constexpr (kClusterM == 1) {
+      slots.entries()[slots.index] = t;
+      Barrier::arrive(&slots.full[slots.index]);  // release: the entry is visible to the waiters
+    } else {
+      const uint32_t entry = static_cast<uint32_t>(__cvta_generic_to_shared(&slots.entries()[slots.index]));
+      const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&slots.full[slots.index]));
+#pragma unroll
+      for (uint32_t rank = 0; rank < uint32_t(kClusterM); ++rank) {
+        asm volatile(
+            "{\n\t.reg .b32 remote_entry, remote_bar;\n\t"
+            "mapa.shared::cluster.u32 remote_entry, %0, %2;\n\t"
+            "mapa.shared::cluster.u32 remote_bar, %1, %2;\n\t"
+            "st.shared::cluster.u32 [remote_entry], %3;\n\t"
+            "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote_bar];\n\t}" ::"r"(entry),
+            "r"(bar), "r"(rank), "r"(t)
+            : "memory");
+      }
+    }
     slots.step();
   }
   __device__ __forceinline__ void start(int32_t* counter, int32_t num_tiles) {
@@ -328,6 +376,7 @@ struct Sm90TileOutput {
   const int32_t* tile_slot;  // [kBlockM], -1 = padding
   const float* tile_weight;  // [kBlockM]
   int64_t n0;                // first output column of the tile
+  int64_t entry0;            // first entry of the tile (GemmParams::out_rows_sorted)
   bool vector_store;         // 16-byte stores: row-contiguous out, N % 8 == 0, aligned rows
   bool paired;               // 4-byte pair stores: row-contiguous out, even strides, aligned
 
@@ -342,6 +391,11 @@ struct Sm90TileOutput {
     } else {
       return acc(v) * w;
     }
+  }
+
+  // Output row of tile row `row` (slot >= 0): its slot, or its entry when sorted.
+  __device__ __forceinline__ int64_t out_row(int32_t slot, int row) const {
+    return p.out_rows_sorted ? entry0 + row : int64_t(slot);
   }
 
   template <bool kGated>
@@ -376,7 +430,7 @@ struct Sm90TileOutput {
           quad_transpose(words, chunk);
           // This lane's chunk: all 8 columns of column group g0 + quad_lane.
           const int64_t n = out_col<kGated>(get<1>(coord(2 * h + 4 * (g0 + quad_lane))) - 2 * quad_lane);
-          if (slot >= 0 && n < p.N) store_global_16(out + slot * p.out_stride_row + n, chunk);
+          if (slot >= 0 && n < p.N) store_global_16(out + out_row(slot, row) * p.out_stride_row + n, chunk);
         }
       }
       return;
@@ -389,7 +443,7 @@ struct Sm90TileOutput {
       const int64_t n = out_col<kGated>(get<1>(coord(v)));
       if (slot < 0 || n >= p.N) continue;
       const float w = tile_weight[row];
-      T* dst = out + slot * p.out_stride_row + n * p.out_stride_n;
+      T* dst = out + out_row(slot, row) * p.out_stride_row + n * p.out_stride_n;
       const float v0 = output<kGated, kAct, kZero>(acc, v, w), v1 = output<kGated, kAct, kZero>(acc, v + 1, w);
       if (paired && n + 1 < p.N) {
         *reinterpret_cast<uint32_t*>(dst) = pack_pair<T>(v0, v1);
@@ -403,7 +457,8 @@ struct Sm90TileOutput {
 
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
-    fused_moe_sm90_kernel(const __grid_constant__ detail::GemmParams p, const __grid_constant__ WeightTensorMap w_map) {
+    fused_moe_sm90_kernel(const __grid_constant__ detail::GemmParams p, const __grid_constant__ WeightTensorMap w_map,
+                          const __grid_constant__ ActivationTensorMap a_map) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace cute;
   using T = typename Config::Element;
@@ -438,7 +493,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
     for (int q = 0; q < Config::kTileQueueDepth; ++q) {
       Barrier::init(&tile_queue[q], 1);                                           // full: the taker
-      Barrier::init(&tile_queue[Config::kTileQueueDepth + q], Config::kThreads / 32);  // empty: every warp
+      // empty: every warp of the cluster (the leader's taker fills every CTA's queue)
+      Barrier::init(&tile_queue[Config::kTileQueueDepth + q], Config::kThreads / 32 * kClusterM);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -458,12 +514,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int64_t num_m_groups = (num_m_tiles + kClusterM - 1) / kClusterM;
   const int64_t num_tiles = num_m_groups * num_n_tiles;  // cluster tiles
   // Ordered tiles need the counter (zeroed by the alignment kernel before this grid).
-  const bool ordered = kClusterM == 1 && p.tile_counter != nullptr;
-  Sm90TileQueue<Config::kTileQueueDepth> queue{tile_queue};
+  const bool ordered = p.tile_counter != nullptr;
+  Sm90TileQueue<Config::kTileQueueDepth, kClusterM> queue{tile_queue};
   int64_t static_next = cluster_id;
   // Every warp of the CTA calls this once per tile, in the same order.
   auto next_tile = [&]() -> int64_t {
-    if (ordered) return queue.pop();
+    if (ordered) return queue.pop(num_tiles);
     const int64_t t = static_next;
     static_next += num_clusters;
     return t;
@@ -487,10 +543,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     auto advance = [&] {
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     };
-    Sm90TileTaker<Config::kTileQueueDepth> taker{{tile_queue, 0, 1}};
-    if (ordered && threadIdx.x == 0) taker.start(p.tile_counter, int32_t(num_tiles));
+    Sm90TileTaker<Config::kTileQueueDepth, kClusterM> taker{{tile_queue, 0, 1}};
+    const bool takes = ordered && threadIdx.x == 0 && cta_rank == 0;
+    if (takes) taker.start(p.tile_counter, int32_t(num_tiles));
     for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
-      if (ordered && threadIdx.x == 0) taker.advance(p.tile_counter, int32_t(num_tiles));
+      if (takes) taker.advance(p.tile_counter, int32_t(num_tiles));
       int64_t m_group, n_tile;
       sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
       const auto tile = sm90_cluster_tile<kBlockM, kClusterM>(p, m_group, num_m_tiles, cta_rank);
@@ -498,7 +555,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const int64_t entry0 = tile.m_tile * kBlockM;
       // Each thread writes and later reads only its own entries: no barrier.
 #pragma unroll
-      for (int i = 0; i < Config::kChunksA; ++i) {
+      for (int i = 0; i < Config::kChunksA && !p.a_rows_sorted; ++i) {
         const int64_t entry = entry0 + row0 + i * Config::kRowsPerPass;
         const int32_t slot = tile.own_loads && entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
         producer_rows[threadIdx.x * Config::kChunksA + i] = slot >= 0 && slot < p.num_slots ? int32_t(slot / p.top_k) : -1;
@@ -515,7 +572,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         if (threadIdx.x == 0) {
           if (tile.own_loads) {
             // The whole weight tile lands here: this CTA's boxes and, shared, the peer's.
-            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[stage], Config::kStageBytesB);
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+                &full_bar[stage], Config::kStageBytesB + (p.a_rows_sorted ? Config::kStageBytesA : 0));
+            if (p.a_rows_sorted) {
+              // The tile's rows are consecutive entries: one box of kBlockM rows.
+              SM90_TMA_LOAD_2D::copy(&a_map.map, &full_bar[stage], 0, smem_a + stage * (kBlockM * kBlockK), int32_t(k0),
+                                     int32_t(entry0));
+            }
 #pragma unroll
             for (int b = 0; b < Config::kBoxes; ++b) {
               if (tile.shared && b % kClusterM != cta_rank) continue;
@@ -535,6 +598,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           } else {
             Barrier::arrive(&full_bar[stage]);  // an empty stage: the peer loads alone
           }
+        }
+        if (p.a_rows_sorted) {
+          // Thread 0 loaded the A box with the weights; the other arrivals come from here.
+          Barrier::arrive(&full_bar[stage]);
+          advance();
+          continue;
         }
         const int64_t k = k0 + k_col;  // K % 8 == 0: a chunk is all in or all out
         if (tile.own_loads) {
@@ -625,7 +694,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
           Barrier::wait(&full_bar[stage], phase);
           // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
-          cutlass::arch::fence_view_async_shared();
+          if (!p.a_rows_sorted) cutlass::arch::fence_view_async_shared();
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
 #pragma unroll
@@ -658,7 +727,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (!tile.own_real) continue;
 
     // ---- epilogue: routed weight, (activation,) round, scatter rows by slot ----
-    const Sm90TileOutput<Config> tile_out{p, tile_slot, tile_weight, n0, vector_store, paired};
+    const Sm90TileOutput<Config> tile_out{p, tile_slot, tile_weight, n0, entry0, vector_store, paired};
     using detail::ActivationKind;
     if (!tile.own_loads) {
       // Expert not on this rank (or only dropped slots): the rows are zeros.
@@ -717,11 +786,12 @@ void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
   const int64_t num_tiles = (num_m_tiles + kClusterM - 1) / kClusterM * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
   const WeightTensorMap w_map = make_weight_tensor_map(p, Config::kBoxRows);
+  const ActivationTensorMap a_map = p.a_rows_sorted ? make_activation_tensor_map(p, kBlockM) : ActivationTensorMap{};
   auto kernel = fused_moe_sm90_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
   const int64_t clusters = std::min<int64_t>(num_tiles, sm90_max_active_clusters<Config>());
   launch_kernel_in_clusters(kernel, dim3(unsigned(clusters * kClusterM)), dim3(Config::kThreads), Config::kSmemBytes,
-                            stream, kClusterM, p, w_map);
+                            stream, kClusterM, p, w_map, a_map);
 }
 
 // The instances of one (element type, tile height): one translation unit each.

@@ -16,6 +16,13 @@ struct WeightTensorMap {
   CUtensorMap map;
 };
 
+// The activation tensor map of a fused_moe call whose A rows are in sorted order
+// (GemmParams::a_rows_sorted): a as [num_rows][K], boxes of box_rows x 64 elements with
+// the 128-byte swizzle. Rows and K columns out of range arrive as zeros.
+struct ActivationTensorMap {
+  CUtensorMap map;
+};
+
 // cuTensorMapEncodeTiled (CUDA 12.0 ABI) from the driver, looked up once: the library does
 // not link libcuda. Throws when the driver lacks it. (Declared here rather than taken from
 // cudaTypedefs.h, which CUTLASS includes inside its own namespace.)
@@ -26,5 +33,6 @@ using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuu
 TensorMapEncodeTiled tensor_map_encode_tiled();
 
 WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows);
+ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int box_rows);
 
 }  // namespace moelora::cuda
