@@ -195,9 +195,8 @@ struct Sm90TileQueue {
     }
   }
   // Every thread of a warp calls this together; lane 0 releases the entry (in a cluster,
-  // to the leader CTA, whose taker fills every CTA's queue). The stop entry (>= num_tiles)
-  // is not released: nothing is pushed after it, and a cluster peer may exit at once.
-  __device__ __forceinline__ int32_t pop(int64_t num_tiles) {
+  // to the leader CTA, whose taker fills every CTA's queue, and drains it before exit).
+  __device__ __forceinline__ int32_t pop() {
     if constexpr (kClusterM == 1) {
       Barrier::wait(&full[index], phase);
     } else {
@@ -213,7 +212,7 @@ struct Sm90TileQueue {
     }
     const int32_t t = entries()[index];
     __syncwarp();
-    if (threadIdx.x % 32 == 0 && t < num_tiles) {
+    if (threadIdx.x % 32 == 0) {
       if constexpr (kClusterM == 1) {
         Barrier::arrive(&empty()[index]);
       } else {
@@ -267,6 +266,14 @@ struct Sm90TileTaker {
   __device__ __forceinline__ void advance(int32_t* counter, int32_t num_tiles) {
     push(next);
     if (next < num_tiles) next = atomicAdd(counter, 1);
+  }
+  // Before the leader exits: every entry released, so no peer arrival is still on its way
+  // to this CTA's shared memory.
+  __device__ __forceinline__ void drain() {
+    for (int q = 0; q < kDepth; ++q) {
+      Barrier::wait(&slots.empty()[slots.index], slots.phase);
+      slots.step();
+    }
   }
 };
 
@@ -519,7 +526,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   int64_t static_next = cluster_id;
   // Every warp of the CTA calls this once per tile, in the same order.
   auto next_tile = [&]() -> int64_t {
-    if (ordered) return queue.pop(num_tiles);
+    if (ordered) return queue.pop();
     const int64_t t = static_next;
     static_next += num_clusters;
     return t;
@@ -619,6 +626,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       }
     }
     if constexpr (kClusterM > 1) {
+      if (takes) taker.drain();
       // The peer's consumers release their slots in this CTA too: wait for every slot's
       // last release before the CTA (and its shared memory) may go away.
       for (int s = 0; s < kStages; ++s) {
