@@ -17,9 +17,11 @@
 //     kBlockM = 64: each owns half the width.
 // The ring has kStages slots with two mbarriers each: `full` (129 arrivals: one per
 // producer thread through cp.async.mbarrier.arrive.noinc, or a plain arrival with sorted
-// rows, and one from the TMA thread with the TMA bytes as its transaction count) and `empty` (one arrival per consumer warp
-// of every CTA of the cluster once the wgmmas that read the slot have retired). The
-// producer runs ahead into the next tile while the consumers store this one.
+// rows, and one from the TMA thread with the TMA bytes as its transaction count) and
+// `empty` (one arrival per consumer warp of every CTA of the cluster once the wgmmas that
+// read the slot have retired). The producer runs ahead into the next tile while the
+// consumers store this one. NOTE: with sorted rows the producer still reads its
+// (unwritten, unused) row table before each wait: left as measured (step 6).
 //
 // Clusters (kClusterM = 2): the two CTAs take the two m-tiles of a pair (2p, 2p + 1) in
 // the same n column; when both belong to one expert, each loads half of the weight
@@ -45,8 +47,8 @@
 // once), and the tiles follow a grouped raster (kGroupM m-tiles down each N column before
 // moving right), so the CTAs working at one time share one expert's weight slab in L2.
 // Cluster c takes cluster tiles c, c + clusters, ... (static), or, with a tile counter,
-// the next tile in raster order as it frees up (Sm90TileQueue). The
-// tile count comes from the device-side num_tokens_post_padded; no host sync.
+// the next tile in raster order as it frees up (Sm90TileQueue). The tile count comes
+// from the device-side num_tokens_post_padded; no host sync.
 //
 // Gated GEMM (GemmParams::gated): the TMA boxes place gate and up rows so that every
 // consumer thread holds both inputs of its outputs (GatedTileColumn, with slices of
