@@ -596,7 +596,8 @@ std::vector<moelora::GemmTile> candidate_tiles(int64_t block_size, bool sm90) {
 std::string tile_json(const moelora::GemmTile& t) {
   return std::string("{\"kernel\": \"") + (t.kernel == moelora::GemmKernel::kSm90 ? "sm90" : "sm80") +
          "\", \"block_m\": " + std::to_string(t.block_m) + ", \"block_n\": " + std::to_string(t.block_n) +
-         (t.cluster_m > 1 ? ", \"cluster_m\": " + std::to_string(t.cluster_m) : std::string()) + "}";
+         (t.cluster_m > 1 ? ", \"cluster_m\": " + std::to_string(t.cluster_m) : std::string()) +
+         (t.ordered ? std::string() : ", \"ordered\": 0") + "}";
 }
 
 std::string config_json(const moelora::MoeKernelConfig& c) {
@@ -605,7 +606,8 @@ std::string config_json(const moelora::MoeKernelConfig& c) {
 }
 
 // Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),
-// then the best GEMM2 tile with it; the best block size wins. Then the small-batch
+// then the best GEMM2 tile with it, each sm90 winner also timed on the static schedule;
+// the best block size wins. Then the small-batch
 // kernels where the chunk has few enough slots: the aligned config stays in the entry
 // (the path of chunks that do not qualify). Returns the config and its time.
 std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters, bool trace,
@@ -624,7 +626,10 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
     for (int gemm = 1; gemm <= 2; ++gemm) {
       moelora::GemmTile chosen{};
       double chosen_us = INFINITY;
-      for (const moelora::GemmTile& t : candidate_tiles(block_size, sm90)) {
+      std::vector<moelora::GemmTile> candidates = candidate_tiles(block_size, sm90);
+      const size_t num_tiles = candidates.size();
+      for (size_t i = 0; i < candidates.size(); ++i) {
+        const moelora::GemmTile t = candidates[i];
         moelora::MoeKernelConfig trial = c;
         (gemm == 1 ? trial.gemm1 : trial.gemm2) = t;
         const double us = cell.time_us(cell.options(&trial), iters);
@@ -635,6 +640,12 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
         if (us < chosen_us) {
           chosen_us = us;
           chosen = t;
+        }
+        // Last: the winner on the static schedule, when it is an sm90 tile.
+        if (i + 1 == num_tiles && chosen.kernel == moelora::GemmKernel::kSm90) {
+          moelora::GemmTile static_tile = chosen;
+          static_tile.ordered = false;
+          candidates.push_back(static_tile);
         }
       }
       (gemm == 1 ? c.gemm1 : c.gemm2) = chosen;

@@ -70,6 +70,11 @@ struct GemmTile {
   int32_t block_m = 0;
   int32_t block_n = 0;
   int32_t cluster_m = 1;  // kSm90 only
+  // kSm90 in fused_experts with FusedExpertsOptions::ordered_tiles: take the tiles in
+  // raster order from a device counter; false: the static persistent schedule. A tuned
+  // choice per GEMM: ordered keeps the m-tiles sharing a weight tile together (long K
+  // gains), and hands each tile through a queue (short K may pay for it).
+  bool ordered = true;
 };
 // One layer's config: the alignment block size and each GEMM's tile.
 struct MoeKernelConfig {

@@ -16,8 +16,9 @@ namespace {
 // ---- a strict reader for the table format --------------------------------------
 // The format is a fixed subset of JSON: objects, strings without escapes, integers.
 //   {"<tokens>": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64,
-//                 "block_n": 256, "cluster_m": 2}, "gemm2": {...}, "small_batch": 1}, ...}
-// cluster_m may be left out (1), small_batch too (0).
+//                 "block_n": 256, "cluster_m": 2, "ordered": 0}, "gemm2": {...},
+//                 "small_batch": 1}, ...}
+// cluster_m may be left out (1), ordered too (1), small_batch too (0).
 // Unknown keys are errors, so a typo cannot silently fall back to defaults.
 class TableReader {
  public:
@@ -70,8 +71,12 @@ class TableReader {
         t.block_n = int32_t(integer());
       } else if (field == "cluster_m") {
         t.cluster_m = int32_t(integer());
+      } else if (field == "ordered") {
+        const int64_t flag = integer();
+        if (flag != 0 && flag != 1) error("ordered 0 or 1");
+        t.ordered = flag == 1;
       } else {
-        error("one of kernel, block_m, block_n, cluster_m, got \"" + field + "\"");
+        error("one of kernel, block_m, block_n, cluster_m, ordered, got \"" + field + "\"");
       }
     });
     return t;
@@ -214,6 +219,10 @@ void check_gemm_tile(const char* op, const char* what, const GemmTile& tile, int
     fail(op, std::string("argument '") + what + "' expected cluster_m " +
                  (tile.kernel == GemmKernel::kSm90 ? "1 or 2 for sm90" : "1 for sm80") + ", got " +
                  std::to_string(tile.cluster_m));
+  }
+  if (!tile.ordered && tile.kernel != GemmKernel::kSm90) {
+    fail(op, std::string("argument '") + what + "' expected ordered only on sm90 tiles (the static schedule is " +
+                 "an sm90 choice), got ordered = false on sm80");
   }
   if (block_size % tile.block_m != 0) {
     fail(op, std::string("argument '") + what + "' expected block_m dividing the block size " +

@@ -654,14 +654,14 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       gemm1.activation = kind;
       gemm1.alpha = options.swiglu_alpha;
       gemm1.limit = options.swiglu_limit;
-      gemm1.tile_counter = tile_counters;
+      gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
     } else {
       // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
       const TensorView cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
       detail::GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                              top_k, block_size, config.gemm1);
-      gemm1.tile_counter = tile_counters;
+      gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
       run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
                                               .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
@@ -683,7 +683,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     }
     detail::GemmParams gemm2 =
         gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
-    gemm2.tile_counter = tile_counters ? tile_counters + 1 : nullptr;
+    gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = sorted_activation;
     run_gemm(gemm2, device, stream);
 

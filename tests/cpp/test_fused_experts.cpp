@@ -418,8 +418,16 @@ std::vector<LayerCase> layer_cases() {
   static const MoeKernelConfig kMixed{128, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm80, 32, 64}};
   static const MoeKernelConfig kClusters{64, {GemmKernel::kSm90, 64, 256, 2}, {GemmKernel::kSm90, 64, 256, 2}};
   static const MoeKernelConfig kAutoTiles{32, {}, {}};
+  // GEMM1 on ordered tiles, GEMM2 on the static schedule (GemmTile::ordered), and the
+  // reverse in clusters.
+  static const MoeKernelConfig kSchedules{128, {GemmKernel::kSm90, 128, 128, 1, true},
+                                          {GemmKernel::kSm90, 64, 256, 1, false}};
+  static const MoeKernelConfig kClusterSchedules{128, {GemmKernel::kSm90, 64, 128, 2, false},
+                                                 {GemmKernel::kSm90, 128, 256, 2, true}};
   for (const auto& [name, config] : {std::pair{"config_sm80", &kMmaSync}, std::pair{"config_sm90", &kWgmma},
                                      std::pair{"config_mixed", &kMixed}, std::pair{"config_sm90_clusters", &kClusters},
+                                     std::pair{"config_sm90_schedules", &kSchedules},
+                                     std::pair{"config_sm90_cluster_schedules", &kClusterSchedules},
                                      std::pair{"config_auto_tiles", &kAutoTiles}}) {
     LayerCase x = c;
     x.M = 300;

@@ -16,8 +16,8 @@ const char* kTable = R"({
         "gemm2": {"kernel": "sm80", "block_m": 16, "block_n": 128}, "small_batch": 1},
   "64": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64, "block_n": 256},
          "gemm2": {"kernel": "auto"}},
-  "4096": {"block_size": 128, "gemm1": {"kernel": "sm90", "block_m": 128, "block_n": 256},
-           "gemm2": {"kernel": "sm90", "block_m": 128, "block_n": 128}}
+  "4096": {"block_size": 128, "gemm1": {"kernel": "sm90", "block_m": 128, "block_n": 256, "ordered": 1},
+           "gemm2": {"kernel": "sm90", "block_m": 128, "block_n": 128, "cluster_m": 2, "ordered": 0}}
 })";
 
 TEST(KernelConfig, ParsesATable) {
@@ -32,6 +32,11 @@ TEST(KernelConfig, ParsesATable) {
   EXPECT_EQ(table.at(1).gemm2.block_n, 128);
   EXPECT_TRUE(table.at(1).small_batch);
   EXPECT_FALSE(c.small_batch);
+  // ordered: 1 unless the table says 0 (the static schedule, sm90 only).
+  EXPECT_TRUE(c.gemm1.ordered);
+  EXPECT_TRUE(table.at(4096).gemm1.ordered);
+  EXPECT_FALSE(table.at(4096).gemm2.ordered);
+  EXPECT_EQ(table.at(4096).gemm2.cluster_m, 2);
 }
 
 TEST(KernelConfig, NearestTokenCountWinsTiesGoToTheSmaller) {
@@ -58,6 +63,10 @@ TEST(KernelConfig, RejectsMalformedTablesNamingTheSource) {
       {R"({"1": {"block_size": 16})", "'}'"},
       {R"({"1": {"block_size": "16"}})", "integer"},
       {R"({"1": {"block_size": 16, "small_batch": 2}})", "small_batch 0 or 1"},
+      {R"({"1": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64, "block_n": 128, "ordered": 2}}})",
+       "ordered 0 or 1"},
+      {R"({"1": {"block_size": 16, "gemm1": {"kernel": "sm80", "block_m": 16, "block_n": 64, "ordered": 0}}})",
+       "ordered only on sm90"},
   };
   for (const auto& [json, expected] : bad) {
     SCOPED_TRACE(json);
