@@ -618,9 +618,21 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     // (row = entry), and GEMM2 loads each tile's rows as one TMA box instead of gathering
     // them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of Mixtral's layer at
     // M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
-    const bool sorted_activation = on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
-                                   config.gemm2.kernel == GemmKernel::kSm90 &&
-                                   cap.max_num_tokens_padded <= layout.cache2_rows;
+    bool sorted_activation = on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
+                             config.gemm2.kernel == GemmKernel::kSm90 && cap.max_num_tokens_padded <= layout.cache2_rows;
+#ifdef MOELORA_WITH_CUDA
+    if (sorted_activation) {
+      // Both GEMMs must run on the tensor cores (16-byte rows; e.g. I % 8 == 0): the
+      // CUDA-core fallback reads and writes rows by slot.
+      const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
+      sorted_activation = cuda::fused_moe_tensor_core_loadable(gemm_params(x_chunk, args.w13, by_slot, sorted_chunk,
+                                                                           expert_chunk, ntpp, nullptr, top_k,
+                                                                           block_size, config.gemm1)) &&
+                          cuda::fused_moe_tensor_core_loadable(gemm_params(by_slot, args.w2, by_slot, sorted_chunk,
+                                                                           expert_chunk, ntpp, nullptr, 1, block_size,
+                                                                           config.gemm2));
+    }
+#endif
     const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
                                      sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
     const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul

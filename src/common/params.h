@@ -165,6 +165,9 @@ detail::CudaDeviceFacts current_device_facts();
 void set_pdl_allowed(bool allowed);
 void moe_align_block_size(const detail::AlignParams& p, Stream stream);
 void fused_moe(const detail::GemmParams& p, Stream stream);
+// The tensor-core kernels load these operands (16-bit types, K-contiguous 16-byte rows);
+// otherwise fused_moe runs the CUDA-core kernel, which takes neither sorted mode.
+bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).

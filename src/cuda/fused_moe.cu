@@ -15,15 +15,6 @@
 namespace moelora::cuda {
 namespace {
 
-// The tensor-core kernels copy 16-byte chunks of K-contiguous rows (and the sm90 weight
-// tensor map cannot describe an empty K).
-bool tensor_core_loadable(const detail::GemmParams& p) {
-  constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type
-  return p.dtype != DType::kFloat32 && p.K > 0 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 &&
-         p.a_stride_row % kElems == 0 && p.w_stride_n % kElems == 0 && p.w_stride_expert % kElems == 0 &&
-         aligned16(p.a) && aligned16(p.w);
-}
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Heuristic for calls without a tuned tile. The grid is sized from the capacity bound
@@ -49,6 +40,15 @@ GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, b
 }
 
 }  // namespace
+
+// The tensor-core kernels copy 16-byte chunks of K-contiguous rows (and the sm90 weight
+// tensor map cannot describe an empty K).
+bool fused_moe_tensor_core_loadable(const detail::GemmParams& p) {
+  constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type
+  return p.dtype != DType::kFloat32 && p.K > 0 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 &&
+         p.a_stride_row % kElems == 0 && p.w_stride_n % kElems == 0 && p.w_stride_expert % kElems == 0 &&
+         aligned16(p.a) && aligned16(p.w);
+}
 
 WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
   // Dims innermost first, byte strides growing outward: split halves (gate rows, then up
@@ -95,7 +95,11 @@ ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int 
 void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
-  if (!tensor_core_loadable(p)) {
+  const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
+  if (sorted_rows && !fused_moe_tensor_core_loadable(p)) {
+    throw std::logic_error("moelora.fused_moe: sorted A or output rows need the tensor-core (sm90) kernel");
+  }
+  if (!fused_moe_tensor_core_loadable(p)) {
     dispatch_float(p.dtype, [&](auto t) { launch_fused_moe_simt<decltype(t)>(p, s); });
     return;
   }
@@ -103,7 +107,7 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const bool sm90 = sm90_kernels_available(device);
   const GemmTile tile = p.tile.kernel == GemmKernel::kAuto ? heuristic_tile(p, device, sm90) : p.tile;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  if ((p.a_rows_sorted || p.out_rows_sorted) && tile.kernel != GemmKernel::kSm90) {
+  if (sorted_rows && tile.kernel != GemmKernel::kSm90) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows need the sm90 kernel");
   }
   if (tile.kernel == GemmKernel::kSm90) {

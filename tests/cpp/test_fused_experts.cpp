@@ -440,6 +440,16 @@ std::vector<LayerCase> layer_cases() {
     x.M = 33;
     add(std::string(name) + "_swiglu_fp16", x);
   }
+  // sm90 tiles with I % 8 != 0: GEMM1 (K = H) runs on the tensor cores, GEMM2 (K = I)
+  // on the CUDA-core kernel, so the activation must stay in slot order (not sorted).
+  {
+    LayerCase x = c;
+    x.M = 300;
+    x.top_k = 4;
+    x.I = 100;
+    x.options.config = &kWgmma;
+    add("config_sm90_intermediate_not_multiple_of_8", x);
+  }
   // Every tensor-core tile as GEMM1 with the activation fused into its epilogue (CUDA):
   // each activation's gate/up layout, partial output tiles (I = 200), a K tail (H = 136),
   // dropped slots, and the routed weight before the activation.
