@@ -39,6 +39,22 @@ GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, b
   return {GemmKernel::kSm80, block_m, block_n};
 }
 
+// A 16-bit tensor map over `base` with the 128-byte swizzle wgmma reads; out-of-range
+// elements arrive as zeros. `what` names the tensor in the error.
+void encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void* base, cuuint32_t rank,
+                                const cuuint64_t* dims, const cuuint64_t* byte_strides, const cuuint32_t* box,
+                                const char* what) {
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult status = tensor_map_encode_tiled()(
+      map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
+      const_cast<void*>(base), dims, byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    throw Error(std::string("moelora.fused_moe: cuTensorMapEncodeTiled failed for the ") + what +
+                " tensor (CUresult " + std::to_string(int(status)) + ")");
+  }
+}
+
 }  // namespace
 
 // The tensor-core kernels copy 16-byte chunks of K-contiguous rows (and the sm90 weight
@@ -53,42 +69,26 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p) {
 WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
   // Dims innermost first, byte strides growing outward: split halves (gate rows, then up
   // rows) put the half outside the row; interleaved pairs (2j gate, 2j + 1 up) inside.
-  const uint64_t elem = p.dtype == DType::kFloat32 ? 4 : 2;
+  const uint64_t elem = 2;  // bf16 / fp16
   const bool interleaved = p.gated && p.activation == detail::ActivationKind::kSwigluOai;
   const uint64_t row = uint64_t(p.w_stride_n) * elem;
   const uint64_t rows = uint64_t(p.N), halves = p.gated ? 2 : 1;
-  cuuint64_t dims[4] = {cuuint64_t(p.K), interleaved ? halves : rows, interleaved ? rows : halves,
-                        cuuint64_t(p.num_experts)};
-  cuuint64_t strides[3] = {row, interleaved ? 2 * row : rows * row, uint64_t(p.w_stride_expert) * elem};
-  cuuint32_t box[4] = {64, interleaved ? 1u : cuuint32_t(box_rows), interleaved ? cuuint32_t(box_rows) : 1u, 1};
-  cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const cuuint64_t dims[4] = {cuuint64_t(p.K), interleaved ? halves : rows, interleaved ? rows : halves,
+                              cuuint64_t(p.num_experts)};
+  const cuuint64_t strides[3] = {row, interleaved ? 2 * row : rows * row, uint64_t(p.w_stride_expert) * elem};
+  const cuuint32_t box[4] = {64, interleaved ? 1u : cuuint32_t(box_rows), interleaved ? cuuint32_t(box_rows) : 1u, 1};
   WeightTensorMap w_map{};
-  const CUresult status = tensor_map_encode_tiled()(
-      &w_map.map, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-      const_cast<void*>(p.w), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (status != CUDA_SUCCESS) {
-    throw Error("moelora.fused_moe: cuTensorMapEncodeTiled failed for the weight tensor (CUresult " +
-                std::to_string(int(status)) + ")");
-  }
+  encode_swizzled_tensor_map(&w_map.map, p.dtype, p.w, 4, dims, strides, box, "weight");
   return w_map;
 }
 
 ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int box_rows) {
-  const uint64_t elem = p.dtype == DType::kFloat32 ? 4 : 2;
-  cuuint64_t dims[2] = {cuuint64_t(p.K), cuuint64_t(std::max<int64_t>(p.num_rows, 1))};
-  cuuint64_t strides[1] = {uint64_t(p.a_stride_row) * elem};
-  cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
-  cuuint32_t element_strides[2] = {1, 1};
+  const uint64_t elem = 2;  // bf16 / fp16
+  const cuuint64_t dims[2] = {cuuint64_t(p.K), cuuint64_t(std::max<int64_t>(p.num_rows, 1))};
+  const cuuint64_t strides[1] = {uint64_t(p.a_stride_row) * elem};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
   ActivationTensorMap a_map{};
-  const CUresult status = tensor_map_encode_tiled()(
-      &a_map.map, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-      const_cast<void*>(p.a), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (status != CUDA_SUCCESS) {
-    throw Error("moelora.fused_moe: cuTensorMapEncodeTiled failed for the activation tensor (CUresult " +
-                std::to_string(int(status)) + ")");
-  }
+  encode_swizzled_tensor_map(&a_map.map, p.dtype, p.a, 2, dims, strides, box, "activation");
   return a_map;
 }
 
