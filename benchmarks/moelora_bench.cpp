@@ -442,7 +442,14 @@ class CudaCell {
     const moelora::Device gpu{moelora::DeviceType::kCUDA, 0};
     moelora::FusedExpertsOptions fo;
     fo.activation = m.activation;
-    const int64_t ws_bytes = moelora::fused_experts_workspace_size({M, m.top_k, m.E, m.H, m.I, dtype}, fo);
+    const moelora::FusedExpertsShape shape{M, m.top_k, m.E, m.H, m.I, dtype};
+    // Room for any config a tuning trial passes, the sorted input included.
+    moelora::MoeKernelConfig sorted_input;
+    sorted_input.sorted_input = true;
+    moelora::FusedExpertsOptions sorted_fo = fo;
+    sorted_fo.config = &sorted_input;
+    const int64_t ws_bytes = std::max(moelora::fused_experts_workspace_size(shape, fo),
+                                      moelora::fused_experts_workspace_size(shape, sorted_fo));
     workspace_ = std::make_unique<DeviceBuffer>(ws_bytes);
     CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     x_host_.resize(kRotations);
@@ -602,12 +609,14 @@ std::string tile_json(const moelora::GemmTile& t) {
 
 std::string config_json(const moelora::MoeKernelConfig& c) {
   return "{\"block_size\": " + std::to_string(c.block_size) + ", \"gemm1\": " + tile_json(c.gemm1) +
-         ", \"gemm2\": " + tile_json(c.gemm2) + (c.small_batch ? ", \"small_batch\": 1" : "") + "}";
+         ", \"gemm2\": " + tile_json(c.gemm2) + (c.small_batch ? ", \"small_batch\": 1" : "") +
+         (c.sorted_input ? ", \"sorted_input\": 1" : "") + "}";
 }
 
 // Coordinate descent: for each block size, the best GEMM1 tile (GEMM2 on the heuristic),
 // then the best GEMM2 tile with it, each sm90 winner also timed on the static schedule;
-// the best block size wins. Then the small-batch
+// with two sm90 tiles, the sorted input too, and where it wins by 1%, GEMM1's sm90 tile
+// again with it. The best block size wins. Then the small-batch
 // kernels where the chunk has few enough slots: the aligned config stays in the entry
 // (the path of chunks that do not qualify). Returns the config and its time.
 std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Model& m, int64_t M, int iters, bool trace,
@@ -650,7 +659,39 @@ std::pair<moelora::MoeKernelConfig, double> tune_cell(CudaCell& cell, const Mode
       }
       (gemm == 1 ? c.gemm1 : c.gemm2) = chosen;
     }
-    const double c_us = cell.time_us(cell.options(&c), iters);
+    double c_us = cell.time_us(cell.options(&c), iters);
+    // fused_experts ignores the flag on chunks that keep the activation by slot: those
+    // time the same, and the 1% margin leaves them without it.
+    if (c.gemm1.kernel == moelora::GemmKernel::kSm90 && c.gemm2.kernel == moelora::GemmKernel::kSm90) {
+      moelora::MoeKernelConfig sorted = c;
+      sorted.sorted_input = true;
+      double sorted_us = cell.time_us(cell.options(&sorted), iters);
+      if (trace) {
+        std::printf("  trial %-16s M=%-5lld block_size %3lld sorted_input  %9.1f us (without %.1f us)\n", m.name,
+                    (long long)M, (long long)block_size, sorted_us, c_us);
+      }
+      if (sorted_us < 0.99 * c_us) {
+        for (moelora::GemmTile t : candidate_tiles(block_size, sm90)) {
+          if (t.kernel != moelora::GemmKernel::kSm90) continue;
+          for (bool ordered : {true, false}) {
+            moelora::MoeKernelConfig trial = sorted;
+            trial.gemm1 = t;
+            trial.gemm1.ordered = ordered;
+            const double us = cell.time_us(cell.options(&trial), iters);
+            if (trace) {
+              std::printf("  trial %-16s M=%-5lld block_size %3lld sorted_input gemm1 %s  %9.1f us\n", m.name,
+                          (long long)M, (long long)block_size, tile_json(trial.gemm1).c_str(), us);
+            }
+            if (us < sorted_us) {
+              sorted_us = us;
+              sorted = trial;
+            }
+          }
+        }
+        c = sorted;
+        c_us = sorted_us;
+      }
+    }
     if (c_us < best_us) {
       best_us = c_us;
       best = c;

@@ -285,10 +285,11 @@ NB_MODULE(_moelora, m) {
       [](int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden_size,
          int64_t intermediate_size, const std::string& dtype, moelora::Activation activation,
          float swiglu_alpha, float swiglu_limit, bool apply_router_weight_on_input,
-         bool no_combine, float routed_scaling_factor, int64_t chunk_size, int64_t block_size) {
+         bool no_combine, float routed_scaling_factor, int64_t chunk_size, int64_t block_size,
+         int64_t num_local_experts) {
         const moelora::FusedExpertsShape shape{num_tokens,  top_k,
                                                num_experts, hidden_size,
-                                               intermediate_size, parse_dtype(dtype)};
+                                               intermediate_size, parse_dtype(dtype), num_local_experts};
         return moelora::fused_experts_workspace_size(
             shape, make_options(activation, swiglu_alpha, swiglu_limit,
                                 apply_router_weight_on_input, no_combine, routed_scaling_factor,
@@ -297,7 +298,7 @@ NB_MODULE(_moelora, m) {
       "num_tokens"_a, "top_k"_a, "num_experts"_a, "hidden_size"_a, "intermediate_size"_a,
       "dtype"_a, "activation"_a = moelora::Activation::kSilu, "swiglu_alpha"_a = 1.702f,
       "swiglu_limit"_a = 7.0f, "apply_router_weight_on_input"_a = false, "no_combine"_a = false,
-      "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0,
+      "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0, "num_local_experts"_a = 0,
       "Bytes of workspace fused_experts needs; num_experts is the global expert count.");
 
   m.def(

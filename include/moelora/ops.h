@@ -86,6 +86,12 @@ struct MoeKernelConfig {
   // GEMM2. A chunk that does not qualify (more slots, fp32, rows not 16-byte aligned)
   // takes the aligned path with block_size and the tiles above.
   bool small_batch = false;
+  // fused_experts on CUDA, for chunks whose activation goes in sorted order (both GEMMs
+  // on kSm90 tensor-core tiles, at least 512 slots): first copy the chunk's hidden rows
+  // into sorted order, so GEMM1 loads each tile's rows as one TMA box instead of
+  // gathering them. Costs a write and a read of [slots, H]: it pays where GEMM1 reads
+  // each row many times (wide intermediate sizes, many slots per expert).
+  bool sorted_input = false;
 };
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch.
 constexpr int64_t kSmallBatchMaxSlots = 64;
@@ -182,6 +188,9 @@ struct FusedExpertsShape {
   int64_t hidden_size;     // H
   int64_t intermediate_size;  // I
   DType dtype;
+  // Experts in w13 / w2 (expert parallelism); 0: num_experts. Names the tuned table,
+  // whose choices (MoeKernelConfig::sorted_input) size part of the workspace.
+  int64_t num_local_experts = 0;
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
                                      const FusedExpertsOptions& options = {});

@@ -334,7 +334,7 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     workspace_bytes = _ext.fused_experts_workspace_size(
         num_tokens, top_k, num_experts, hidden_size, _dim(w2_view, -1),
         x_view.dtype if x_view.dtype in ("float32", "float16", "bfloat16") else "float32",
-        **options)
+        num_local_experts=_dim(w13_view, 0), **options)
     workspace = _aligned_workspace(hidden_states, max(workspace_bytes, 0))
 
     stream, guard = _launch(hidden_states)

@@ -17,8 +17,8 @@ namespace {
 // The format is a fixed subset of JSON: objects, strings without escapes, integers.
 //   {"<tokens>": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64,
 //                 "block_n": 256, "cluster_m": 2, "ordered": 0}, "gemm2": {...},
-//                 "small_batch": 1}, ...}
-// cluster_m may be left out (1), ordered too (1), small_batch too (0).
+//                 "small_batch": 1, "sorted_input": 1}, ...}
+// cluster_m may be left out (1), ordered too (1), small_batch and sorted_input too (0).
 // Unknown keys are errors, so a typo cannot silently fall back to defaults.
 class TableReader {
  public:
@@ -42,8 +42,12 @@ class TableReader {
           const int64_t flag = integer();
           if (flag != 0 && flag != 1) error("small_batch 0 or 1");
           config.small_batch = flag == 1;
+        } else if (field == "sorted_input") {
+          const int64_t flag = integer();
+          if (flag != 0 && flag != 1) error("sorted_input 0 or 1");
+          config.sorted_input = flag == 1;
         } else {
-          error("one of block_size, gemm1, gemm2, small_batch, got \"" + field + "\"");
+          error("one of block_size, gemm1, gemm2, small_batch, sorted_input, got \"" + field + "\"");
         }
       });
       if (config.block_size == 0) error("a block_size for tokens " + key);
@@ -237,6 +241,10 @@ void check_kernel_config(const char* op, const char* what, const MoeKernelConfig
   }
   check_gemm_tile(op, (std::string(what) + ".gemm1").c_str(), config.gemm1, config.block_size);
   check_gemm_tile(op, (std::string(what) + ".gemm2").c_str(), config.gemm2, config.block_size);
+  if (config.sorted_input && (config.gemm1.kernel != GemmKernel::kSm90 || config.gemm2.kernel != GemmKernel::kSm90)) {
+    fail(op, std::string("argument '") + what + "' expected sm90 tiles for both GEMMs with sorted_input (GEMM1 " +
+                 "reads the sorted rows by TMA), got another kernel");
+  }
 }
 
 }  // namespace moelora::detail

@@ -398,12 +398,37 @@ constexpr int64_t kSortedActivationMinSlots = 512;
 
 // Workspace layout, each piece 256-byte aligned. cache1 (GEMM1's [slots, 2I], only when
 // the activation runs as its own kernel) is dead once the activation has read it, before
-// GEMM2 writes cache3 ([slots, H]): the two share one region.
+// GEMM2 writes cache3 ([slots, H]): the two share one region, and so does the sorted input.
 struct WorkspaceLayout {
-  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, total;
+  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
+      total;
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
+  int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
   AlignCapacity capacity;
 };
+
+// Whether a chunk of this call may run with MoeKernelConfig::sorted_input: the caller's
+// config, else the tuned table of the current CUDA device for the full and the last
+// chunk. NOTE: the sorted input needs [padded entries, H] of workspace, up to
+// (E + 1) x 255 rows more than the slots (~0.9 GB for DeepSeek-V3 at 8192 tokens), so
+// only calls whose config may use it reserve it; a call whose table changed since the
+// query runs without it.
+bool may_sort_input(const FusedExpertsShape& s, const FusedExpertsOptions& o, int64_t chunk_tokens) {
+  if (o.config != nullptr) return o.config->sorted_input;
+#ifdef MOELORA_WITH_CUDA
+  if (o.block_size > 0 || !cuda::device_available()) return false;
+  const int64_t num_local_experts = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  const Device cuda_device{DeviceType::kCUDA, 0};  // the table follows the current device
+  for (int64_t tokens : {chunk_tokens, s.num_tokens % chunk_tokens}) {
+    FusedExpertsShape chunk = s;
+    chunk.num_tokens = tokens;
+    if (tokens > 0 && fused_experts_config(chunk, num_local_experts, cuda_device, o).sorted_input) return true;
+  }
+#else
+  (void)s, (void)chunk_tokens;
+#endif
+  return false;
+}
 
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
@@ -429,8 +454,14 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.expert_ids = take(l.capacity.max_num_blocks * 4);
   l.num_tokens_post_padded = take(4);
   l.tile_counters = take(kNumTileCounters * 4);
-  l.cache1 = l.cache3 = take(slots * std::max(2 * s.intermediate_size, s.hidden_size) * elem);
   l.cache2_rows = slots >= kSortedActivationMinSlots ? std::max(slots, l.capacity.max_num_tokens_padded) : slots;
+  // The sorted input ([padded entries, H], read by GEMM1 only) shares the region too: GEMM2
+  // writes cache3 after GEMM1 has finished.
+  l.sorted_input_rows =
+      slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
+  l.cache1 = l.cache3 = l.sorted_input =
+      take(std::max(slots * std::max(2 * s.intermediate_size, s.hidden_size), l.sorted_input_rows * s.hidden_size) *
+           elem);
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
   l.total = at;
   return l;
@@ -556,7 +587,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
   }
 
-  const FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype};
+  const FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype, E_local};
   const WorkspaceLayout layout = workspace_layout(shape, options);
   ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
   const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
@@ -633,6 +664,11 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                                                                            config.gemm2));
     }
 #endif
+    // GEMM1 reads x in sorted order too (a copy by moe_gather_sorted_rows): one TMA box
+    // per tile instead of gathered rows. NOTE: a table choice: on H100 it cut Mixtral's
+    // layer 24% at M = 4096 and made DeepSeek's (I = 256) 24% slower (PERF_NOTES step 7).
+    const bool sorted_input =
+        sorted_activation && config.sorted_input && cap.max_num_tokens_padded <= layout.sorted_input_rows;
     const TensorView cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
                                      sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
     const detail::ActivationKind kind = options.activation == Activation::kSilu   ? detail::ActivationKind::kSiluAndMul
@@ -657,8 +693,23 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
     if (on_cuda(x) && options.fuse_activation) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
-      detail::GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
-                                             top_k, block_size, config.gemm1);
+      TensorView gemm1_input = x_chunk;
+      if (sorted_input) {
+        gemm1_input = view2d(byte_offset(ws, layout.sorted_input), dtype, cap.max_num_tokens_padded, H, H, 1, device);
+#ifdef MOELORA_WITH_CUDA
+        cuda::moe_gather_sorted_rows(
+            detail::GatherRowsParams{.dtype = dtype, .input = x_chunk.data, .input_stride_row = x_chunk.strides[0],
+                                     .out = gemm1_input.data, .out_stride_row = H,
+                                     .sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data),
+                                     .num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data),
+                                     .max_num_tokens_padded = cap.max_num_tokens_padded, .num_slots = slots,
+                                     .top_k = top_k, .width = H},
+            stream);
+#endif
+      }
+      detail::GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp,
+                                             gemm1_weights, top_k, block_size, config.gemm1);
+      gemm1.a_rows_sorted = sorted_input;
       gemm1.N = I;
       gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
       gemm1.out_rows_sorted = sorted_activation;

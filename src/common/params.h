@@ -136,6 +136,25 @@ struct SumReduceParams {
   float scale;
 };
 
+// fused_experts' input in sorted order (CUDA only; GEMM1 then loads each tile's rows as
+// one TMA box, GemmParams::a_rows_sorted): out[e] = input[sorted_token_ids[e] / top_k]
+// for every entry e < *num_tokens_post_padded whose slot is real. Padding rows are left
+// as they are: a GEMM's output rows depend only on their own A rows, and padding rows are
+// never stored.
+struct GatherRowsParams {
+  DType dtype;                            // 16-bit float types; rows 16-byte aligned
+  const void* input;                      // [num_slots / top_k, width]
+  int64_t input_stride_row;
+  void* out;                              // [max_num_tokens_padded, width]
+  int64_t out_stride_row;
+  const int32_t* sorted_token_ids;        // [max_num_tokens_padded]
+  const int32_t* num_tokens_post_padded;  // [1], device-side count
+  int64_t max_num_tokens_padded;
+  int64_t num_slots;                      // the padding sentinel
+  int64_t top_k;
+  int64_t width;
+};
+
 }  // namespace moelora::detail
 
 // Backend entry points. Each has the same signature in both backends; CPU ignores the
@@ -170,6 +189,7 @@ void fused_moe(const detail::GemmParams& p, Stream stream);
 bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
+void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).
 bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream);

@@ -81,7 +81,7 @@ struct LayerProblem {
         out_rows(c.options.no_combine ? c.M * c.top_k : c.M),
         out_row_stride(c.padded ? c.H + 3 : c.H),
         ids_row_stride(c.padded ? c.top_k + 2 : c.top_k),
-        workspace_bytes(fused_experts_workspace_size({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype}, c.options)),
+        workspace_bytes(fused_experts_workspace_size({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local}, c.options)),
         hidden(c.backend, c.dtype, std::max<int64_t>(1, c.M * x_row_stride)),
         w13(c.backend, c.dtype, c.num_local * 2 * c.I * c.H),
         w2(c.backend, c.dtype, c.num_local * c.H * c.I),
@@ -450,6 +450,43 @@ std::vector<LayerCase> layer_cases() {
     x.options.config = &kWgmma;
     add("config_sm90_intermediate_not_multiple_of_8", x);
   }
+  // MoeKernelConfig::sorted_input: chunks of >= 512 slots on sm90 tiles copy x into
+  // sorted order for GEMM1 (one TMA box per tile): strided x rows, an expert map, dropped
+  // slots, and chunks on both sides of the threshold (chunk 150, top_k 4: 600 slots, then
+  // 480, which gathers).
+  {
+    static const MoeKernelConfig kWgmmaSortedInput = [] {
+      MoeKernelConfig config = kWgmma;
+      config.sorted_input = true;
+      return config;
+    }();
+    static const MoeKernelConfig kClustersSortedInput = [] {
+      MoeKernelConfig config = kClusters;
+      config.sorted_input = true;
+      return config;
+    }();
+    LayerCase x = c;
+    x.M = 300;
+    x.top_k = 4;
+    x.padded = true;
+    x.x_row_pad = 8;  // rows stay 16-byte aligned
+    x.expert_map = true;
+    x.num_global = 32;
+    x.local_share = 0.5;
+    x.dropped_share = 0.05;
+    x.options.config = &kWgmmaSortedInput;
+    add("config_sm90_sorted_input_strided_expert_map", x, {Backend::kCUDA});
+    x = c;
+    x.M = 270;
+    x.top_k = 4;
+    x.options.chunk_size = 150;
+    x.options.config = &kClustersSortedInput;
+    add("config_sm90_sorted_input_chunks", x, {Backend::kCUDA});
+    x.options.activation = Activation::kSwigluOai;
+    x.options.apply_router_weight_on_input = true;
+    x.dtype = fp16;
+    add("config_sm90_sorted_input_swiglu_fp16_weight_on_input", x, {Backend::kCUDA});
+  }
   // Every tensor-core tile as GEMM1 with the activation fused into its epilogue (CUDA):
   // each activation's gate/up layout, partial output tiles (I = 200), a K tail (H = 136),
   // dropped slots, and the routed weight before the activation.
@@ -667,6 +704,27 @@ TEST_P(FusedExpertsBackendTest, WorkspaceQueryCoversEveryChunk) {
     EXPECT_LE(block_size, 256);
     EXPECT_EQ(block_size % 16, 0);
   }
+}
+
+// The sorted input ([padded entries, H]) is reserved only for configs that may use it: it
+// can exceed the [slots, max(2I, H)] region it shares (here H > 2I), by up to 255 rows
+// per expert.
+TEST(FusedExpertsWorkspace, SortedInputIsReservedOnlyWhenTheConfigAsksForIt) {
+  const FusedExpertsShape shape{1024, 8, 128, 2048, 768, DType::kBFloat16};
+  MoeKernelConfig config{128, {GemmKernel::kSm90, 128, 256}, {GemmKernel::kSm90, 128, 256}};
+  FusedExpertsOptions options;
+  options.config = &config;
+  const int64_t gathered = fused_experts_workspace_size(shape, options);
+  config.sorted_input = true;
+  const int64_t sorted = fused_experts_workspace_size(shape, options);
+  // 8192 slots + at most 129 x 127 padding rows (block size 128), each of H = 2048 bf16.
+  EXPECT_GT(sorted, gathered);
+  EXPECT_LE(sorted - gathered, (129 * 127 + 256) * 2048 * 2);
+  // Below 512 slots nothing is sorted: no room reserved.
+  const FusedExpertsShape small{63, 8, 128, 2048, 768, DType::kBFloat16};
+  const int64_t small_sorted = fused_experts_workspace_size(small, options);
+  config.sorted_input = false;
+  EXPECT_EQ(small_sorted, fused_experts_workspace_size(small, options));
 }
 
 // On the CPU an id out of range anywhere, even in the last chunk, is an error before any

@@ -17,7 +17,8 @@ const char* kTable = R"({
   "64": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64, "block_n": 256},
          "gemm2": {"kernel": "auto"}},
   "4096": {"block_size": 128, "gemm1": {"kernel": "sm90", "block_m": 128, "block_n": 256, "ordered": 1},
-           "gemm2": {"kernel": "sm90", "block_m": 128, "block_n": 128, "cluster_m": 2, "ordered": 0}}
+           "gemm2": {"kernel": "sm90", "block_m": 128, "block_n": 128, "cluster_m": 2, "ordered": 0},
+           "sorted_input": 1}
 })";
 
 TEST(KernelConfig, ParsesATable) {
@@ -37,6 +38,9 @@ TEST(KernelConfig, ParsesATable) {
   EXPECT_TRUE(table.at(4096).gemm1.ordered);
   EXPECT_FALSE(table.at(4096).gemm2.ordered);
   EXPECT_EQ(table.at(4096).gemm2.cluster_m, 2);
+  // sorted_input: 0 unless the table says 1.
+  EXPECT_TRUE(table.at(4096).sorted_input);
+  EXPECT_FALSE(c.sorted_input);
 }
 
 TEST(KernelConfig, NearestTokenCountWinsTiesGoToTheSmaller) {
@@ -67,6 +71,10 @@ TEST(KernelConfig, RejectsMalformedTablesNamingTheSource) {
        "ordered 0 or 1"},
       {R"({"1": {"block_size": 16, "gemm1": {"kernel": "sm80", "block_m": 16, "block_n": 64, "ordered": 0}}})",
        "ordered only on sm90"},
+      {R"({"1": {"block_size": 64, "sorted_input": 2}})", "sorted_input 0 or 1"},
+      {R"({"1": {"block_size": 64, "gemm1": {"kernel": "sm90", "block_m": 64, "block_n": 128},
+                 "gemm2": {"kernel": "sm80", "block_m": 64, "block_n": 128}, "sorted_input": 1}})",
+       "sm90 tiles for both GEMMs with sorted_input"},
   };
   for (const auto& [json, expected] : bad) {
     SCOPED_TRACE(json);
