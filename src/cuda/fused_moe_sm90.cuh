@@ -7,7 +7,8 @@
 //     thread), activation rows by cp.async from all 128 threads, since the rows are
 //     gathered (row = slot / top_k) and TMA on Hopper cannot gather; or, when the rows
 //     are in sorted order (GemmParams::a_rows_sorted: GEMM2 of fused_experts, whose
-//     GEMM1 stored the activation by entry), the whole A tile as one TMA box. NOTE: the
+//     GEMM1 stored the activation by entry, and GEMM1 on a sorted copy of x,
+//     MoeKernelConfig::sorted_input), the whole A tile as one TMA box. NOTE: the
 //     gathered cp.async rows cost far more than their bytes: dropping them sped
 //     Mixtral's layer at M = 4096 up ~1.5x, dropping the twice larger weight tiles 1.15x;
 //     one TMA box per gathered row was slower still (H100, docs/PERF_NOTES.md step 6);
