@@ -74,7 +74,8 @@ struct GemmParams {
   float alpha = 0.f, limit = 0.f;   // swiglu_oai only
   // sm90 kernel only (fused_experts with both GEMMs on it): GEMM1 stores row r of a tile
   // at its entry (m_tile * block_m + r) instead of its slot; GEMM2 reads its A rows
-  // there, so a tile's rows are consecutive and arrive in one TMA box.
+  // there, so a tile's rows are consecutive and arrive in one TMA box. GEMM1 reads A by
+  // entry too when x was copied into sorted order (MoeKernelConfig::sorted_input).
   bool out_rows_sorted = false;
   bool a_rows_sorted = false;
 };
