@@ -96,10 +96,11 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
   const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
-  if (sorted_rows && !fused_moe_tensor_core_loadable(p)) {
+  const bool loadable = fused_moe_tensor_core_loadable(p);
+  if (sorted_rows && !loadable) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows need the tensor-core (sm90) kernel");
   }
-  if (!fused_moe_tensor_core_loadable(p)) {
+  if (!loadable) {
     dispatch_float(p.dtype, [&](auto t) { launch_fused_moe_simt<decltype(t)>(p, s); });
     return;
   }
