@@ -27,6 +27,7 @@ On the GPU machine (python3 with torch + triton, H100), from the repository root
       [--ours ours.json]            # ours.json from: moelora_bench --model ... --json ours.json
   python3 benchmarks/triton_fused_moe_compare.py --model all --quick --json triton_all.json
   python3 benchmarks/triton_fused_moe_compare.py --load triton.json --ours ours.json  # compare only
+      [--report reports/gpu/<date>-h100-<sha>-triton.json --commit <sha>]  # both, the brief's keys
 Without a GPU: TRITON_INTERPRET=1 python3 benchmarks/triton_fused_moe_compare.py --selftest --device cpu
 (triton 3.6's interpreter fails with numpy 2.4, "only 0-dimensional arrays can be converted";
 numpy 2.2 works). --selftest on the GPU runs the same checks on real kernels.
@@ -50,6 +51,10 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--ours", help="moelora_bench --json output to compare with")
     p.add_argument("--load", help="do not run: read rows from an earlier --json and print/compare")
+    p.add_argument("--report", help="with --ours: write a reports/gpu-style JSON (the brief's keys) of both")
+    p.add_argument("--commit", default="unknown", help="with --report: sha of the code measured")
+    p.add_argument("--machine", default="{}", help="with --report: JSON overriding gpu, driver, cuda, triton, "
+                   "torch (for --load on another machine than the one that measured)")
     p.add_argument("--selftest", action="store_true", help="tiny shapes, correctness only")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
@@ -350,6 +355,61 @@ def report(rows, ours_path):
             print("no cell of --ours matches (model, M) of these rows")
 
 
+def write_report(rows, ours_path, path, commit):
+    """Our rows (moelora_bench --json) with the Triton times of the same cells merged in,
+    plus the geomean speed-up and the roofline bound on it: triton_us / floor_us is the
+    speed-up our layer would have at 100% of its floor."""
+    import datetime
+    import subprocess
+    with open(ours_path) as f:
+        ours = json.load(f)
+    triton_rows = {(r["model"], r["M"]): r for r in rows}
+    merged, speedups, bounds = [], [], []
+    for o in ours["rows"]:
+        t = triton_rows.get((o["model"], int(o["M"])))
+        if o.get("op", "fused_experts") != "fused_experts" or t is None:
+            continue
+        row = dict(o)
+        row.update(triton_gemm1_us=t["gemm1_us"], triton_gemm2_us=t["gemm2_us"],
+                   triton_two_gemm_us=t["two_gemm_us"], triton_rel_err=t["rel_err"],
+                   triton_configs=[short(t["gemm1_config"]), short(t["gemm2_config"])],
+                   speedup_vs_triton=t["two_gemm_us"] / o["time_us"],
+                   roofline_speedup_vs_triton=t["two_gemm_us"] / o["floor_us"])
+        speedups.append(row["speedup_vs_triton"])
+        bounds.append(row["roofline_speedup_vs_triton"])
+        merged.append(row)
+    geomean = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    machine = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown",
+               "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__}
+    try:
+        machine["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        machine["driver"] = "unknown"
+    machine.update(json.loads(ARGS.machine))
+    report = {
+        "commit": commit, "date": datetime.date.today().isoformat(), "gpu": machine["gpu"],
+        "driver": machine["driver"], "cuda": machine["cuda"], "triton": machine["triton"], "torch": machine["torch"],
+        "ceilings": ours.get("ceilings"),
+        "tests": None,
+        "tests_note": "no tests in this run: moelora_bench (--no-check) and this script's own "
+                      "check of every Triton cell (rel_err <= 2e-2) only",
+        "comparison": {
+            "what": "time_us: our whole layer (align to reduce); triton_two_gemm_us: the two GEMM "
+                    "kernels of our Triton implementation of vLLM's fused_moe contract, config "
+                    "searched per cell and GEMM (benchmarks/triton_fused_moe_compare.py)",
+            "cells": len(merged), "geomean_speedup": geomean(speedups) if speedups else None,
+            "min_speedup": min(speedups, default=None), "max_speedup": max(speedups, default=None),
+            "cells_slower": sum(s < 1 for s in speedups),
+            "geomean_roofline_speedup": geomean(bounds) if bounds else None,
+        },
+        "rows": merged,
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+
+
 def selftest(dev):
     """Tiny shapes, correctness only (runs under TRITON_INTERPRET=1 on the CPU)."""
     torch.manual_seed(0)
@@ -397,9 +457,15 @@ def selftest(dev):
 def main(args):
     if args.selftest:
         return selftest(args.device)
+    if args.report and not args.ours:
+        sys.exit("--report needs --ours")
     if args.load:
         with open(args.load) as f:
-            return report(json.load(f), args.ours)
+            rows = json.load(f)
+        report(rows, args.ours)
+        if args.report:
+            write_report(rows, args.ours, args.report, args.commit)
+        return
     if args.device != "cuda":
         sys.exit("timing needs --device cuda (use --selftest for the CPU interpreter)")
     names = list(MODELS) if args.model == "all" else args.model.split(",")
@@ -429,6 +495,8 @@ def main(args):
         del w13, w2
         torch.cuda.empty_cache()
     report(rows, args.ours)
+    if args.report:
+        write_report(rows, args.ours, args.report, args.commit)
 
 
 if __name__ == "__main__":
