@@ -33,10 +33,12 @@ Without a GPU: TRITON_INTERPRET=1 python3 benchmarks/triton_fused_moe_compare.py
 numpy 2.2 works). --selftest on the GPU runs the same checks on real kernels.
 """
 import argparse
+import datetime
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -323,6 +325,10 @@ def bench_cell(name, M, w13, w2, args):
                 gemm1_config=cfg1, gemm2_config=cfg2, rel_err=err)
 
 
+def geomean(values):
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
 def short(c):
     return "{BLOCK_SIZE_M}x{BLOCK_SIZE_N}x{BLOCK_SIZE_K} g{GROUP_SIZE_M} w{num_warps} s{num_stages}".format(**c)
 
@@ -348,9 +354,8 @@ def report(rows, ours_path):
               f"{short(r['gemm1_config'])} | {short(r['gemm2_config'])}")
     if ours_path:
         if ratios:
-            gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
             print(f"speed-up ours vs triton two-GEMM (triton_us / ours_us, >1 = ours faster): "
-                  f"geomean x{gm:.3f} over {len(ratios)} cells")
+                  f"geomean x{geomean(ratios):.3f} over {len(ratios)} cells")
         else:
             print("no cell of --ours matches (model, M) of these rows")
 
@@ -359,8 +364,6 @@ def write_report(rows, ours_path, path, commit):
     """Our rows (moelora_bench --json) with the Triton times of the same cells merged in,
     plus the geomean speed-up and the roofline bound on it: triton_us / floor_us is the
     speed-up our layer would have at 100% of its floor."""
-    import datetime
-    import subprocess
     with open(ours_path) as f:
         ours = json.load(f)
     triton_rows = {(r["model"], r["M"]): r for r in rows}
@@ -378,7 +381,6 @@ def write_report(rows, ours_path, path, commit):
         speedups.append(row["speedup_vs_triton"])
         bounds.append(row["roofline_speedup_vs_triton"])
         merged.append(row)
-    geomean = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     machine = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown",
                "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__}
     try:

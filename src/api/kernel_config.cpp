@@ -39,13 +39,9 @@ class TableReader {
         } else if (field == "gemm2") {
           config.gemm2 = tile();
         } else if (field == "small_batch") {
-          const int64_t flag = integer();
-          if (flag != 0 && flag != 1) error("small_batch 0 or 1");
-          config.small_batch = flag == 1;
+          config.small_batch = flag("small_batch");
         } else if (field == "sorted_input") {
-          const int64_t flag = integer();
-          if (flag != 0 && flag != 1) error("sorted_input 0 or 1");
-          config.sorted_input = flag == 1;
+          config.sorted_input = flag("sorted_input");
         } else {
           error("one of block_size, gemm1, gemm2, small_batch, sorted_input, got \"" + field + "\"");
         }
@@ -60,6 +56,13 @@ class TableReader {
   }
 
  private:
+  // A 0/1 field.
+  bool flag(const char* name) {
+    const int64_t value = integer();
+    if (value != 0 && value != 1) error(std::string(name) + " 0 or 1");
+    return value == 1;
+  }
+
   GemmTile tile() {
     GemmTile t;
     object([&](const std::string& field) {
@@ -76,9 +79,7 @@ class TableReader {
       } else if (field == "cluster_m") {
         t.cluster_m = int32_t(integer());
       } else if (field == "ordered") {
-        const int64_t flag = integer();
-        if (flag != 0 && flag != 1) error("ordered 0 or 1");
-        t.ordered = flag == 1;
+        t.ordered = flag("ordered");
       } else {
         error("one of kernel, block_m, block_n, cluster_m, ordered, got \"" + field + "\"");
       }

@@ -456,16 +456,12 @@ std::vector<LayerCase> layer_cases() {
   // slots, and chunks on both sides of the threshold (chunk 150, top_k 4: 600 slots, then
   // 480, which gathers).
   {
-    static const MoeKernelConfig kWgmmaSortedInput = [] {
-      MoeKernelConfig config = kWgmma;
+    auto with_sorted_input = [](MoeKernelConfig config) {
       config.sorted_input = true;
       return config;
-    }();
-    static const MoeKernelConfig kClustersSortedInput = [] {
-      MoeKernelConfig config = kClusters;
-      config.sorted_input = true;
-      return config;
-    }();
+    };
+    static const MoeKernelConfig kWgmmaSortedInput = with_sorted_input(kWgmma);
+    static const MoeKernelConfig kClustersSortedInput = with_sorted_input(kClusters);
     LayerCase x = c;
     x.M = 300;
     x.top_k = 4;
