@@ -56,6 +56,60 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
                           Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------
+// Multi-LoRA (seed 003). Every token carries an adapter id in [0, max_loras) or -1
+// (none); every (adapter, expert) pair has its own low-rank pair per output slice.
+constexpr int64_t kMaxLoraRank = 128;     // ranks 1..128; kernels pad internally
+constexpr int64_t kMaxLoraAdapters = 64;  // adapter slots L
+
+// The per-batch adapter state, shared by every LoRA op of a layer.
+//   token_lora_ids [M] int32: the adapter of each token, -1 = none.
+//   adapter_enabled [L] int32 (optional): 0 disables a slot (its tokens run base-only).
+//   adapter_scale [L] fp32 (optional; 1 when absent): multiplies the adapter's delta
+//       (PEFT's lora_alpha / r, unless the caller folded it into lora_b as vLLM does).
+// On the CPU an id outside [-1, L) throws; the CUDA backend cannot read ids on the
+// host and treats such a token as having no adapter (as topk_ids treats bad experts).
+struct MoeLoraAdapters {
+  TensorView token_lora_ids;
+  const TensorView* adapter_enabled = nullptr;
+  const TensorView* adapter_scale = nullptr;
+};
+
+// The adapter stacks of one expert GEMM (out [slots, N] = a · w[e]ᵀ) in num_slices
+// output slices of N / num_slices columns each (w13: gate and up; w2: one slice):
+//   lora_a[c] [L, E, r, K], lora_b[c] [L, E, N / num_slices, r], the GEMM's dtype; any
+//   strides with unit stride on the last dim. Every slice of a GEMM has the same r.
+// The delta of slot s (token m = s / top_k, adapter l, expert e) at column n of slice c,
+// slice column j:
+//   delta[s, n] = scale[l] · Σ_i lora_b[c][l, e, j, i] · Σ_k lora_a[c][l, e, i, k] · a[s, k]
+// Slice c holds columns [c·N/S, (c+1)·N/S) (j = n - c·N/S), or with interleaved_slices
+// the columns n ≡ c (mod S) (j = n / S: gpt-oss stores gate and up interleaved).
+struct MoeLoraWeights {
+  int num_slices = 1;  // 1 or 2
+  TensorView lora_a[2];
+  TensorView lora_b[2];
+  bool interleaved_slices = false;
+};
+
+// ---------------------------------------------------------------------------------
+// moe_lora_align_block_size: moe_align_block_size over virtual experts, so every block
+// has one expert AND one adapter (seed 003; vLLM PR 32317 keys them lora * E + expert).
+// A slot's group is (expert, adapter) with adapter -1 for tokens without one (or with a
+// disabled one): those form base-only blocks. Groups are ordered expert-major (all of an
+// expert's adapters together), so the m-tiles of one expert stay adjacent and share the
+// base weight tiles in L2.
+//   block_lora_ids [capacity.max_num_blocks] int32: the adapter of each block, -1 for
+//       base-only blocks and blocks past the used length.
+// Everything else as moe_align_block_size; capacity from moe_lora_align_block_size_capacity.
+// max_loras: 1 to kMaxLoraAdapters. One launch; counts stay on the device.
+AlignCapacity moe_lora_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts,
+                                                 int64_t max_loras);
+void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters& adapters, int64_t max_loras,
+                               int64_t block_size, int64_t num_experts, const TensorView* expert_map,
+                               const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                               const TensorView& block_lora_ids, const TensorView& num_tokens_post_padded,
+                               Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
 // Kernel configs of the grouped GEMM (CUDA backend; the CPU backend ignores them).
 //   kSm80: mma.sync, runs on sm_80 and later; block_m 16|32|64, block_n 64|128.
 //   kSm90: wgmma, sm_90 (H100/H200) only;     block_m 64|128,   block_n 128|256,
@@ -128,6 +182,42 @@ struct FusedMoeArgs {
 void fused_moe(const FusedMoeArgs& args, Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------
+// fused_moe_lora: the LoRA delta alone, for engines that run their own base GEMM
+// (vLLM's fused_moe_lora semantics; no count is read on the host, so one captured CUDA
+// graph serves every mix of adapters).
+//   out [num_slots, N]       the GEMM's output, num_slots = M * top_k; any strides
+//   a [num_rows, K]          the GEMM's input: num_rows = M (row = slot / top_k) or
+//                            M * top_k (one row per slot); unit stride on K
+//   topk_ids [M, top_k]      int32|int64 expert of each slot (local ids), -1 = dropped
+//   topk_weights [M, top_k]  fp32, read when mul_routed_weight (the delta is weighted)
+// For every slot whose token has an enabled adapter and whose expert is not -1:
+//   out[s, :] = (add_inputs ? out[s, :] : 0) + delta[s, :] (× topk_weights[s])
+// Every other slot's row: kept with add_inputs, zeros without.
+// The delta's intermediate [num_slots, S, r] goes in `workspace`
+// (fused_moe_lora_workspace_size bytes, 256-byte aligned).
+// Large batches pass the alignment of moe_lora_align_block_size (sorted_token_ids,
+// expert_ids, block_lora_ids, num_tokens_post_padded with block_size): the kernels then
+// run per block of one (expert, adapter); without it, per slot (small batch).
+struct FusedMoeLoraArgs {
+  TensorView out;
+  TensorView a;
+  TensorView topk_ids;
+  MoeLoraAdapters adapters;
+  MoeLoraWeights weights;
+  TensorView workspace;
+  const TensorView* topk_weights = nullptr;
+  bool mul_routed_weight = false;
+  bool add_inputs = true;
+  const TensorView* sorted_token_ids = nullptr;
+  const TensorView* expert_ids = nullptr;
+  const TensorView* block_lora_ids = nullptr;
+  const TensorView* num_tokens_post_padded = nullptr;
+  int64_t block_size = 0;
+};
+int64_t fused_moe_lora_workspace_size(int64_t num_slots, int num_slices, int64_t rank, DType dtype);
+void fused_moe_lora(const FusedMoeLoraArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
 // Activations: input [T, 2I] -> out [T, I], rank 2, any row strides, unit column stride.
 //   silu_and_mul:  out = silu(gate) * up, gate = input[:, :I], up = input[:, I:]
 //   gelu_and_mul:  out = gelu(gate) * up, exact (erf) GELU
@@ -191,6 +281,10 @@ struct FusedExpertsShape {
   // Experts in w13 / w2 (expert parallelism); 0: num_experts. Names the tuned table,
   // whose choices (MoeKernelConfig::sorted_input) size part of the workspace.
   int64_t num_local_experts = 0;
+  // With LoRA (FusedExpertsArgs::lora): the adapter slots L and the largest rank of
+  // w13's and w2's stacks. 0: no LoRA.
+  int64_t max_loras = 0;
+  int64_t lora_rank = 0;
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
                                      const FusedExpertsOptions& options = {});
@@ -210,6 +304,18 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
 // The table file name for a shape on the current CUDA device (for the tuner).
 std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermediate_size, DType dtype);
 
+// The layer's adapters: w13's stacks in two slices (gate, up: lora_b [L, E, I, r] each)
+// or one (lora_b [L, E, 2I, r] with w13's row order); w2's in one slice (lora_a
+// [L, E, r, I], lora_b [L, E, H, r]). E = experts of w13. The w13 delta is added before
+// the activation, the w2 delta before the routed weight: the layer computes
+//   h1 = x · (w13[e] + scale·B13·A13)ᵀ,  h2 = act(h1) · (w2[e] + scale·B2·A2)ᵀ.
+// With swiglu_oai the two w13 slices are gate and up of gpt-oss's interleaved rows.
+struct FusedExpertsLora {
+  MoeLoraAdapters adapters;
+  MoeLoraWeights w13;
+  MoeLoraWeights w2;
+};
+
 struct FusedExpertsArgs {
   TensorView hidden_states;
   TensorView w13;
@@ -219,6 +325,7 @@ struct FusedExpertsArgs {
   TensorView out;
   TensorView workspace;  // 1-D, any dtype; only its bytes count
   const TensorView* expert_map = nullptr;
+  const FusedExpertsLora* lora = nullptr;  // null: no adapters
 };
 void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options = {},
                    Stream stream = nullptr);

@@ -105,6 +105,9 @@ void run_activation(const detail::ActivationParams& p, Device device, Stream str
 void run_sum_reduce(const detail::SumReduceParams& p, Device device, Stream stream) {
   MOELORA_BACKEND_CALL(moe_sum_reduce, p, device, stream);
 }
+void run_lora_delta(const detail::LoraDeltaParams& p, Device device, Stream stream) {
+  MOELORA_BACKEND_CALL(moe_lora_delta, p, device, stream);
+}
 
 // A 2-D view [rows, cols] of a tensor's storage.
 TensorView view2d(void* data, DType dtype, int64_t rows, int64_t cols, int64_t stride_row, int64_t stride_col,
@@ -172,6 +175,272 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
   run_align(align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
                          num_tokens_post_padded),
             device, stream);
+}
+
+// ---------------------------------------------------------------------------------
+// LoRA: shared validation of the adapter state and the stacks.
+namespace {
+
+// Groups of the virtual alignment: (expert, adapter or none) pairs.
+int64_t lora_groups(int64_t num_experts, int64_t max_loras) { return num_experts * (max_loras + 1); }
+
+void check_max_loras(const char* op, int64_t max_loras) {
+  if (max_loras < 1 || max_loras > kMaxLoraAdapters) {
+    fail(op, "argument 'max_loras' expected a value in [1, " + std::to_string(kMaxLoraAdapters) + "], got " +
+                 std::to_string(max_loras));
+  }
+}
+
+// token_lora_ids [num_tokens] int32 (CPU: values in [-1, max_loras)), adapter_enabled and
+// adapter_scale [max_loras].
+detail::LoraAdapterParams lora_adapter_params(const char* op, const MoeLoraAdapters& a, int64_t num_tokens,
+                                              int64_t max_loras, const Device& device, const char* device_of) {
+  ArgCheck(op, "token_lora_ids", a.token_lora_ids).rank(1).dtype(DType::kInt32).on(device, device_of)
+      .dim(0, num_tokens, "tokens");
+  if (a.adapter_enabled) {
+    ArgCheck(op, "adapter_enabled", *a.adapter_enabled).rank(1).dtype(DType::kInt32).unit_stride(0)
+        .on(device, device_of).dim(0, max_loras, "adapter slots");
+  }
+  if (a.adapter_scale) {
+    ArgCheck(op, "adapter_scale", *a.adapter_scale).rank(1).dtype(DType::kFloat32).unit_stride(0)
+        .on(device, device_of).dim(0, max_loras, "adapter slots");
+  }
+  check_cpu_ids(op, "token_lora_ids", a.token_lora_ids, -1, max_loras);
+  return detail::LoraAdapterParams{
+      .token_lora_ids = static_cast<const int32_t*>(a.token_lora_ids.data),
+      .token_lora_ids_stride = a.token_lora_ids.strides[0],
+      .adapter_enabled = a.adapter_enabled ? static_cast<const int32_t*>(a.adapter_enabled->data) : nullptr,
+      .adapter_scale = a.adapter_scale ? static_cast<const float*>(a.adapter_scale->data) : nullptr,
+      .max_loras = max_loras,
+  };
+}
+
+// A GEMM's stacks: every slice lora_a [L, E, r, K], lora_b [L, E, N / S, r], dtype of the
+// GEMM, unit stride on the last dim. `name` prefixes the argument names ("w13_" ...).
+struct LoraStack {
+  int64_t max_loras, rank, N_slice;
+  int num_slices;
+  detail::LoraSliceParams slices[2];
+};
+LoraStack lora_stack(const char* op, const std::string& name, const MoeLoraWeights& w, int64_t num_experts,
+                     int64_t K, int64_t N, DType dtype, const Device& device, const char* device_of) {
+  if (w.num_slices != 1 && w.num_slices != 2) {
+    fail(op, "argument '" + name + "num_slices' expected 1 or 2, got " + std::to_string(w.num_slices));
+  }
+  if (N % w.num_slices != 0) {
+    fail(op, "argument '" + name + "num_slices' expected to divide the GEMM's " + std::to_string(N) +
+                 " output columns, got " + std::to_string(w.num_slices));
+  }
+  LoraStack st{};
+  st.num_slices = w.num_slices;
+  st.N_slice = N / w.num_slices;
+  for (int c = 0; c < w.num_slices; ++c) {
+    const std::string a_name = name + "lora_a[" + std::to_string(c) + "]";
+    const std::string b_name = name + "lora_b[" + std::to_string(c) + "]";
+    const TensorView& la = w.lora_a[c];
+    const TensorView& lb = w.lora_b[c];
+    ArgCheck(op, a_name.c_str(), la).rank(4).dtype(dtype).on(device, device_of).unit_stride(3)
+        .dim(1, num_experts, "experts").dim(3, K, "the GEMM's K");
+    if (c == 0) {
+      st.max_loras = la.shape[0];
+      st.rank = la.shape[2];
+      if (st.max_loras < 1 || st.max_loras > kMaxLoraAdapters) {
+        fail(op, "argument '" + a_name + "' expected 1 to " + std::to_string(kMaxLoraAdapters) +
+                     " adapter slots on dim 0, got shape " + la.shape_string());
+      }
+      if (st.rank < 1 || st.rank > kMaxLoraRank) {
+        fail(op, "argument '" + a_name + "' expected a rank (dim 2) in [1, " + std::to_string(kMaxLoraRank) +
+                     "], got shape " + la.shape_string());
+      }
+    }
+    ArgCheck(op, a_name.c_str(), la).dim(0, st.max_loras, "adapter slots, from the first slice")
+        .dim(2, st.rank, "rank, from the first slice");
+    ArgCheck(op, b_name.c_str(), lb).rank(4).dtype(dtype).on(device, device_of).unit_stride(3)
+        .dim(0, st.max_loras, "adapter slots, from lora_a").dim(1, num_experts, "experts")
+        .dim(2, st.N_slice, "the slice's output columns").dim(3, st.rank, "rank, from lora_a");
+    st.slices[c] = detail::LoraSliceParams{
+        .lora_a = la.data, .a_stride_lora = la.strides[0], .a_stride_expert = la.strides[1],
+        .a_stride_rank = la.strides[2],
+        .lora_b = lb.data, .b_stride_lora = lb.strides[0], .b_stride_expert = lb.strides[1],
+        .b_stride_n = lb.strides[2]};
+  }
+  return st;
+}
+
+}  // namespace
+
+AlignCapacity moe_lora_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts,
+                                                 int64_t max_loras) {
+  return moe_align_block_size_capacity(num_slots, block_size, lora_groups(num_experts, max_loras));
+}
+
+void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters& adapters, int64_t max_loras,
+                               int64_t block_size, int64_t num_experts, const TensorView* expert_map,
+                               const TensorView& sorted_token_ids, const TensorView& expert_ids,
+                               const TensorView& block_lora_ids, const TensorView& num_tokens_post_padded,
+                               Stream stream) {
+  const char* op = "moe_lora_align_block_size";
+  ArgCheck(op, "topk_ids", topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64});
+  check_block_size(op, block_size, /*multiple_of_16=*/false);
+  if (num_experts < 1 || num_experts > kMaxNumExperts) {
+    fail(op, "argument 'num_experts' expected a value in [1, " + std::to_string(kMaxNumExperts) + "], got " +
+                 std::to_string(num_experts));
+  }
+  check_max_loras(op, max_loras);
+  const Device device = topk_ids.device;
+  const detail::LoraAdapterParams lora =
+      lora_adapter_params(op, adapters, topk_ids.shape[0], max_loras, device, "topk_ids");
+  const AlignCapacity cap = moe_lora_align_block_size_capacity(topk_ids.numel(), block_size, num_experts, max_loras);
+  ArgCheck(op, "sorted_token_ids", sorted_token_ids)
+      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+      .dim_at_least(0, cap.max_num_tokens_padded, "moe_lora_align_block_size_capacity().max_num_tokens_padded");
+  ArgCheck(op, "expert_ids", expert_ids)
+      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+      .dim_at_least(0, cap.max_num_blocks, "moe_lora_align_block_size_capacity().max_num_blocks")
+      .no_overlap(sorted_token_ids, "sorted_token_ids");
+  ArgCheck(op, "block_lora_ids", block_lora_ids)
+      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+      .dim(0, expert_ids.shape[0], "one adapter per block, as 'expert_ids'")
+      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
+  ArgCheck(op, "num_tokens_post_padded", num_tokens_post_padded)
+      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
+      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids")
+      .no_overlap(block_lora_ids, "block_lora_ids");
+  if (expert_map) {
+    ArgCheck(op, "expert_map", *expert_map)
+        .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
+  }
+  if (int64_t(cap.max_num_tokens_padded) > INT32_MAX) {
+    fail(op, "argument 'topk_ids' expected fewer slots (sorted ids are int32), got " + topk_ids.shape_string());
+  }
+  check_cpu_ids(op, "topk_ids", topk_ids, -1, num_experts);
+  if (on_cuda(topk_ids)) require_cuda_backend(op);
+  detail::AlignParams p = align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded);
+  p.max_loras = max_loras;
+  p.token_lora_ids = lora.token_lora_ids;
+  p.token_lora_ids_stride = lora.token_lora_ids_stride;
+  p.adapter_enabled = lora.adapter_enabled;
+  p.block_lora_ids = static_cast<int32_t*>(block_lora_ids.data);
+  run_align(p, device, stream);
+}
+
+int64_t fused_moe_lora_workspace_size(int64_t num_slots, int num_slices, int64_t rank, DType dtype) {
+  return round_up(std::max<int64_t>(num_slots * num_slices * rank * int64_t(dtype_size(dtype)), 1), 256);
+}
+
+void fused_moe_lora(const FusedMoeLoraArgs& args, Stream stream) {
+  const char* op = "fused_moe_lora";
+  const TensorView& a = args.a;
+  float_dtype(ArgCheck(op, "a", a).rank(2).unit_stride(1));
+  const Device device = a.device;
+  ArgCheck(op, "topk_ids", args.topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64}).on(device, "a");
+  const int64_t M = args.topk_ids.shape[0], top_k = args.topk_ids.shape[1];
+  const int64_t num_slots = M * top_k;
+  if (top_k < 1) fail(op, "argument 'topk_ids' expected top_k >= 1, got shape " + args.topk_ids.shape_string());
+  if (a.shape[0] != M && a.shape[0] != num_slots) {
+    fail(op, "argument 'a' expected " + std::to_string(M) + " rows (one per token) or " + std::to_string(num_slots) +
+                 " (one per slot), got shape " + a.shape_string());
+  }
+  ArgCheck(op, "out", args.out).rank(2).same_dtype(a, "a").on(device, "a").dim(0, num_slots, "slots = M * top_k")
+      .no_overlap(a, "a");
+  const int64_t K = a.shape[1], N = args.out.shape[1];
+  const int64_t num_experts = args.weights.lora_a[0].rank == 4 ? args.weights.lora_a[0].shape[1] : 0;
+  const LoraStack st = lora_stack(op, "", args.weights, num_experts, K, N, a.dtype, device, "a");
+  const detail::LoraAdapterParams adapters = lora_adapter_params(op, args.adapters, M, st.max_loras, device, "a");
+  check_cpu_ids(op, "topk_ids", args.topk_ids, -1, num_experts);
+  const TensorView* topk_weights = nullptr;
+  if (args.mul_routed_weight) {
+    if (!args.topk_weights) fail(op, "argument 'topk_weights' expected a tensor when mul_routed_weight, got none");
+    ArgCheck(op, "topk_weights", *args.topk_weights).rank(2).dtype(DType::kFloat32).on(device, "a")
+        .dim(0, M, "tokens").dim(1, top_k, "top_k, from 'topk_ids'");
+    topk_weights = args.topk_weights;
+  }
+  const bool blocks = args.sorted_token_ids != nullptr;
+  if (blocks != (args.expert_ids != nullptr) || blocks != (args.block_lora_ids != nullptr) ||
+      blocks != (args.num_tokens_post_padded != nullptr)) {
+    fail(op, "argument 'sorted_token_ids' expected all four alignment tensors (sorted_token_ids, expert_ids, "
+             "block_lora_ids, num_tokens_post_padded) or none, got some");
+  }
+  if (blocks) {
+    check_block_size(op, args.block_size, /*multiple_of_16=*/false);
+    ArgCheck(op, "sorted_token_ids", *args.sorted_token_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a");
+    const int64_t blocks_needed = ceil_div(args.sorted_token_ids->shape[0], args.block_size);
+    ArgCheck(op, "expert_ids", *args.expert_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a")
+        .dim_at_least(0, blocks_needed, "one expert per block of 'sorted_token_ids'");
+    ArgCheck(op, "block_lora_ids", *args.block_lora_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a")
+        .dim_at_least(0, blocks_needed, "one adapter per block of 'sorted_token_ids'");
+    ArgCheck(op, "num_tokens_post_padded", *args.num_tokens_post_padded)
+        .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "a");
+    if (!on_cuda(a)) {
+      // Readable on the CPU: an id outside its range would index past the stacks.
+      const int64_t used = std::min<int64_t>(
+          blocks_needed, ceil_div(*static_cast<const int32_t*>(args.num_tokens_post_padded->data), args.block_size));
+      TensorView e = *args.expert_ids, l = *args.block_lora_ids;
+      e.shape[0] = l.shape[0] = std::max<int64_t>(used, 0);
+      check_cpu_ids(op, "expert_ids", e, -1, num_experts);
+      check_cpu_ids(op, "block_lora_ids", l, -1, st.max_loras);
+    }
+  }
+  const int64_t workspace_bytes = fused_moe_lora_workspace_size(num_slots, st.num_slices, st.rank, a.dtype);
+  ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "a").unit_stride(0);
+  if (args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype)) < workspace_bytes) {
+    fail(op, "argument 'workspace' expected at least " + std::to_string(workspace_bytes) +
+                 " bytes (fused_moe_lora_workspace_size), got " +
+                 std::to_string(args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype))));
+  }
+  if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
+    fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
+  }
+  for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&args.out, "out"}}) {
+    if (detail::views_overlap(args.workspace, *t)) {
+      fail(op, std::string("argument 'workspace' expected memory disjoint from '") + name + "', got an overlap");
+    }
+  }
+  if (on_cuda(a)) require_cuda_backend(op);
+  if (num_slots == 0) return;
+  detail::LoraDeltaParams p{};
+  p.dtype = a.dtype;
+  p.a = a.data;
+  p.a_stride_row = a.strides[0];
+  p.a_top_k = a.shape[0] == num_slots ? 1 : top_k;
+  p.K = K;
+  p.N_slice = st.N_slice;
+  p.rank = st.rank;
+  p.num_slices = st.num_slices;
+  p.slices[0] = st.slices[0];
+  p.slices[1] = st.slices[1];
+  p.interleaved_slices = args.weights.interleaved_slices;
+  p.num_experts = num_experts;
+  p.out = args.out.data;
+  p.out_stride_row = args.out.strides[0];
+  p.out_stride_n = args.out.strides[1];
+  p.add_inputs = args.add_inputs;
+  if (topk_weights) {
+    p.topk_weights = static_cast<const float*>(topk_weights->data);
+    p.topk_weights_cols = top_k;
+    p.topk_weights_stride_row = topk_weights->strides[0];
+    p.topk_weights_stride_col = topk_weights->strides[1];
+  }
+  p.adapters = adapters;
+  p.top_k = top_k;
+  p.num_slots = num_slots;
+  p.intermediate = args.workspace.data;
+  p.topk_ids = args.topk_ids.data;
+  p.topk_ids_int64 = args.topk_ids.dtype == DType::kInt64;
+  p.topk_ids_stride_token = args.topk_ids.strides[0];
+  p.topk_ids_stride_k = args.topk_ids.strides[1];
+  p.num_global_experts = num_experts;
+  if (blocks) {
+    p.sorted_token_ids = static_cast<const int32_t*>(args.sorted_token_ids->data);
+    p.expert_ids = static_cast<const int32_t*>(args.expert_ids->data);
+    p.block_lora_ids = static_cast<const int32_t*>(args.block_lora_ids->data);
+    p.num_tokens_post_padded = static_cast<const int32_t*>(args.num_tokens_post_padded->data);
+    p.max_num_tokens_padded = args.sorted_token_ids->shape[0];
+    p.max_num_blocks = std::min(args.expert_ids->shape[0], args.block_lora_ids->shape[0]);
+    p.block_size = args.block_size;
+  }
+  run_lora_delta(p, device, stream);
 }
 
 // ---------------------------------------------------------------------------------
@@ -401,7 +670,7 @@ constexpr int64_t kSortedActivationMinSlots = 512;
 // GEMM2 writes cache3 ([slots, H]): the two share one region, and so does the sorted input.
 struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
-      total;
+      block_lora_ids, lora_intermediate, total;
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
   AlignCapacity capacity;
@@ -442,9 +711,11 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
                                                                                    : 0;
   const int64_t elem = int64_t(dtype_size(s.dtype));
   WorkspaceLayout l{};
+  // With LoRA the alignment groups are virtual experts (expert, adapter or none).
+  const int64_t groups = s.max_loras > 0 ? lora_groups(s.num_experts, s.max_loras) : s.num_experts;
   for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
        block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
-    const AlignCapacity c = moe_align_block_size_capacity(slots, block_size, s.num_experts);
+    const AlignCapacity c = moe_align_block_size_capacity(slots, block_size, groups);
     l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
     l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
   }
@@ -463,6 +734,12 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
       take(std::max(slots * std::max(2 * s.intermediate_size, s.hidden_size), l.sorted_input_rows * s.hidden_size) *
            elem);
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
+  if (s.max_loras > 0) {
+    l.block_lora_ids = take(l.capacity.max_num_blocks * 4);
+    // Each GEMM's shrink output [slots, slices, rank] (w13: 2 slices at most); GEMM2's
+    // delta runs after GEMM1's, so they share it.
+    l.lora_intermediate = take(slots * 2 * s.lora_rank * elem);
+  }
   l.total = at;
   return l;
 }
@@ -586,8 +863,24 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   if (options.activation == Activation::kSwigluOai && !(options.swiglu_limit > 0.f)) {
     fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
   }
+  // LoRA: the stacks of both GEMMs and the adapter state.
+  LoraStack lora13{}, lora2{};
+  detail::LoraAdapterParams lora_adapters{};
+  if (args.lora) {
+    lora13 = lora_stack(op, "w13_", args.lora->w13, E_local, H, 2 * I, x.dtype, device, "hidden_states");
+    lora2 = lora_stack(op, "w2_", args.lora->w2, E_local, I, H, x.dtype, device, "hidden_states");
+    if (lora2.num_slices != 1) {
+      fail(op, "argument 'w2_num_slices' expected 1 (w2 has one output slice), got " + std::to_string(lora2.num_slices));
+    }
+    ArgCheck(op, "w2_lora_a[0]", args.lora->w2.lora_a[0]).dim(0, lora13.max_loras, "adapter slots, from w13_lora_a");
+    lora_adapters = lora_adapter_params(op, args.lora->adapters, M, lora13.max_loras, device, "hidden_states");
+  }
 
-  const FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype, E_local};
+  FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype, E_local};
+  if (args.lora) {
+    shape.max_loras = lora13.max_loras;
+    shape.lora_rank = std::max(lora13.rank, lora2.rank);
+  }
   const WorkspaceLayout layout = workspace_layout(shape, options);
   ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
   const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
@@ -600,6 +893,12 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   }
   for (const auto* t : {&x, &args.w13, &args.w2, &args.topk_ids, &args.topk_weights, &args.out}) {
     if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
+  }
+  if (args.lora) {
+    if (detail::views_overlap(args.workspace, args.lora->adapters.token_lora_ids) ||
+        detail::views_overlap(args.out, args.lora->adapters.token_lora_ids)) {
+      fail(op, "argument 'token_lora_ids' expected memory disjoint from 'out' and 'workspace', got an overlap");
+    }
   }
   if (on_cuda(x)) require_cuda_backend(op);
   if (M == 0) return;
@@ -615,17 +914,27 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   const TensorView sorted_ids = i32(layout.sorted_token_ids, layout.capacity.max_num_tokens_padded);
   const TensorView expert_ids = i32(layout.expert_ids, layout.capacity.max_num_blocks);
   const TensorView ntpp = i32(layout.num_tokens_post_padded, 1);
+  int32_t* block_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.block_lora_ids)) : nullptr;
   int32_t* tile_counters =
       on_cuda(x) && options.ordered_tiles ? static_cast<int32_t*>(byte_offset(ws, layout.tile_counters)) : nullptr;
 
   for (int64_t begin = 0; begin < M; begin += chunk) {
     const int64_t tokens = std::min(chunk, M - begin);
     const int64_t slots = tokens * top_k;
-    const MoeKernelConfig config =
+    MoeKernelConfig config =
         fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, E_local, device, options);
     detail::check_kernel_config(op, "config", config);
+    if (args.lora) {
+      // NOTE: with adapters the layer runs the aligned path on the virtual alignment, the
+      // activation as its own kernel (the w13 delta goes in before it) and the LoRA delta
+      // kernels after each GEMM. The small-batch kernels and the sorted input do not take
+      // a delta yet.
+      config.small_batch = false;
+      config.sorted_input = false;
+    }
     const int64_t block_size = config.block_size;
-    const AlignCapacity cap = moe_align_block_size_capacity(slots, block_size, E_global);
+    const AlignCapacity cap = args.lora ? moe_lora_align_block_size_capacity(slots, block_size, E_global, lora13.max_loras)
+                                        : moe_align_block_size_capacity(slots, block_size, E_global);
     if (cap.max_num_tokens_padded > layout.capacity.max_num_tokens_padded ||
         cap.max_num_blocks > layout.capacity.max_num_blocks) {
       // The layout bounds every block size; this guards the workspace against a new one.
@@ -649,7 +958,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     // (row = entry), and GEMM2 loads each tile's rows as one TMA box instead of gathering
     // them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of Mixtral's layer at
     // M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
-    bool sorted_activation = on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
+    bool sorted_activation = on_cuda(x) && !args.lora && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
                              config.gemm2.kernel == GemmKernel::kSm90 && cap.max_num_tokens_padded <= layout.cache2_rows;
 #ifdef MOELORA_WITH_CUDA
     if (sorted_activation) {
@@ -689,9 +998,58 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     detail::AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
     align.tile_counters = tile_counters;
     align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
+    detail::LoraAdapterParams chunk_adapters = lora_adapters;
+    if (args.lora) {
+      chunk_adapters.token_lora_ids += begin * chunk_adapters.token_lora_ids_stride;
+      align.max_loras = lora13.max_loras;
+      align.token_lora_ids = chunk_adapters.token_lora_ids;
+      align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
+      align.adapter_enabled = chunk_adapters.adapter_enabled;
+      align.block_lora_ids = block_lora_ids;
+    }
     run_align(align, device, stream);
+    // The LoRA delta of one GEMM of this chunk, added into its output rows (by slot)
+    // before what follows reads them.
+    auto add_lora_delta = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k,
+                              const TensorView& gemm_out, bool weighted) {
+      detail::LoraDeltaParams d{};
+      d.dtype = dtype;
+      d.a = a.data;
+      d.a_stride_row = a.strides[0];
+      d.a_top_k = a_top_k;
+      d.K = a.shape[1];
+      d.N_slice = st.N_slice;
+      d.rank = st.rank;
+      d.num_slices = st.num_slices;
+      d.slices[0] = st.slices[0];
+      d.slices[1] = st.slices[1];
+      d.interleaved_slices = interleaved;
+      d.num_experts = E_local;
+      d.out = gemm_out.data;
+      d.out_stride_row = gemm_out.strides[0];
+      d.out_stride_n = gemm_out.strides[1];
+      d.add_inputs = true;
+      if (weighted) {
+        d.topk_weights = static_cast<const float*>(weights.data);
+        d.topk_weights_cols = top_k;
+        d.topk_weights_stride_row = weights.strides[0];
+        d.topk_weights_stride_col = weights.strides[1];
+      }
+      d.adapters = chunk_adapters;
+      d.top_k = top_k;
+      d.num_slots = slots;
+      d.intermediate = byte_offset(ws, layout.lora_intermediate);
+      d.sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data);
+      d.expert_ids = static_cast<const int32_t*>(expert_chunk.data);
+      d.block_lora_ids = block_lora_ids;
+      d.num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data);
+      d.max_num_tokens_padded = cap.max_num_tokens_padded;
+      d.max_num_blocks = cap.max_num_blocks;
+      d.block_size = block_size;
+      run_lora_delta(d, device, stream);
+    };
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
-    if (on_cuda(x) && options.fuse_activation) {
+    if (on_cuda(x) && options.fuse_activation && !args.lora) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
       TensorView gemm1_input = x_chunk;
       if (sorted_input) {
@@ -726,6 +1084,11 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                                              top_k, block_size, config.gemm1);
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
+      if (args.lora) {
+        // gpt-oss keeps gate and up interleaved in w13's rows: the slices follow.
+        const bool interleaved = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
+        add_lora_delta(lora13, interleaved, x_chunk, top_k, cache1, options.apply_router_weight_on_input);
+      }
       run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
                                               .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
                                               .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
@@ -749,6 +1112,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = sorted_activation;
     run_gemm(gemm2, device, stream);
+    if (args.lora) add_lora_delta(lora2, false, cache2, 1, cache3, !options.apply_router_weight_on_input);
 
     if (!direct) {
       run_sum_reduce(detail::SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,

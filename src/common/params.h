@@ -32,6 +32,76 @@ struct AlignParams {
   // zero by this kernel after it waits for the kernels before it.
   int32_t* tile_counters = nullptr;
   int num_tile_counters = 0;
+  // moe_lora_align_block_size (max_loras > 0): groups are virtual experts
+  // e * (max_loras + 1) + (adapter + 1), adapter -1 for tokens without an enabled one;
+  // block_lora_ids gets each block's adapter. max_loras == 0: groups are experts.
+  int64_t max_loras = 0;
+  const int32_t* token_lora_ids = nullptr;  // [num_tokens]
+  int64_t token_lora_ids_stride = 1;
+  const int32_t* adapter_enabled = nullptr;  // [max_loras]; null = all enabled
+  int32_t* block_lora_ids = nullptr;         // [max_num_blocks]
+};
+
+// The adapter of token m: token_lora_ids[m] when in [0, max_loras) and enabled, else -1.
+struct LoraAdapterParams {
+  const int32_t* token_lora_ids;  // [num_tokens]
+  int64_t token_lora_ids_stride;
+  const int32_t* adapter_enabled;  // [max_loras]; null = all enabled
+  const float* adapter_scale;      // [max_loras]; null = 1
+  int64_t max_loras;
+};
+
+// One output slice of a LoRA stack: lora_a [L, E, rank, K], lora_b [L, E, N_slice, rank],
+// unit stride on the last dim.
+struct LoraSliceParams {
+  const void* lora_a;
+  int64_t a_stride_lora, a_stride_expert, a_stride_rank;
+  const void* lora_b;
+  int64_t b_stride_lora, b_stride_expert, b_stride_n;
+};
+
+// The LoRA delta of an expert GEMM (fused_moe_lora, and fused_experts with adapters):
+//   shrink: intermediate[s, c, :] = a[s / a_top_k] · lora_a[c][l, e]ᵀ           [rank]
+//   expand: out[s, col(c, j)] = (add_inputs ? out : 0) + scale[l] · Σ_i
+//           intermediate[s, c, i] · lora_b[c][l, e, j, i]  (× routed weight of s)
+// for every slot s with an adapter l and an expert e >= 0; every other slot's row is kept
+// (add_inputs) or zeroed. col(c, j) = c * N_slice + j, or j * num_slices + c when
+// interleaved_slices. Slots come per block of the virtual alignment (sorted_token_ids
+// non-null: each block one (expert, adapter)), or one by one from topk_ids.
+struct LoraDeltaParams {
+  DType dtype;  // of a, the stacks, the intermediate and out
+  const void* a;
+  int64_t a_stride_row;  // unit stride on K
+  int64_t a_top_k;       // a row = slot / a_top_k
+  int64_t K, N_slice, rank;
+  int num_slices;
+  LoraSliceParams slices[2];
+  bool interleaved_slices;
+  int64_t num_experts;  // E of the stacks (local experts)
+  void* out;
+  int64_t out_stride_row, out_stride_n;
+  bool add_inputs;
+  const float* topk_weights;  // indexed by slot like GemmParams; null = no multiply
+  int64_t topk_weights_cols, topk_weights_stride_row, topk_weights_stride_col;
+  LoraAdapterParams adapters;  // token of slot s = s / top_k
+  int64_t top_k;
+  int64_t num_slots;
+  void* intermediate;  // [num_slots, num_slices, rank] of dtype
+  // Per-slot mode (sorted_token_ids == null): expert of slot s = topk_ids (-1 or out of
+  // range: none), through expert_map when given.
+  const void* topk_ids;
+  bool topk_ids_int64;
+  int64_t topk_ids_stride_token, topk_ids_stride_k;
+  const int32_t* expert_map;
+  int64_t num_global_experts;  // the range of topk_ids
+  // Block mode: moe_lora_align_block_size's outputs.
+  const int32_t* sorted_token_ids;
+  const int32_t* expert_ids;
+  const int32_t* block_lora_ids;
+  const int32_t* num_tokens_post_padded;
+  int64_t max_num_tokens_padded;
+  int64_t max_num_blocks;
+  int64_t block_size;
 };
 
 enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
@@ -165,6 +235,7 @@ void moe_align_block_size(const detail::AlignParams& p);
 void fused_moe(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p);
 void moe_sum_reduce(const detail::SumReduceParams& p);
+void moe_lora_delta(const detail::LoraDeltaParams& p);
 }  // namespace moelora::cpu
 
 namespace moelora::detail {
@@ -191,6 +262,8 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
+// Two launches (shrink, expand); base-only blocks and slots skip the LoRA work.
+void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).
 bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream);

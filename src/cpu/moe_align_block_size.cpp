@@ -1,4 +1,5 @@
-// CPU moe_align_block_size: group the slots of topk_ids by expert, pad every group to a
+// CPU moe_align_block_size (and moe_lora_align_block_size): group the slots of topk_ids
+// by expert (by virtual expert = (expert, adapter) with LoRA), pad every group to a
 // multiple of block_size. See include/moelora/ops.h for the contract.
 //
 // Layout written (num_slots = num_tokens * top_k is the padding sentinel):
@@ -28,18 +29,27 @@ int64_t round_up(int64_t x, int64_t multiple) { return (x + multiple - 1) / mult
 
 void moe_align_block_size(const detail::AlignParams& p) {
   const int64_t num_slots = p.num_tokens * p.top_k;
+  // With LoRA (max_loras > 0) a group is a virtual expert e * (max_loras + 1) +
+  // (adapter + 1); without, the expert. The API has checked every adapter id.
+  const int64_t groups_per_expert = p.max_loras + 1;
   const int64_t num_experts = p.num_experts;
-  const int64_t dropped_group = num_experts;  // index of the trailing group of id -1
+  const int64_t num_groups = num_experts * groups_per_expert;
+  const int64_t dropped_group = num_groups;  // index of the trailing group of id -1
 
   // Pass 1: histogram, and validation of every id before anything is written.
   std::vector<int32_t> slot_group(num_slots);  // [num_slots] group of each slot
-  std::vector<int64_t> group_count(num_experts + 1, 0);
+  std::vector<int64_t> group_count(num_groups + 1, 0);
   for (int64_t token = 0; token < p.num_tokens; ++token) {
+    int64_t adapter = -1;
+    if (p.max_loras > 0) {
+      const int32_t id = p.token_lora_ids[token * p.token_lora_ids_stride];
+      if (id >= 0 && id < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[id] != 0)) adapter = id;
+    }
     for (int64_t k = 0; k < p.top_k; ++k) {
       const int64_t id = read_topk_id(p, token, k);
       int64_t group;
       if (id >= 0 && id < num_experts) {
-        group = id;
+        group = id * groups_per_expert + (adapter + 1);
       } else if (id == -1) {
         group = dropped_group;
       } else {
@@ -54,11 +64,11 @@ void moe_align_block_size(const detail::AlignParams& p) {
   }
 
   // Group offsets in sorted_token_ids; every group starts on a block boundary.
-  std::vector<int64_t> group_begin(num_experts + 2, 0);
-  for (int64_t g = 0; g <= num_experts; ++g) {
+  std::vector<int64_t> group_begin(num_groups + 2, 0);
+  for (int64_t g = 0; g <= num_groups; ++g) {
     group_begin[g + 1] = group_begin[g] + round_up(group_count[g], p.block_size);
   }
-  const int64_t used_length = group_begin[num_experts + 1];
+  const int64_t used_length = group_begin[num_groups + 1];
   const int64_t used_blocks = used_length / p.block_size;
   // NOTE: the API sizes the outputs from moe_align_block_size_capacity, which bounds the
   // worst case; this check only guards against a capacity formula and the layout
@@ -74,15 +84,18 @@ void moe_align_block_size(const detail::AlignParams& p) {
   // order, which keeps each group stable.
   std::fill(p.sorted_token_ids, p.sorted_token_ids + p.max_num_tokens_padded, int32_t(num_slots));
   std::fill(p.expert_ids, p.expert_ids + p.max_num_blocks, int32_t(-1));
-  std::vector<int64_t> cursor(group_begin.begin(), group_begin.end() - 1);  // [num_experts + 1]
+  if (p.block_lora_ids) std::fill(p.block_lora_ids, p.block_lora_ids + p.max_num_blocks, int32_t(-1));
+  std::vector<int64_t> cursor(group_begin.begin(), group_begin.end() - 1);  // [num_groups + 1]
   for (int64_t slot = 0; slot < num_slots; ++slot) {
     const int32_t group = slot_group[slot];
     p.sorted_token_ids[cursor[group]++] = int32_t(slot);
   }
-  for (int64_t e = 0; e < num_experts; ++e) {
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t e = g / groups_per_expert;
     const int32_t block_expert = p.expert_map ? p.expert_map[e] : int32_t(e);
-    for (int64_t b = group_begin[e] / p.block_size; b < group_begin[e + 1] / p.block_size; ++b) {
+    for (int64_t b = group_begin[g] / p.block_size; b < group_begin[g + 1] / p.block_size; ++b) {
       p.expert_ids[b] = block_expert;
+      if (p.block_lora_ids) p.block_lora_ids[b] = int32_t(g % groups_per_expert - 1);
     }
   }
   // The dropped group's blocks keep the -1 written above.

@@ -1,8 +1,9 @@
-// moe_align_block_size on CUDA: one launch of a cluster of up to 8 CTAs (one CTA below
-// kAlignSlotsPerCta slots, and on devices without clusters). Each CTA histograms its
-// share of the slots in shared memory; after a cluster barrier every CTA reads all the
-// histograms through distributed shared memory, scans the padded group sizes (the same
-// scan in every CTA) and scatters its own slots behind the slots of the CTAs before it.
+// moe_align_block_size (and moe_lora_align_block_size: groups are (expert, adapter)) on
+// CUDA: one launch of a cluster of up to 8 CTAs (one CTA below kAlignSlotsPerCta slots,
+// and on devices without clusters). Each CTA histograms its share of the slots in shared
+// memory; after a cluster barrier every CTA reads all the histograms through distributed
+// shared memory, scans the padded group sizes (the same scan in every CTA) and scatters
+// its own slots behind the slots of the CTAs before it.
 //
 // NOTE: one launch, no host sync; the used length stays on the device. Slot order
 // inside an expert group follows shared-memory atomics, so it may differ between runs;
@@ -26,22 +27,27 @@ namespace {
 
 constexpr int kAlignThreads = 1024;
 constexpr int kAlignItemsPerThread = 4;
-// Experts (+1 dropped-slot group) one block can scan.
-constexpr int kAlignMaxGroups = kAlignThreads * kAlignItemsPerThread;
+// Groups one scan pass covers; more groups (virtual experts with LoRA) take more passes.
+constexpr int kAlignGroupsPerPass = kAlignThreads * kAlignItemsPerThread;
+// Most groups (experts, or (expert, adapter) pairs with LoRA, + 1 dropped-slot group):
+// two int tables of this size in shared memory (132 KB), e.g. 256 experts x 65 adapter
+// groups + 1.
+constexpr int kAlignMaxGroups = 16896;
+// Dynamic shared memory: the two group tables, then each slot's group (2 bytes a slot)
+// for the scatter pass, as many slots as fit (80K without LoRA, 32K at the most groups);
+// beyond that the scatter reads topk_ids again.
+constexpr int kAlignSmemBytes = 200 * 1024;
 // CTAs of the cluster (the portable maximum), and the slots that earn one more CTA.
 constexpr int kAlignMaxCtas = 8;
 constexpr int kAlignSlotsPerCta = 2048;
-// The scatter pass reuses each slot's group from shared memory (2 bytes a slot) up to
-// this many slots per CTA (with the ~37 KB of tables and scan storage it stays under
-// the 227 KB a block may have), and reads topk_ids again beyond.
-constexpr int kAlignCachedSlots = 80 * 1024;
 constexpr int kAlignBatch = 8;  // slots a thread loads before using them
 
-// Group of a slot: its expert, or num_experts (the trailing group) when dropped or invalid.
+// Group of a slot: its expert (times max_loras + 1, plus the token's adapter + 1 with
+// LoRA), or the trailing group num_groups - 1 when dropped or invalid.
 // NOTE: 32-bit index math, and none for contiguous ids: per-slot instructions are the
 // kernel's time at large M (a 64-bit division per slot and pass made it 56 us at 32768
 // slots on one CTA; see docs/PERF_NOTES.md).
-__device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, bool contiguous) {
+__device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, bool contiguous, int num_groups) {
   int64_t offset = slot;
   if (!contiguous) {
     const int token = slot / int(p.top_k), j = slot - token * int(p.top_k);
@@ -49,7 +55,12 @@ __device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, 
   }
   const int64_t e = p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
                                      : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
-  return (e >= 0 && e < p.num_experts) ? int(e) : int(p.num_experts);
+  if (e < 0 || e >= p.num_experts) return num_groups - 1;
+  if (p.max_loras == 0) return int(e);
+  const int token = slot / int(p.top_k);
+  const int lora = p.token_lora_ids[token * p.token_lora_ids_stride];
+  const bool active = lora >= 0 && lora < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[lora] != 0);
+  return int(e) * int(p.max_loras + 1) + (active ? lora + 1 : 0);
 }
 
 // The CTAs of the launch: a cluster on sm_90, else one CTA.
@@ -86,22 +97,26 @@ struct AlignCtas {
   }
 };
 
-__global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(const detail::AlignParams p) {
+// cache_slots: how many slots' groups the dynamic shared memory holds after the tables.
+__global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(const detail::AlignParams p,
+                                                                            int num_groups, int cache_slots) {
   using BlockScan = cub::BlockScan<int, kAlignThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
-  // This CTA's slots per group (read by every CTA of the cluster), then its scatter cursor.
-  __shared__ int group_count[kAlignMaxGroups];
-  __shared__ int group_offset[kAlignMaxGroups + 1];  // padded start of each group
-  extern __shared__ uint16_t slot_group[];           // [min(slots of this CTA, kAlignCachedSlots)]
+  extern __shared__ int4 align_smem[];
+  // This CTA's slots per group (read by every CTA of the cluster; never overwritten), and
+  // this CTA's scatter cursor per group.
+  int* group_count = reinterpret_cast<int*>(align_smem);
+  int* group_cursor = group_count + num_groups;
+  uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_cursor + num_groups);  // [cache_slots]
 
   const AlignCtas ctas;
-  const int num_groups = int(p.num_experts) + 1;
   const int num_slots = int(p.num_tokens * p.top_k);  // < 2^31: checked by the launcher
   const int share = (num_slots + ctas.count - 1) / ctas.count;
   const int slot_begin = min(num_slots, ctas.rank * share), slot_end = min(num_slots, slot_begin + share);
-  const bool cached = slot_end - slot_begin <= kAlignCachedSlots;
+  const bool cached = slot_end - slot_begin <= cache_slots;
   const bool contiguous = p.topk_ids_stride_k == 1 && p.topk_ids_stride_token == p.top_k;
   const int block_size = int(p.block_size);
+  const int groups_per_expert = int(p.max_loras) + 1;
   const int sentinel = num_slots;
   for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) group_count[g] = 0;
   wait_for_previous_kernel();
@@ -122,7 +137,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
-      g[i] = s < slot_end ? group_of(p, s, contiguous) : -1;
+      g[i] = s < slot_end ? group_of(p, s, contiguous, num_groups) : -1;
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
@@ -134,68 +149,70 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   }
   ctas.sync();
 
-  // Each group's size over all CTAs and the slots of the CTAs before this one; then an
-  // exclusive scan of the padded sizes. Thread t owns groups [t*4, t*4+4).
-  int padded[kAlignItemsPerThread], before[kAlignItemsPerThread];
-#pragma unroll
-  for (int i = 0; i < kAlignItemsPerThread; ++i) {
-    const int g = threadIdx.x * kAlignItemsPerThread + i;
-    int total = 0;
-    before[i] = 0;
-    if (g < num_groups) {
-      for (int r = 0; r < ctas.count; ++r) {
-        const int count = ctas.shared_of(group_count, r)[g];
-        total += count;
-        if (r < ctas.rank) before[i] += count;
-      }
-    }
-    padded[i] = (total + block_size - 1) / block_size * block_size;
-  }
+  // Each group's size over all CTAs and the slots of the CTAs before this one; an
+  // exclusive scan of the padded sizes, kAlignGroupsPerPass groups a pass (thread t owns
+  // groups [t*4, t*4+4) of a pass). Every CTA runs the same scan; each writes its own
+  // cursors, and the block table entries of the groups g with g % count == rank.
   int total_padded = 0;
-  BlockScan(scan_storage).ExclusiveSum(padded, padded, total_padded);
+  for (int pass = 0; pass < num_groups; pass += kAlignGroupsPerPass) {
+    int padded[kAlignItemsPerThread], offset[kAlignItemsPerThread], before[kAlignItemsPerThread];
 #pragma unroll
-  for (int i = 0; i < kAlignItemsPerThread; ++i) {
-    const int g = threadIdx.x * kAlignItemsPerThread + i;
-    if (g < num_groups) group_offset[g] = padded[i];
-  }
-  if (threadIdx.x == 0) {
-    group_offset[num_groups] = total_padded;
-    if (ctas.rank == 0) *p.num_tokens_post_padded = total_padded;
-  }
-  // Every CTA has read every histogram (so each may reuse its own below) and written its
-  // sentinels; group_offset is complete.
-  ctas.sync();
-#pragma unroll
-  for (int i = 0; i < kAlignItemsPerThread; ++i) {
-    const int g = threadIdx.x * kAlignItemsPerThread + i;
-    if (g < num_groups) group_count[g] = group_offset[g] + before[i];
-  }
-
-  // Block -> expert table: the group whose padded range holds the block's first entry.
-  for (int b = ctas.rank * kAlignThreads + threadIdx.x; b < int(p.max_num_blocks); b += ctas.count * kAlignThreads) {
-    int expert = -1;
-    const int first = b * block_size;
-    if (first < total_padded) {
-      int lo = 0, hi = num_groups - 1;  // last g with group_offset[g] <= first
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (group_offset[mid] <= first) lo = mid; else hi = mid - 1;
+    for (int i = 0; i < kAlignItemsPerThread; ++i) {
+      const int g = pass + threadIdx.x * kAlignItemsPerThread + i;
+      int total = 0;
+      before[i] = 0;
+      if (g < num_groups) {
+        for (int r = 0; r < ctas.count; ++r) {
+          const int count = ctas.shared_of(group_count, r)[g];
+          total += count;
+          if (r < ctas.rank) before[i] += count;
+        }
       }
-      if (lo < p.num_experts) expert = p.expert_map ? p.expert_map[lo] : lo;
+      padded[i] = (total + block_size - 1) / block_size * block_size;
     }
-    p.expert_ids[b] = expert;
+    int pass_total = 0;
+    BlockScan(scan_storage).ExclusiveSum(padded, offset, pass_total);
+#pragma unroll
+    for (int i = 0; i < kAlignItemsPerThread; ++i) {
+      const int g = pass + threadIdx.x * kAlignItemsPerThread + i;
+      if (g >= num_groups) continue;
+      const int start = total_padded + offset[i];
+      group_cursor[g] = start + before[i];
+      if (g % ctas.count != ctas.rank) continue;
+      // Block -> expert (and adapter) table for this group's blocks.
+      int expert = -1, lora = -1;
+      if (g < num_groups - 1) {
+        const int e = g / groups_per_expert;
+        expert = p.expert_map ? p.expert_map[e] : e;
+        lora = g - e * groups_per_expert - 1;
+      }
+      for (int b = start / block_size; b < (start + padded[i]) / block_size; ++b) {
+        p.expert_ids[b] = expert;
+        if (p.block_lora_ids) p.block_lora_ids[b] = lora;
+      }
+    }
+    total_padded += pass_total;
+    __syncthreads();  // scan_storage is reused by the next pass
   }
-  __syncthreads();
+  if (ctas.rank == 0 && threadIdx.x == 0) *p.num_tokens_post_padded = total_padded;
+  for (int b = total_padded / block_size + ctas.rank * kAlignThreads + threadIdx.x; b < int(p.max_num_blocks);
+       b += ctas.count * kAlignThreads) {
+    p.expert_ids[b] = -1;
+    if (p.block_lora_ids) p.block_lora_ids[b] = -1;
+  }
+  // Every CTA has read every histogram (no CTA exits while another reads its shared
+  // memory) and written its sentinels before any slot is scattered over them.
+  ctas.sync();
   for (int s0 = slot_begin; s0 < slot_end; s0 += kAlignThreads * kAlignBatch) {
     int g[kAlignBatch];
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
-      g[i] = s >= slot_end ? -1 : cached ? int(slot_group[s - slot_begin]) : group_of(p, s, contiguous);
+      g[i] = s >= slot_end ? -1 : cached ? int(slot_group[s - slot_begin]) : group_of(p, s, contiguous, num_groups);
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
-      if (g[i] >= 0) p.sorted_token_ids[atomicAdd(&group_count[g[i]], 1)] = s0 + i * kAlignThreads + int(threadIdx.x);
+      if (g[i] >= 0) p.sorted_token_ids[atomicAdd(&group_cursor[g[i]], 1)] = s0 + i * kAlignThreads + int(threadIdx.x);
     }
   }
 }
@@ -203,9 +220,14 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
 }  // namespace
 
 void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
-  if (p.num_experts + 1 > kAlignMaxGroups) {
-    throw Error("moelora.moe_align_block_size: argument 'num_experts' expected at most " +
-                std::to_string(kAlignMaxGroups - 1) + " on CUDA, got " + std::to_string(p.num_experts));
+  const int64_t num_groups = p.num_experts * (p.max_loras + 1) + 1;
+  if (num_groups > kAlignMaxGroups) {
+    throw Error(p.max_loras > 0
+                    ? "moelora.moe_lora_align_block_size: argument 'num_experts' x ('max_loras' + 1) expected at most " +
+                          std::to_string(kAlignMaxGroups - 1) + " on CUDA, got " + std::to_string(p.num_experts) +
+                          " x " + std::to_string(p.max_loras + 1)
+                    : "moelora.moe_align_block_size: argument 'num_experts' expected at most " +
+                          std::to_string(kAlignMaxGroups - 1) + " on CUDA, got " + std::to_string(p.num_experts));
   }
   const int64_t num_slots = p.num_tokens * p.top_k;
   if (num_slots > INT32_MAX || p.max_num_tokens_padded > INT32_MAX) {
@@ -217,11 +239,13 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
                        ? int(std::clamp<int64_t>((num_slots + kAlignSlotsPerCta - 1) / kAlignSlotsPerCta, 1, kAlignMaxCtas))
                        : 1;
   const int64_t share = (num_slots + ctas - 1) / ctas;
-  const size_t cache_bytes = size_t(std::min<int64_t>(share, kAlignCachedSlots)) * sizeof(uint16_t);
-  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(moe_align_block_size_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          int(kAlignCachedSlots * sizeof(uint16_t))));
-  launch_kernel_in_clusters(moe_align_block_size_kernel, dim3(unsigned(ctas)), dim3(kAlignThreads), cache_bytes,
-                            static_cast<cudaStream_t>(stream), ctas, p);
+  const int64_t table_bytes = 2 * num_groups * int64_t(sizeof(int));
+  const int cache_slots = int(std::min<int64_t>(share, (kAlignSmemBytes - table_bytes) / int64_t(sizeof(uint16_t))));
+  const size_t smem_bytes = size_t(table_bytes + int64_t(cache_slots) * int64_t(sizeof(uint16_t)));
+  MOELORA_CUDA_CHECK(
+      cudaFuncSetAttribute(moe_align_block_size_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlignSmemBytes));
+  launch_kernel_in_clusters(moe_align_block_size_kernel, dim3(unsigned(ctas)), dim3(kAlignThreads), smem_bytes,
+                            static_cast<cudaStream_t>(stream), ctas, p, int(num_groups), cache_slots);
 }
 
 }  // namespace moelora::cuda

@@ -199,6 +199,21 @@ std::vector<double> reference_sum_reduce(const std::vector<double>& input, int64
   return out;
 }
 
+void reference_lora_delta_row(const RefLoraStack& st, int64_t lora, int64_t expert, const double* a_row,
+                              double scale, double* out_row) {
+  const int64_t n_slice = st.N / st.num_slices;
+  std::vector<double> t(static_cast<size_t>(st.rank));  // [rank]
+  for (int c = 0; c < st.num_slices; ++c) {
+    const double* la = &st.lora_a[c][size_t((lora * st.num_experts + expert) * st.rank * st.K)];
+    const double* lb = &st.lora_b[c][size_t((lora * st.num_experts + expert) * n_slice * st.rank)];
+    for (int64_t i = 0; i < st.rank; ++i) t[size_t(i)] = dot(a_row, la + i * st.K, st.K);
+    for (int64_t j = 0; j < n_slice; ++j) {
+      const int64_t col = st.interleaved ? j * st.num_slices + c : c * n_slice + j;
+      out_row[col] += scale * dot(t.data(), lb + j * st.rank, st.rank);
+    }
+  }
+}
+
 std::vector<double> reference_fused_experts(const std::vector<double>& hidden_states,
                                             const std::vector<double>& w13, const std::vector<double>& w2,
                                             const std::vector<double>& topk_weights,
@@ -206,7 +221,7 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                                             int64_t num_local_experts, int64_t H, int64_t I,
                                             const int32_t* expert_map, Activation activation, double alpha,
                                             double limit, bool apply_router_weight_on_input, bool no_combine,
-                                            double routed_scaling_factor) {
+                                            double routed_scaling_factor, const RefLora* lora) {
   const int64_t num_slots = M * top_k;
   for (int64_t s = 0; s < num_slots; ++s) {  // checked here: the workers below must not throw
     const int64_t global = topk_ids[size_t(s)];
@@ -225,16 +240,20 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
     if (local == -1) return;
     const double weight = topk_weights[size_t(s)];
     const double* x = &hidden_states[size_t((s / top_k) * H)];
+    const int64_t adapter = lora ? lora->token_lora[size_t(s / top_k)] : -1;
     std::vector<double> h1(static_cast<size_t>(2 * I));  // [2I]
-    for (int64_t n = 0; n < 2 * I; ++n) {
-      h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H);
-      if (apply_router_weight_on_input) h1[size_t(n)] *= weight;
+    for (int64_t n = 0; n < 2 * I; ++n) h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H);
+    if (adapter >= 0) reference_lora_delta_row(lora->w13, adapter, local, x, lora->scale[size_t(adapter)], h1.data());
+    if (apply_router_weight_on_input) {
+      for (double& v : h1) v *= weight;
     }
     std::vector<double> act(static_cast<size_t>(I));  // [I]
     activate_row(activation, h1.data(), I, alpha, limit, act.data());
+    std::vector<double> row(static_cast<size_t>(H));  // [H]
+    for (int64_t h = 0; h < H; ++h) row[size_t(h)] = dot(act.data(), &w2[size_t((local * H + h) * I)], I);
+    if (adapter >= 0) reference_lora_delta_row(lora->w2, adapter, local, act.data(), lora->scale[size_t(adapter)], row.data());
     for (int64_t h = 0; h < H; ++h) {
-      const double value = dot(act.data(), &w2[size_t((local * H + h) * I)], I);
-      h2[size_t(s * H + h)] = apply_router_weight_on_input ? value : value * weight;
+      h2[size_t(s * H + h)] = apply_router_weight_on_input ? row[size_t(h)] : row[size_t(h)] * weight;
     }
   });
   if (no_combine) return h2;

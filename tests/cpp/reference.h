@@ -66,6 +66,27 @@ std::vector<double> reference_activation(Activation activation, const std::vecto
 std::vector<double> reference_sum_reduce(const std::vector<double>& input, int64_t M, int64_t top_k, int64_t H,
                                          double scale);
 
+// One expert GEMM's LoRA stacks in double: lora_a[c] [L, E, rank, K], lora_b[c]
+// [L, E, N / num_slices, rank] for c < num_slices. Slice c holds output columns
+// [c·N/S, (c+1)·N/S), or the columns n ≡ c (mod S) when interleaved.
+struct RefLoraStack {
+  int num_slices = 1;
+  int64_t max_loras = 0, num_experts = 0, rank = 0, K = 0, N = 0;
+  bool interleaved = false;
+  std::vector<double> lora_a[2], lora_b[2];
+};
+// out_row[N] += scale · Σ_i lora_b[c][lora, expert, j, i] · Σ_k lora_a[c][lora, expert, i, k] · a_row[k]
+// for every slice c and slice column j (no intermediate rounding).
+void reference_lora_delta_row(const RefLoraStack& stack, int64_t lora, int64_t expert, const double* a_row,
+                              double scale, double* out_row);
+// A layer's adapters: the adapter of each token (-1: none; the caller resolves disabled
+// slots to -1), the scale per slot, and both GEMMs' stacks.
+struct RefLora {
+  std::vector<int64_t> token_lora;  // [M]
+  std::vector<double> scale;        // [L]
+  RefLoraStack w13, w2;
+};
+
 // The whole MoE layer, as fused_experts computes it:
 //   for token m, for j < top_k: e = topk_ids[m * top_k + j]
 //     skip when e == -1 (dropped) or expert_map && expert_map[e] == -1 (not on this rank);
@@ -75,6 +96,9 @@ std::vector<double> reference_sum_reduce(const std::vector<double>& input, int64
 //     h2 = a · w2[local]ᵀ                            [H]   (× w unless weight_on_input)
 //   out[m] = routed_scaling_factor * Σ_j h2_j        [M, H]
 //   no_combine: out[m, j] = h2_j (zeros for skipped slots), no scaling   [M, top_k, H]
+// With lora, for a token with adapter l: h1 += delta13 (before the weight on input), and
+// h2 = (a · w2[local]ᵀ + delta2) (× w).
+
 // hidden_states [M, H], w13 [E_local, 2I, H] (gate rows first, then up; interleaved for
 // kSwigluOai), w2 [E_local, H, I], topk_weights [M, top_k], topk_ids [M, top_k] global
 // ids in [0, E_global) or -1, expert_map [E_global] (null: ids are local).
@@ -86,6 +110,6 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                                             int64_t num_local_experts, int64_t H, int64_t I,
                                             const int32_t* expert_map, Activation activation, double alpha,
                                             double limit, bool apply_router_weight_on_input, bool no_combine,
-                                            double routed_scaling_factor);
+                                            double routed_scaling_factor, const RefLora* lora = nullptr);
 
 }  // namespace moelora::ref

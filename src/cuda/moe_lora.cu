@@ -1,0 +1,296 @@
+// moe_lora_delta on CUDA: the LoRA delta of an expert GEMM in two launches.
+//   shrink: intermediate[s, c, :rank] = a[s / a_top_k] · lora_a[c][l, e]ᵀ
+//   expand: out[s, col(c, j)] (+)= scale[l] · intermediate[s, c] · lora_b[c][l, e, j]ᵀ (× w_s)
+// See LoraDeltaParams (src/common/params.h) for the contract.
+//
+// Work comes in row tiles of kTileRows slots that share one (expert, adapter): a 16-row
+// slice of a block of the virtual alignment, or a single slot in the per-slot mode
+// (small batch, straight from topk_ids). A tile whose adapter is -1 or disabled, or whose
+// expert is -1, skips the LoRA work (a uniform branch per CTA); without add_inputs the
+// expand writes its rows' zeros.
+// 16-bit types run on the tensor cores (WMMA 16x16x16, fp32 accumulation); fp32 runs the
+// same tiles on CUDA cores. Ranks are padded to 16 inside the kernels (zero rows of
+// lora_a and zero columns of lora_b in shared memory); callers never pad.
+// NOTE: a first, separate-kernel path (fused_experts with adapters adds the delta after
+// each GEMM). Seed 003's fusion into the expert GEMM is the next step (docs/PERF_NOTES.md).
+#include <mma.h>
+
+#include <algorithm>
+#include <string>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::LoraDeltaParams;
+
+constexpr int kTileRows = 16;                 // slots per tile: the WMMA M
+constexpr int kMaxRankPadded = 128;           // kMaxLoraRank, padded to 16
+constexpr int kShrinkThreads = 256;           // 8 warps: one 16-column rank fragment each
+constexpr int kExpandColumns = 64;            // output columns per expand CTA
+constexpr int kExpandThreads = 128;           // 4 warps: one 16-column output fragment each
+
+template <typename T>
+constexpr bool kTensorCores = sizeof(T) == 2;
+// K elements a shrink stage holds: 128 bytes a row.
+template <typename T>
+constexpr int kShrinkK = 128 / int(sizeof(T));
+// Row pitch padding (elements) against shared-memory bank conflicts; keeps WMMA's
+// leading dimension a multiple of 8 (16-bit) / 4 (fp32).
+constexpr int kPad = 8;
+
+// The slots, expert and adapter of one tile. slot[r] < 0 marks an empty row.
+struct Tile {
+  int expert = -1;
+  int lora = -1;
+  bool active = false;  // expert and adapter valid, adapter enabled
+};
+
+__device__ __forceinline__ int64_t load_topk_id(const LoraDeltaParams& p, int64_t slot) {
+  const int64_t token = slot / p.top_k, j = slot - token * p.top_k;
+  const int64_t offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
+  return p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
+                          : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+}
+
+// Number of tiles the grid covers (host: from capacities; device-side counts decide
+// which of them have work).
+inline int64_t num_tiles(const LoraDeltaParams& p) {
+  return p.sorted_token_ids ? p.max_num_blocks * (p.block_size / kTileRows) : p.num_slots;
+}
+
+// Fills slots[kTileRows] (shared) and returns the tile's (expert, adapter). Every thread
+// calls it; thread r < kTileRows writes slots[r]. Returns false when the tile lies past
+// the used length (the CTA has nothing to do, not even zeros).
+__device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Tile& t) {
+  if (p.sorted_token_ids) {
+    const int64_t tiles_per_block = p.block_size / kTileRows;
+    const int64_t block = tile / tiles_per_block;
+    const int64_t entry0 = block * p.block_size + (tile - block * tiles_per_block) * kTileRows;
+    const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+    if (entry0 >= used) return false;
+    t.expert = p.expert_ids[block];
+    t.lora = p.block_lora_ids[block];
+    if (threadIdx.x < kTileRows) {
+      const int64_t entry = entry0 + threadIdx.x;
+      const int64_t s = entry < used ? p.sorted_token_ids[entry] : -1;
+      slots[threadIdx.x] = s >= 0 && s < p.num_slots ? int(s) : -1;
+    }
+  } else {
+    const int64_t e = load_topk_id(p, tile);
+    t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
+    t.lora = p.adapters.token_lora_ids[(tile / p.top_k) * p.adapters.token_lora_ids_stride];
+    if (threadIdx.x < kTileRows) slots[threadIdx.x] = threadIdx.x == 0 ? int(tile) : -1;
+  }
+  t.active = t.expert >= 0 && t.expert < p.num_experts && t.lora >= 0 && t.lora < p.adapters.max_loras &&
+             (p.adapters.adapter_enabled == nullptr || p.adapters.adapter_enabled[t.lora] != 0);
+  return true;
+}
+
+__host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16; }
+
+// ---- shrink -----------------------------------------------------------------------------
+// Grid (tiles, slices). intermediate[s, c, i] = Σ_k a[s / a_top_k, k] · lora_a[c][l, e, i, k].
+template <typename T>
+__global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const LoraDeltaParams p) {
+  constexpr int BK = kShrinkK<T>;
+  __shared__ int slots[kTileRows];
+  __shared__ alignas(32) T a_tile[kTileRows][BK + kPad];
+  __shared__ alignas(32) T lora_tile[kMaxRankPadded][BK + kPad];
+  __shared__ alignas(32) float result[kTileRows][kMaxRankPadded + 4];
+
+  wait_for_previous_kernel();
+  Tile t;
+  if (!load_tile(p, blockIdx.x, slots, t) || !t.active) return;
+  __syncthreads();
+  const int c = blockIdx.y;
+  const int rank = int(p.rank), rank_padded = round_up16(rank);
+  const detail::LoraSliceParams& sl = p.slices[c];
+  const T* a = static_cast<const T*>(p.a);
+  const T* lora_a = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert;
+  const int warp = threadIdx.x / 32;
+  const T zero = from_float<T>(0.f);
+
+  namespace wmma = nvcuda::wmma;
+  using Acc = std::conditional_t<kTensorCores<T>, wmma::fragment<wmma::accumulator, 16, 16, 16, float>, float[8]>;
+  Acc acc;
+  if constexpr (kTensorCores<T>) {
+    wmma::fill_fragment(acc, 0.f);
+  } else {
+    for (float& v : acc) v = 0.f;
+  }
+  for (int64_t k0 = 0; k0 < p.K; k0 += BK) {
+    // NOTE: plain coalesced element loads; the tile is small next to the GEMM's.
+    for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
+      const int r = i / BK, k = i % BK;
+      const int s = slots[r];
+      a_tile[r][k] = s >= 0 && k0 + k < p.K ? a[(s / p.a_top_k) * p.a_stride_row + k0 + k] : zero;
+    }
+    for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
+      const int r = i / BK, k = i % BK;
+      lora_tile[r][k] = r < rank && k0 + k < p.K ? lora_a[r * sl.a_stride_rank + k0 + k] : zero;
+    }
+    __syncthreads();
+    if constexpr (kTensorCores<T>) {
+      if (warp * 16 < rank_padded) {
+        for (int kk = 0; kk < BK; kk += 16) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+          wmma::load_matrix_sync(fa, &a_tile[0][kk], BK + kPad);
+          wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], BK + kPad);
+          wmma::mma_sync(acc, fa, fb, acc);
+        }
+      }
+    } else {
+      // Thread o computes outputs o + j * kShrinkThreads of the [16, rank_padded] tile.
+      for (int j = 0; j < 8; ++j) {
+        const int o = threadIdx.x + j * kShrinkThreads;
+        if (o >= kTileRows * rank_padded) break;
+        const int r = o / rank_padded, i = o % rank_padded;
+        float sum = 0.f;
+        for (int k = 0; k < BK; ++k) sum += to_float(a_tile[r][k]) * to_float(lora_tile[i][k]);
+        acc[j] += sum;
+      }
+    }
+    __syncthreads();
+  }
+  if constexpr (kTensorCores<T>) {
+    if (warp * 16 < rank_padded) {
+      wmma::store_matrix_sync(&result[0][warp * 16], acc, kMaxRankPadded + 4, wmma::mem_row_major);
+    }
+  } else {
+    for (int j = 0; j < 8; ++j) {
+      const int o = threadIdx.x + j * kShrinkThreads;
+      if (o >= kTileRows * rank_padded) break;
+      result[o / rank_padded][o % rank_padded] = acc[j];
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.intermediate);
+  for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+    const int r = i / rank, col = i % rank;
+    const int s = slots[r];
+    if (s >= 0) out[(int64_t(s) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
+  }
+  allow_next_kernel_launch();
+}
+
+// ---- expand -----------------------------------------------------------------------------
+// Grid (tiles, slices, column chunks of kExpandColumns).
+template <typename T>
+__global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const LoraDeltaParams p) {
+  __shared__ int slots[kTileRows];
+  __shared__ alignas(32) T t_tile[kTileRows][kMaxRankPadded + kPad];
+  __shared__ alignas(32) T lora_tile[kExpandColumns][kMaxRankPadded + kPad];
+  __shared__ alignas(32) float result[kTileRows][kExpandColumns + 4];
+
+  wait_for_previous_kernel();
+  Tile t;
+  if (!load_tile(p, blockIdx.x, slots, t)) return;
+  __syncthreads();
+  const int c = blockIdx.y;
+  const int64_t n0 = int64_t(blockIdx.z) * kExpandColumns;
+  const int columns = p.N_slice - n0 < kExpandColumns ? int(p.N_slice - n0) : kExpandColumns;
+  T* out = static_cast<T*>(p.out);
+  auto out_index = [&](int s, int64_t j) {
+    const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
+    return int64_t(s) * p.out_stride_row + col * p.out_stride_n;
+  };
+  if (!t.active) {
+    if (!p.add_inputs) {
+      for (int i = threadIdx.x; i < kTileRows * columns; i += kExpandThreads) {
+        const int s = slots[i / columns];
+        if (s >= 0) out[out_index(s, n0 + i % columns)] = from_float<T>(0.f);
+      }
+    }
+    return;
+  }
+  const int rank = int(p.rank), rank_padded = round_up16(rank);
+  const detail::LoraSliceParams& sl = p.slices[c];
+  const T* lora_b = static_cast<const T*>(sl.lora_b) + t.lora * sl.b_stride_lora + t.expert * sl.b_stride_expert;
+  const T* inter = static_cast<const T*>(p.intermediate);
+  const T zero = from_float<T>(0.f);
+  for (int i = threadIdx.x; i < kTileRows * rank_padded; i += kExpandThreads) {
+    const int r = i / rank_padded, k = i % rank_padded;
+    const int s = slots[r];
+    t_tile[r][k] = s >= 0 && k < rank ? inter[(int64_t(s) * p.num_slices + c) * rank + k] : zero;
+  }
+  for (int i = threadIdx.x; i < kExpandColumns * rank_padded; i += kExpandThreads) {
+    const int n = i / rank_padded, k = i % rank_padded;
+    lora_tile[n][k] = n < columns && k < rank ? lora_b[(n0 + n) * sl.b_stride_n + k] : zero;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if constexpr (kTensorCores<T>) {
+    namespace wmma = nvcuda::wmma;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.f);
+    for (int kk = 0; kk < rank_padded; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, &t_tile[0][kk], kMaxRankPadded + kPad);
+      wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], kMaxRankPadded + kPad);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(&result[0][warp * 16], acc, kExpandColumns + 4, wmma::mem_row_major);
+  } else {
+    for (int o = threadIdx.x; o < kTileRows * kExpandColumns; o += kExpandThreads) {
+      const int r = o / kExpandColumns, n = o % kExpandColumns;
+      float sum = 0.f;
+      for (int k = 0; k < rank_padded; ++k) sum += to_float(t_tile[r][k]) * to_float(lora_tile[n][k]);
+      result[r][n] = sum;
+    }
+  }
+  __syncthreads();
+  const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+  for (int i = threadIdx.x; i < kTileRows * columns; i += kExpandThreads) {
+    const int r = i / columns, n = i % columns;
+    const int s = slots[r];
+    if (s < 0) continue;
+    float w = scale;
+    if (p.topk_weights) {
+      w *= p.topk_weights[(s / p.topk_weights_cols) * p.topk_weights_stride_row +
+                          (s % p.topk_weights_cols) * p.topk_weights_stride_col];
+    }
+    const int64_t at = out_index(s, n0 + n);
+    const float base = p.add_inputs ? to_float(out[at]) : 0.f;
+    out[at] = from_float<T>(base + w * result[r][n]);
+  }
+  allow_next_kernel_launch();
+}
+
+template <typename T>
+void launch(const LoraDeltaParams& p, cudaStream_t stream) {
+  const int64_t tiles = num_tiles(p);
+  if (tiles <= 0) return;
+  if (tiles > INT32_MAX) throw Error("moelora.fused_moe_lora: too many row tiles (" + std::to_string(tiles) + ")");
+  const int64_t column_chunks = (p.N_slice + kExpandColumns - 1) / kExpandColumns;
+  if (column_chunks > 65535) {
+    throw Error("moelora.fused_moe_lora: argument 'out' expected at most " + std::to_string(65535 * kExpandColumns) +
+                " columns per slice on CUDA, got " + std::to_string(p.N_slice));
+  }
+  launch_kernel(moe_lora_shrink_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0,
+                stream, p);
+  launch_kernel(moe_lora_expand_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices), unsigned(column_chunks)),
+                dim3(kExpandThreads), 0, stream, p);
+}
+
+}  // namespace
+
+void moe_lora_delta(const LoraDeltaParams& p, Stream stream) {
+  if (p.rank > kMaxRankPadded) {
+    throw Error("moelora.fused_moe_lora: rank expected at most " + std::to_string(kMaxRankPadded) + ", got " +
+                std::to_string(p.rank));
+  }
+  if (p.sorted_token_ids && p.block_size % kTileRows != 0) {
+    throw Error("moelora.fused_moe_lora: argument 'block_size' expected a multiple of 16 on CUDA, got " +
+                std::to_string(p.block_size));
+  }
+  dispatch_float(p.dtype, [&](auto tag) { launch<decltype(tag)>(p, static_cast<cudaStream_t>(stream)); });
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,621 @@
+// Multi-LoRA: moe_lora_align_block_size (virtual experts), fused_moe_lora (the delta
+// alone) and fused_experts with adapters, on CPU and CUDA, against float64 references:
+// delta = scale[l] · B · (A · a) per slice, added before the activation (w13) and before
+// the routed weight (w2). Fresh random data per case, outputs poisoned (NaN) first.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#ifdef MOELORA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "test_util.h"
+
+namespace moelora::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Adapter of each token: share of them get one (uniform over the slots), the rest -1.
+std::vector<int64_t> random_token_loras(int64_t M, int64_t max_loras, double share, std::mt19937& rng) {
+  std::vector<int64_t> ids(static_cast<size_t>(M), -1);
+  std::bernoulli_distribution has(share);
+  std::uniform_int_distribution<int64_t> pick(0, max_loras - 1);
+  for (auto& id : ids) {
+    if (has(rng)) id = pick(rng);
+  }
+  return ids;
+}
+
+// The adapter a token runs with: -1 when it has none or its slot is disabled.
+std::vector<int64_t> resolve_loras(const std::vector<int64_t>& ids, const std::vector<int32_t>& enabled) {
+  std::vector<int64_t> resolved(ids);
+  for (auto& id : resolved) {
+    if (id >= 0 && !enabled[size_t(id)]) id = -1;
+  }
+  return resolved;
+}
+
+// One GEMM's stacks on a backend plus their double copy.
+struct LoraStackData {
+  std::vector<Buffer> a, b;
+  MoeLoraWeights weights;
+  ref::RefLoraStack ref;
+
+  LoraStackData(Backend backend, DType dtype, int num_slices, int64_t L, int64_t E, int64_t rank, int64_t K,
+                int64_t N, bool interleaved, std::mt19937& rng, double b_scale = 0.5) {
+    ref.num_slices = num_slices;
+    ref.max_loras = L;
+    ref.num_experts = E;
+    ref.rank = rank;
+    ref.K = K;
+    ref.N = N;
+    ref.interleaved = interleaved;
+    weights.num_slices = num_slices;
+    weights.interleaved_slices = interleaved;
+    const int64_t n_slice = N / num_slices;
+    for (int c = 0; c < num_slices; ++c) {
+      a.emplace_back(backend, dtype, L * E * rank * K);
+      b.emplace_back(backend, dtype, L * E * n_slice * rank);
+      weights.lora_a[c] = a.back().view({L, E, rank, K});
+      weights.lora_b[c] = b.back().view({L, E, n_slice, rank});
+      // |delta| ~ b_scale of the base output's size: the LoRA path must be visible.
+      ref.lora_a[c] = a.back().fill_normal(weights.lora_a[c], rng, 1.0 / std::sqrt(double(K)));
+      ref.lora_b[c] = b.back().fill_normal(weights.lora_b[c], rng, b_scale / std::sqrt(double(rank)));
+      a.back().upload();
+      b.back().upload();
+    }
+  }
+};
+
+// ---- moe_lora_align_block_size --------------------------------------------------------
+
+struct AlignCase {
+  Backend backend;
+  int64_t M, top_k, num_experts, max_loras, block_size;
+  double share;
+  bool disable_some;
+};
+
+void PrintTo(const AlignCase& c, std::ostream* os) {
+  *os << backend_name(c.backend) << "_M" << c.M << "_k" << c.top_k << "_E" << c.num_experts << "_L" << c.max_loras
+      << "_bs" << c.block_size << "_share" << int(c.share * 100) << (c.disable_some ? "_disabled" : "");
+}
+
+class LoraAlignTest : public ::testing::TestWithParam<AlignCase> {};
+
+TEST_P(LoraAlignTest, BlocksHaveOneExpertAndOneAdapter) {
+  const AlignCase c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  std::mt19937 rng(1234 + uint32_t(c.M * 7 + c.max_loras));
+  std::vector<int64_t> ids = random_routing(c.M, c.top_k, c.num_experts, rng);
+  if (c.M > 2) ids[1] = -1;  // a dropped slot
+  const std::vector<int64_t> token_loras = random_token_loras(c.M, c.max_loras, c.share, rng);
+  std::vector<int32_t> enabled(size_t(c.max_loras), 1);
+  if (c.disable_some) {
+    for (size_t l = 0; l < enabled.size(); l += 2) enabled[l] = 0;
+  }
+  const std::vector<int64_t> resolved = resolve_loras(token_loras, enabled);
+
+  Buffer topk(c.backend, DType::kInt32, c.M * c.top_k);
+  topk.write(topk.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
+  topk.upload();
+  Buffer lora_ids = buffer_with(c.backend, DType::kInt32, std::vector<double>(token_loras.begin(), token_loras.end()));
+  Buffer enabled_buf = buffer_with(c.backend, DType::kInt32, std::vector<double>(enabled.begin(), enabled.end()));
+  const AlignCapacity cap = moe_lora_align_block_size_capacity(c.M * c.top_k, c.block_size, c.num_experts, c.max_loras);
+  Buffer sorted(c.backend, DType::kInt32, cap.max_num_tokens_padded);
+  Buffer experts(c.backend, DType::kInt32, cap.max_num_blocks);
+  Buffer loras(c.backend, DType::kInt32, cap.max_num_blocks);
+  Buffer ntpp(c.backend, DType::kInt32, 1);
+  for (Buffer* b : {&sorted, &experts, &loras, &ntpp}) b->poison();
+  const TensorView enabled_view = enabled_buf.view({c.max_loras});
+  MoeLoraAdapters adapters{lora_ids.view({c.M}), &enabled_view, nullptr};
+  TestStream stream(c.backend);
+  moe_lora_align_block_size(topk.view({c.M, c.top_k}), adapters, c.max_loras, c.block_size, c.num_experts, nullptr,
+                            sorted.view({cap.max_num_tokens_padded}), experts.view({cap.max_num_blocks}),
+                            loras.view({cap.max_num_blocks}), ntpp.view({1}), stream.handle());
+  stream.sync();
+  for (Buffer* b : {&sorted, &experts, &loras, &ntpp}) b->download();
+
+  const int64_t num_slots = c.M * c.top_k;
+  const int64_t used = int64_t(ntpp.get(0));
+  ASSERT_EQ(used % c.block_size, 0);
+  ASSERT_LE(used, cap.max_num_tokens_padded);
+  // Expected padded length: every (expert, adapter) group and the dropped group round up.
+  std::vector<int64_t> group_size(size_t(c.num_experts * (c.max_loras + 1) + 1), 0);
+  for (int64_t s = 0; s < num_slots; ++s) {
+    const int64_t e = ids[size_t(s)];
+    ++group_size[size_t(e < 0 ? c.num_experts * (c.max_loras + 1) : e * (c.max_loras + 1) + resolved[size_t(s / c.top_k)] + 1)];
+  }
+  int64_t expected_used = 0;
+  for (int64_t n : group_size) expected_used += (n + c.block_size - 1) / c.block_size * c.block_size;
+  EXPECT_EQ(used, expected_used);
+
+  std::vector<int> seen(size_t(num_slots), 0);
+  int64_t previous_key = -1;
+  for (int64_t b = 0; b < cap.max_num_blocks; ++b) {
+    const int64_t expert = int64_t(experts.get(b)), lora = int64_t(loras.get(b));
+    if (b * c.block_size >= used) {
+      EXPECT_EQ(expert, -1) << "block " << b;
+      EXPECT_EQ(lora, -1) << "block " << b;
+      continue;
+    }
+    int64_t key = -1;
+    for (int64_t i = b * c.block_size; i < (b + 1) * c.block_size; ++i) {
+      const int64_t s = int64_t(sorted.get(i));
+      if (s == num_slots) continue;  // padding
+      ASSERT_GE(s, 0);
+      ASSERT_LT(s, num_slots);
+      ++seen[size_t(s)];
+      const int64_t e = ids[size_t(s)];
+      if (e < 0) {
+        EXPECT_EQ(expert, -1) << "dropped slot " << s;
+        key = c.num_experts * (c.max_loras + 1);
+      } else {
+        EXPECT_EQ(expert, e) << "slot " << s << " in block " << b;
+        EXPECT_EQ(lora, resolved[size_t(s / c.top_k)]) << "slot " << s << " in block " << b;
+        key = e * (c.max_loras + 1) + lora + 1;
+      }
+    }
+    ASSERT_GE(key, 0) << "block " << b << " below the used length holds no slot";
+    EXPECT_GE(key, previous_key) << "groups out of expert-major order at block " << b;
+    previous_key = key;
+  }
+  for (int64_t i = used; i < cap.max_num_tokens_padded; ++i) EXPECT_EQ(sorted.get(i), double(num_slots)) << i;
+  for (int64_t s = 0; s < num_slots; ++s) EXPECT_EQ(seen[size_t(s)], 1) << "slot " << s;
+}
+
+std::vector<AlignCase> align_cases() {
+  std::vector<AlignCase> cases;
+  for (Backend backend : all_backends()) {
+    cases.push_back({backend, 1, 8, 128, 4, 16, 1.0, false});
+    cases.push_back({backend, 37, 2, 8, 4, 16, 0.5, true});
+    cases.push_back({backend, 64, 8, 64, 16, 32, 0.5, false});
+    cases.push_back({backend, 300, 8, 256, 64, 64, 1.0, true});   // 16641 groups: the CUDA maximum
+    cases.push_back({backend, 3000, 4, 128, 4, 128, 1.0, false}); // a cluster of CTAs on sm_90
+    cases.push_back({backend, 100, 4, 16, 1, 16, 0.0, false});    // nobody has an adapter
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LoraAlignTest, ::testing::ValuesIn(align_cases()));
+
+// ---- fused_moe_lora -------------------------------------------------------------------
+
+struct DeltaCase {
+  Backend backend;
+  DType dtype;
+  int64_t M, top_k, E, L, rank, K, N;
+  int num_slices;
+  bool interleaved, aligned, add_inputs, weighted, a_per_slot;
+  double share;
+};
+
+void PrintTo(const DeltaCase& c, std::ostream* os) {
+  *os << backend_name(c.backend) << "_" << dtype_short_name(c.dtype) << "_M" << c.M << "_E" << c.E << "_L" << c.L
+      << "_r" << c.rank << "_K" << c.K << "_N" << c.N << "_S" << c.num_slices << (c.interleaved ? "i" : "")
+      << (c.aligned ? "_aligned" : "_perslot") << (c.add_inputs ? "_add" : "_set") << (c.weighted ? "_w" : "")
+      << (c.a_per_slot ? "_aslot" : "") << "_share" << int(c.share * 100);
+}
+
+class LoraDeltaTest : public ::testing::TestWithParam<DeltaCase> {};
+
+TEST_P(LoraDeltaTest, MatchesReference) {
+  const DeltaCase c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  std::mt19937 rng(99 + uint32_t(c.rank * 131 + c.M));
+  const int64_t num_slots = c.M * c.top_k;
+  const int64_t a_rows = c.a_per_slot ? num_slots : c.M;
+  std::vector<int64_t> ids = random_routing(c.M, c.top_k, c.E, rng);
+  if (c.M > 1) ids[0] = -1;  // a dropped slot gets no delta
+  const std::vector<int64_t> token_loras = random_token_loras(c.M, c.L, c.share, rng);
+  std::vector<int32_t> enabled(size_t(c.L), 1);
+  if (c.L > 1) enabled[1] = 0;
+  const std::vector<int64_t> resolved = resolve_loras(token_loras, enabled);
+  std::vector<double> scale(size_t(c.L));
+  for (int64_t l = 0; l < c.L; ++l) scale[size_t(l)] = 0.5 + 0.25 * double(l % 4);
+
+  LoraStackData stack(c.backend, c.dtype, c.num_slices, c.L, c.E, c.rank, c.K, c.N, c.interleaved, rng);
+  Buffer a(c.backend, c.dtype, a_rows * c.K);
+  const std::vector<double> a_values = a.fill_normal(a.view({a_rows, c.K}), rng);
+  a.upload();
+  Buffer out(c.backend, c.dtype, num_slots * c.N);
+  const std::vector<double> base = out.fill_normal(out.view({num_slots, c.N}), rng);
+  if (!c.add_inputs) {
+    out.poison();  // every row must be written
+  } else {
+    out.upload();
+  }
+  Buffer topk(c.backend, DType::kInt32, num_slots);
+  topk.write(topk.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
+  topk.upload();
+  const std::vector<double> weight_values = random_router_weights(c.M, c.top_k, rng);
+  Buffer weights = buffer_with(c.backend, DType::kFloat32, weight_values);
+  Buffer lora_ids = buffer_with(c.backend, DType::kInt32, std::vector<double>(token_loras.begin(), token_loras.end()));
+  Buffer enabled_buf = buffer_with(c.backend, DType::kInt32, std::vector<double>(enabled.begin(), enabled.end()));
+  Buffer scale_buf = buffer_with(c.backend, DType::kFloat32, scale);
+  Buffer workspace(c.backend, DType::kFloat32,
+                   fused_moe_lora_workspace_size(num_slots, c.num_slices, c.rank, c.dtype) / 4);
+  workspace.poison();
+  const TensorView enabled_view = enabled_buf.view({c.L}), scale_view = scale_buf.view({c.L});
+  const TensorView weights_view = weights.view({c.M, c.top_k});
+
+  FusedMoeLoraArgs args;
+  args.out = out.view({num_slots, c.N});
+  args.a = a.view({a_rows, c.K});
+  args.topk_ids = topk.view({c.M, c.top_k});
+  args.adapters = MoeLoraAdapters{lora_ids.view({c.M}), &enabled_view, &scale_view};
+  args.weights = stack.weights;
+  args.workspace = workspace.view({workspace.size()});
+  args.topk_weights = &weights_view;
+  args.mul_routed_weight = c.weighted;
+  args.add_inputs = c.add_inputs;
+
+  TestStream stream(c.backend);
+  const int64_t block_size = 16;
+  const AlignCapacity cap = moe_lora_align_block_size_capacity(num_slots, block_size, c.E, c.L);
+  Buffer sorted(c.backend, DType::kInt32, cap.max_num_tokens_padded);
+  Buffer experts(c.backend, DType::kInt32, cap.max_num_blocks);
+  Buffer loras(c.backend, DType::kInt32, cap.max_num_blocks);
+  Buffer ntpp(c.backend, DType::kInt32, 1);
+  const TensorView sorted_view = sorted.view({cap.max_num_tokens_padded}), experts_view = experts.view({cap.max_num_blocks}),
+                   loras_view = loras.view({cap.max_num_blocks}), ntpp_view = ntpp.view({1});
+  if (c.aligned) {
+    moe_lora_align_block_size(args.topk_ids, args.adapters, c.L, block_size, c.E, nullptr, sorted_view, experts_view,
+                              loras_view, ntpp_view, stream.handle());
+    args.sorted_token_ids = &sorted_view;
+    args.expert_ids = &experts_view;
+    args.block_lora_ids = &loras_view;
+    args.num_tokens_post_padded = &ntpp_view;
+    args.block_size = block_size;
+  }
+  fused_moe_lora(args, stream.handle());
+  stream.sync();
+  out.download();
+
+  std::vector<double> expected(static_cast<size_t>(num_slots * c.N));
+  for (int64_t s = 0; s < num_slots; ++s) {
+    double* row = &expected[size_t(s * c.N)];
+    std::vector<double> delta(size_t(c.N), 0.0);
+    const int64_t l = resolved[size_t(s / c.top_k)], e = ids[size_t(s)];
+    if (l >= 0 && e >= 0) {
+      const double* a_row = &a_values[size_t((c.a_per_slot ? s : s / c.top_k) * c.K)];
+      ref::reference_lora_delta_row(stack.ref, l, e, a_row, scale[size_t(l)] * (c.weighted ? weight_values[size_t(s)] : 1.0),
+                                    delta.data());
+    }
+    for (int64_t n = 0; n < c.N; ++n) row[n] = (c.add_inputs ? base[size_t(s * c.N + n)] : 0.0) + delta[size_t(n)];
+  }
+  const std::vector<double> got = out.read(out.view({num_slots, c.N}));
+  EXPECT_LE(ref::rel_error(got, expected), ref::tolerance(c.dtype));
+  EXPECT_EQ(out.count_unwritten(out.view({num_slots, c.N})), 0);
+  // The delta alone, where it is non-zero, must match too (the base does not mask it).
+  if (c.add_inputs && c.share > 0) {
+    std::vector<double> got_delta, expected_delta;
+    for (size_t i = 0; i < got.size(); ++i) {
+      got_delta.push_back(got[i] - base[i]);
+      expected_delta.push_back(expected[i] - base[i]);
+    }
+    EXPECT_LE(ref::rel_error(got_delta, expected_delta), 4 * ref::tolerance(c.dtype));
+  }
+}
+
+std::vector<DeltaCase> delta_cases() {
+  std::vector<DeltaCase> cases;
+  for (Backend backend : all_backends()) {
+    for (int64_t rank : {1, 8, 16, 64, 128}) {
+      cases.push_back({backend, DType::kBFloat16, 12, 2, 8, 4, rank, 72, 48, 2, false, true, true, false, false, 1.0});
+      cases.push_back({backend, DType::kBFloat16, 5, 4, 16, 4, rank, 64, 40, 1, false, false, true, true, true, 0.5});
+    }
+    for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
+      cases.push_back({backend, dtype, 9, 2, 4, 2, 24, 40, 72, 2, true, true, false, false, false, 0.5});
+      cases.push_back({backend, dtype, 9, 2, 4, 2, 24, 40, 72, 2, true, false, false, true, false, 1.0});
+    }
+    cases.push_back({backend, DType::kBFloat16, 40, 8, 16, 16, 16, 136, 130, 1, false, true, false, true, true, 1.0});
+    cases.push_back({backend, DType::kBFloat16, 40, 8, 16, 64, 16, 136, 130, 1, false, false, true, false, false, 0.5});
+    cases.push_back({backend, DType::kBFloat16, 6, 2, 4, 4, 16, 64, 64, 2, false, true, true, false, false, 0.0});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LoraDeltaTest, ::testing::ValuesIn(delta_cases()));
+
+// ---- fused_experts with adapters ---------------------------------------------------------
+
+struct LayerLoraCase {
+  std::string name;
+  Backend backend;
+  DType dtype = DType::kBFloat16;
+  int64_t M = 24, top_k = 2, E = 8, H = 136, I = 48;
+  int64_t L = 4, rank = 16;
+  double share = 1.0;
+  bool disable_some = false;
+  int w13_slices = 2;
+  Activation activation = Activation::kSilu;
+  FusedExpertsOptions options{};
+};
+
+void PrintTo(const LayerLoraCase& c, std::ostream* os) { *os << c.name << "_" << backend_name(c.backend); }
+
+class FusedExpertsLoraTest : public ::testing::TestWithParam<LayerLoraCase> {};
+
+// The buffers of one fused_experts call with adapters, filled and uploaded.
+struct LoraLayer {
+  LoraLayer(const LayerLoraCase& c, std::mt19937& rng)
+      : c(c),
+        x(c.backend, c.dtype, c.M * c.H),
+        w13(c.backend, c.dtype, c.E * 2 * c.I * c.H),
+        w2(c.backend, c.dtype, c.E * c.H * c.I),
+        topk_weights(c.backend, DType::kFloat32, c.M * c.top_k),
+        topk_ids(c.backend, DType::kInt32, c.M * c.top_k),
+        out(c.backend, c.dtype, c.M * (c.options.no_combine ? c.top_k : 1) * c.H),
+        lora_ids(c.backend, DType::kInt32, c.M),
+        enabled(c.backend, DType::kInt32, c.L),
+        scale(c.backend, DType::kFloat32, c.L),
+        stack13(c.backend, c.dtype, c.w13_slices, c.L, c.E, c.rank, c.H, 2 * c.I,
+                c.activation == Activation::kSwigluOai && c.w13_slices == 2, rng),
+        stack2(c.backend, c.dtype, 1, c.L, c.E, c.rank, c.I, c.H, false, rng),
+        workspace(c.backend, DType::kFloat32,
+                  (fused_experts_workspace_size(shape(), c.options) + 3) / 4) {
+    x_values = x.fill_normal(x.view({c.M, c.H}), rng);
+    w13_values = w13.fill_normal(w13.view({c.E, 2 * c.I, c.H}), rng, 1.0 / std::sqrt(double(c.H)));
+    w2_values = w2.fill_normal(w2.view({c.E, c.H, c.I}), rng, 1.0 / std::sqrt(double(c.I)));
+    weight_values = random_router_weights(c.M, c.top_k, rng);
+    topk_weights.write(topk_weights.view({c.M, c.top_k}), weight_values);
+    ids = random_routing(c.M, c.top_k, c.E, rng);
+    topk_ids.write(topk_ids.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
+    set_adapters(random_token_loras(c.M, c.L, c.share, rng), rng);
+    for (Buffer* b : {&x, &w13, &w2, &topk_weights, &topk_ids}) b->upload();
+    out.poison();
+    workspace.poison();
+  }
+
+  FusedExpertsShape shape() const {
+    FusedExpertsShape s{c.M, c.top_k, c.E, c.H, c.I, c.dtype, c.E};
+    s.max_loras = c.L;
+    s.lora_rank = c.rank;
+    return s;
+  }
+
+  // New adapter ids, enabled mask and scales (host and device).
+  void set_adapters(const std::vector<int64_t>& token_loras, std::mt19937& rng) {
+    token_lora_values = token_loras;
+    enabled_values.assign(size_t(c.L), 1);
+    if (c.disable_some) {
+      std::bernoulli_distribution off(0.5);
+      for (auto& e : enabled_values) e = off(rng) ? 0 : 1;
+    }
+    scale_values.assign(size_t(c.L), 0.0);
+    std::uniform_real_distribution<double> uniform(0.5, 2.0);
+    for (auto& s : scale_values) s = uniform(rng);
+    lora_ids.write(lora_ids.view({c.M}), std::vector<double>(token_loras.begin(), token_loras.end()));
+    enabled.write(enabled.view({c.L}), std::vector<double>(enabled_values.begin(), enabled_values.end()));
+    scale.write(scale.view({c.L}), scale_values);
+    scale_values = ref::round_to(DType::kFloat32, scale_values);
+    for (Buffer* b : {&lora_ids, &enabled, &scale}) b->upload();
+  }
+
+  FusedExpertsArgs args() {
+    enabled_view = enabled.view({c.L});
+    scale_view = scale.view({c.L});
+    lora.adapters = MoeLoraAdapters{lora_ids.view({c.M}), &enabled_view, &scale_view};
+    lora.w13 = stack13.weights;
+    lora.w2 = stack2.weights;
+    FusedExpertsArgs a;
+    a.hidden_states = x.view({c.M, c.H});
+    a.w13 = w13.view({c.E, 2 * c.I, c.H});
+    a.w2 = w2.view({c.E, c.H, c.I});
+    a.topk_weights = topk_weights.view({c.M, c.top_k});
+    a.topk_ids = topk_ids.view({c.M, c.top_k});
+    a.out = c.options.no_combine ? out.view({c.M, c.top_k, c.H}) : out.view({c.M, c.H});
+    a.workspace = workspace.view({workspace.size()});
+    a.lora = &lora;
+    return a;
+  }
+
+  std::vector<double> reference() const {
+    ref::RefLora r;
+    r.token_lora = resolve_loras(token_lora_values, enabled_values);
+    r.scale = scale_values;
+    r.w13 = stack13.ref;
+    r.w2 = stack2.ref;
+    return ref::reference_fused_experts(x_values, w13_values, w2_values, weight_values, ids, c.M, c.top_k, c.E, c.H,
+                                        c.I, nullptr, c.activation, c.options.swiglu_alpha, c.options.swiglu_limit,
+                                        c.options.apply_router_weight_on_input, c.options.no_combine,
+                                        c.options.routed_scaling_factor, &r);
+  }
+
+  const LayerLoraCase& c;
+  Buffer x, w13, w2, topk_weights, topk_ids, out, lora_ids, enabled, scale;
+  LoraStackData stack13, stack2;
+  Buffer workspace;
+  std::vector<double> x_values, w13_values, w2_values, weight_values, scale_values;
+  std::vector<int64_t> ids, token_lora_values;
+  std::vector<int32_t> enabled_values;
+  TensorView enabled_view, scale_view;
+  FusedExpertsLora lora;
+};
+
+TEST_P(FusedExpertsLoraTest, MatchesReference) {
+  LayerLoraCase c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  c.options.activation = c.activation;
+  std::mt19937 rng(777 + uint32_t(c.rank * 31 + c.L * 7 + c.M));
+  LoraLayer layer(c, rng);
+  TestStream stream(c.backend);
+  fused_experts(layer.args(), c.options, stream.handle());
+  stream.sync();
+  layer.out.download();
+  const TensorView ov = c.options.no_combine ? layer.out.view({c.M, c.top_k, c.H}) : layer.out.view({c.M, c.H});
+  const std::vector<double> expected = layer.reference();
+  EXPECT_LE(ref::rel_error(layer.out.read(ov), expected), ref::tolerance(c.dtype));
+  EXPECT_EQ(layer.out.count_unwritten(ov), 0);
+  // The adapters must move the result: the same layer without them is far from it.
+  if (c.share > 0 && !c.disable_some) {
+    LayerLoraCase base_case = c;
+    std::vector<double> no_lora = ref::reference_fused_experts(
+        layer.x_values, layer.w13_values, layer.w2_values, layer.weight_values, layer.ids, c.M, c.top_k, c.E, c.H, c.I,
+        nullptr, c.activation, c.options.swiglu_alpha, c.options.swiglu_limit, c.options.apply_router_weight_on_input,
+        c.options.no_combine, c.options.routed_scaling_factor, nullptr);
+    EXPECT_GT(ref::rel_error(no_lora, expected), 10 * ref::tolerance(c.dtype));
+  }
+}
+
+std::vector<LayerLoraCase> layer_cases() {
+  std::vector<LayerLoraCase> cases;
+  for (Backend backend : all_backends()) {
+    for (int64_t rank : {1, 8, 16, 64, 128}) {
+      LayerLoraCase c{.name = "rank" + std::to_string(rank), .backend = backend, .rank = rank};
+      cases.push_back(c);
+    }
+    for (int64_t L : {1, 4, 16, 64}) {
+      for (double share : {0.0, 0.5, 1.0}) {
+        LayerLoraCase c{.name = "adapters" + std::to_string(L) + "_share" + std::to_string(int(share * 100)),
+                        .backend = backend, .M = 40, .top_k = 4, .E = 16, .L = L, .share = share};
+        cases.push_back(c);
+      }
+    }
+    cases.push_back({.name = "disabled", .backend = backend, .L = 8, .disable_some = true});
+    cases.push_back({.name = "w13_one_slice", .backend = backend, .w13_slices = 1});
+    cases.push_back({.name = "swiglu_oai", .backend = backend, .activation = Activation::kSwigluOai});
+    cases.push_back({.name = "gelu_fp16", .backend = backend, .dtype = DType::kFloat16, .activation = Activation::kGelu});
+    cases.push_back({.name = "fp32", .backend = backend, .dtype = DType::kFloat32, .M = 9, .rank = 12});
+    LayerLoraCase weight_on_input{.name = "weight_on_input_top1", .backend = backend, .top_k = 1};
+    weight_on_input.options.apply_router_weight_on_input = true;
+    cases.push_back(weight_on_input);
+    LayerLoraCase no_combine{.name = "no_combine", .backend = backend};
+    no_combine.options.no_combine = true;
+    cases.push_back(no_combine);
+    LayerLoraCase chunked{.name = "chunked_scaled", .backend = backend, .M = 50};
+    chunked.options.chunk_size = 16;
+    chunked.options.routed_scaling_factor = 2.5f;
+    cases.push_back(chunked);
+    LayerLoraCase big{.name = "block64", .backend = backend, .M = 200, .top_k = 4, .E = 8, .L = 4, .rank = 64};
+    cases.push_back(big);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_cases()));
+
+// ---- one captured CUDA graph serves every adapter mix -------------------------------------
+
+#ifdef MOELORA_WITH_CUDA
+TEST(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  LayerLoraCase c{.name = "graph", .backend = Backend::kCUDA, .M = 48, .top_k = 4, .E = 16, .L = 8, .rank = 16,
+                  .disable_some = true};
+  std::mt19937 rng(4242);
+  LoraLayer layer(c, rng);
+  TestStream stream(Backend::kCUDA);
+  cudaStream_t s = static_cast<cudaStream_t>(stream.handle());
+  const FusedExpertsArgs args = layer.args();
+  fused_experts(args, c.options, stream.handle());  // warm-up outside the capture
+  stream.sync();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  MOELORA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  fused_experts(args, c.options, stream.handle());
+  MOELORA_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (double share : {1.0, 0.0, 0.5, 0.25, 1.0}) {
+    layer.set_adapters(random_token_loras(c.M, c.L, share, rng), rng);
+    layer.out.poison();
+    MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    stream.sync();
+    layer.out.download();
+    const TensorView ov = layer.out.view({c.M, c.H});
+    EXPECT_LE(ref::rel_error(layer.out.read(ov), layer.reference()), ref::tolerance(c.dtype)) << "share " << share;
+    EXPECT_EQ(layer.out.count_unwritten(ov), 0);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+#endif
+
+// ---- bad arguments --------------------------------------------------------------------
+
+TEST(FusedExpertsLoraErrors, NameTheArgument) {
+  LayerLoraCase c{.name = "errors", .backend = Backend::kCPU, .M = 6, .E = 4, .H = 32, .I = 16, .L = 4, .rank = 8};
+  std::mt19937 rng(5);
+  LoraLayer layer(c, rng);
+  FusedExpertsArgs args = layer.args();
+
+  // An adapter id out of range (CPU reads it).
+  layer.lora_ids.set(3, 4);
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'token_lora_ids' expected values in [-1, 4)"));
+  layer.lora_ids.set(3, -2);
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'token_lora_ids'"));
+  layer.lora_ids.set(3, 0);
+
+  // Rank above the limit.
+  Buffer big_a(Backend::kCPU, c.dtype, c.L * c.E * 129 * c.H);
+  FusedExpertsLora bad = layer.lora;
+  bad.w13.lora_a[0] = big_a.view({c.L, c.E, 129, c.H});
+  args.lora = &bad;
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w13_lora_a[0]' expected a rank (dim 2) in [1, 128]"));
+
+  // Slices disagreeing on the rank, lora_b with the wrong slice width, a wrong expert count.
+  bad = layer.lora;
+  Buffer other_a(Backend::kCPU, c.dtype, c.L * c.E * 4 * c.H);
+  bad.w13.lora_a[1] = other_a.view({c.L, c.E, 4, c.H});
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w13_lora_a[1]'"));
+  bad = layer.lora;
+  Buffer wide_b(Backend::kCPU, c.dtype, c.L * c.E * 2 * c.I * c.rank);
+  bad.w13.lora_b[0] = wide_b.view({c.L, c.E, 2 * c.I, c.rank});
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w13_lora_b[0]' expected size 16 on dim 2"));
+  bad = layer.lora;
+  bad.w2.lora_a[0] = layer.stack2.a[0].view({c.L, c.E / 2, c.rank, c.I});
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w2_lora_a[0]'"));
+  bad = layer.lora;
+  bad.w2.num_slices = 2;
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("w2_"));
+
+  // Adapter state of the wrong size or type.
+  bad = layer.lora;
+  const TensorView short_enabled = layer.enabled.view({c.L - 1});
+  bad.adapters.adapter_enabled = &short_enabled;
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'adapter_enabled'"));
+  bad = layer.lora;
+  const TensorView int_scale = layer.enabled.view({c.L});
+  bad.adapters.adapter_scale = &int_scale;
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'adapter_scale'"));
+  bad = layer.lora;
+  bad.adapters.token_lora_ids = layer.lora_ids.view({c.M - 1});
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'token_lora_ids'"));
+
+  // A workspace sized without the adapters.
+  args.lora = &layer.lora;
+  FusedExpertsShape no_lora = layer.shape();
+  no_lora.max_loras = no_lora.lora_rank = 0;
+  args.workspace = layer.workspace.view({fused_experts_workspace_size(no_lora) / 4});
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'workspace' expected at least"));
+}
+
+TEST(MoeLoraAlignErrors, NameTheArgument) {
+  const int64_t M = 4, top_k = 2, E = 8, L = 4;
+  Buffer topk(Backend::kCPU, DType::kInt32, M * top_k);
+  topk.write(topk.view({M, top_k}), {0, 1, 2, 3, 4, 5, 6, 7});
+  Buffer lora_ids = buffer_with(Backend::kCPU, DType::kInt32, {0, -1, 3, 5});
+  const AlignCapacity cap = moe_lora_align_block_size_capacity(M * top_k, 16, E, L);
+  Buffer sorted(Backend::kCPU, DType::kInt32, cap.max_num_tokens_padded);
+  Buffer experts(Backend::kCPU, DType::kInt32, cap.max_num_blocks);
+  Buffer loras(Backend::kCPU, DType::kInt32, cap.max_num_blocks);
+  Buffer ntpp(Backend::kCPU, DType::kInt32, 1);
+  auto call = [&](int64_t max_loras, int64_t lora_blocks) {
+    moe_lora_align_block_size(topk.view({M, top_k}), MoeLoraAdapters{lora_ids.view({M})}, max_loras, 16, E, nullptr,
+                              sorted.view({cap.max_num_tokens_padded}), experts.view({cap.max_num_blocks}),
+                              loras.view({lora_blocks}), ntpp.view({1}));
+  };
+  EXPECT_THAT(error_message([&] { call(L, cap.max_num_blocks); }), HasSubstr("'token_lora_ids' expected values in [-1, 4), got 5"));
+  lora_ids.set(3, 1);
+  EXPECT_THAT(error_message([&] { call(65, cap.max_num_blocks); }), HasSubstr("'max_loras' expected a value in [1, 64]"));
+  EXPECT_THAT(error_message([&] { call(L, cap.max_num_blocks - 1); }), HasSubstr("'block_lora_ids'"));
+  call(L, cap.max_num_blocks);  // and the fixed call goes through
+  EXPECT_EQ(int(ntpp.get(0)) % 16, 0);
+}
+
+}  // namespace
+}  // namespace moelora::test
