@@ -5,6 +5,7 @@
 //   moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]
 //                 [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings]
 //                 [--baseline] [--static-tiles] [--json PATH]
+//                 [--lora-rank R[,R...]] [--adapters N] [--lora-share S]
 //   moelora_bench --tune DIR [--model NAME|all] [--tokens ...]   (CUDA only)
 //
 // --baseline also times each cell with the previous issue's kernels (mma.sync, fixed
@@ -13,6 +14,14 @@
 // ordered tiles (FusedExpertsOptions::ordered_tiles), for A/B timing.
 // --tune searches block size and tiles per (model, M) and writes the config registry's
 // table for each model into DIR (copy it to configs/ to ship it).
+// --lora-rank adds, per (model, M) cell and rank R (0: none), a row of the layer with
+// LoRA (FusedExpertsArgs::lora): --adapters N slots (default 4) of random adapters on
+// w13 (gate and up slices) and w2, all enabled, scale 2.0 (alpha / r with alpha = 2r),
+// and a share S of the tokens (--lora-share, default 1.0; chosen at random) given an
+// adapter round-robin, the rest -1. Timed like the base row on the same inputs; the LoRA
+// tax is time(with LoRA) / time(without). A LoRA row's floor adds the LoRA weights of
+// the (adapter, expert) pairs routed and the shrink and expand FLOPs of the slots with
+// an adapter; tax_floor = floor(with LoRA) / floor(without).
 //
 // On CUDA: every layer call is captured in a CUDA graph over kRotations input sets with
 // different routings (so consecutive calls touch different experts and L2 holds no
@@ -79,13 +88,17 @@ struct Options {
   bool static_tiles = false;  // sm90 tiles on the static persistent schedule (A/B of ordered tiles)
   std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
   std::string json_path;
+  std::vector<int64_t> lora_ranks;  // --lora-rank: one LoRA row per rank and cell; empty: none
+  int64_t lora_adapters = 4;        // --adapters: adapter slots L, all filled and enabled
+  double lora_share = 1.0;          // --lora-share: fraction of tokens with an adapter
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "moelora_bench: %s\nusage: moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]\n"
                "       [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings] [--baseline] [--json PATH]\n"
-               "       [--static-tiles] [--tune DIR [--trace]]\nmodels:",
+               "       [--static-tiles] [--tune DIR [--trace]]\n"
+               "       [--lora-rank R[,R...]] [--adapters N] [--lora-share S]\nmodels:",
                why.c_str());
   for (const Model& m : kModels) std::fprintf(stderr, " %s", m.name);
   std::fprintf(stderr, "\n");
@@ -129,6 +142,17 @@ Options parse(int argc, char** argv) {
     else if (arg == "--trace") o.trace = true;
     else if (arg == "--static-tiles") o.static_tiles = true;
     else if (arg == "--tune") o.tune_dir = value();
+    else if (arg == "--lora-rank") {
+      o.lora_ranks.clear();
+      for (const std::string& r : split_commas(value())) {
+        const int64_t rank = std::stoll(r);
+        if (rank < 0 || rank > moelora::kMaxLoraRank) {
+          usage("--lora-rank takes ranks in [0, " + std::to_string(moelora::kMaxLoraRank) + "]");
+        }
+        if (rank > 0) o.lora_ranks.push_back(rank);  // 0: no LoRA rows
+      }
+    } else if (arg == "--adapters") o.lora_adapters = std::stoll(value());
+    else if (arg == "--lora-share") o.lora_share = std::stod(value());
     else if (arg == "--help" || arg == "-h") usage("help");
     else usage("unknown argument " + arg);
   }
@@ -142,6 +166,11 @@ Options parse(int argc, char** argv) {
   for (int64_t t : o.tokens) {
     if (t < 1) usage("--tokens must be >= 1");
   }
+  if (o.lora_adapters < 1 || o.lora_adapters > moelora::kMaxLoraAdapters) {
+    usage("--adapters takes 1 to " + std::to_string(moelora::kMaxLoraAdapters));
+  }
+  if (!(o.lora_share >= 0 && o.lora_share <= 1)) usage("--lora-share takes a fraction in [0, 1]");
+  if (!o.lora_ranks.empty() && !o.tune_dir.empty()) usage("--tune tunes the base layer: drop --lora-rank");
   return o;
 }
 
@@ -234,133 +263,6 @@ Routing make_routing(const Model& m, int64_t M, uint64_t seed) {
   return r;
 }
 
-// ---- float64 reference of one token of the layer, straight from the dtype data ----
-void reference_token(const Model& m, DType dtype, const uint16_t* x, const uint16_t* w13, const uint16_t* w2,
-                     const Routing& r, int64_t token, double* out /*[H]*/) {
-  const int64_t H = m.H, I = m.I;
-  std::vector<double> xd(H), act(I), h1(2 * I);
-  for (int64_t h = 0; h < H; ++h) xd[h] = load(dtype, x, token * H + h);
-  std::fill(out, out + H, 0.0);
-  for (int64_t j = 0; j < m.top_k; ++j) {
-    const int64_t e = r.ids[token * m.top_k + j];
-    const double weight = r.weights[token * m.top_k + j];
-    for (int64_t n = 0; n < 2 * I; ++n) {
-      const uint16_t* row = w13 + (e * 2 * I + n) * H;
-      double s = 0;
-      for (int64_t h = 0; h < H; ++h) s += xd[h] * load(dtype, row, h);
-      h1[n] = s;
-    }
-    for (int64_t i = 0; i < I; ++i) {
-      if (m.activation == Activation::kSilu) {
-        const double g = h1[i], u = h1[I + i];
-        act[i] = g / (1 + std::exp(-g)) * u;
-      } else {  // swiglu_oai, gate/up interleaved, alpha 1.702, limit 7
-        const double g = std::min(h1[2 * i], 7.0), u = std::clamp(h1[2 * i + 1], -7.0, 7.0);
-        act[i] = (u + 1) * g / (1 + std::exp(-1.702 * g));
-      }
-    }
-    for (int64_t h = 0; h < H; ++h) {
-      const uint16_t* row = w2 + (e * H + h) * I;
-      double s = 0;
-      for (int64_t i = 0; i < I; ++i) s += act[i] * load(dtype, row, i);
-      out[h] += weight * s;
-    }
-  }
-}
-
-// ‖out − ref‖/‖ref‖ over the checked tokens: all of them up to 256, else 128 spread
-// over the batch (first and last included).
-struct Check { double rel_err = -1; int64_t tokens = 0; };
-
-Check check_layer(const Model& m, DType dtype, const std::vector<uint16_t>& x, const uint16_t* w13,
-                  const uint16_t* w2, const Routing& r, const std::vector<uint16_t>& out, int64_t M) {
-  std::vector<int64_t> tokens;
-  if (M <= 256) {
-    for (int64_t t = 0; t < M; ++t) tokens.push_back(t);
-  } else {
-    for (int64_t i = 0; i < 128; ++i) tokens.push_back(i * (M - 1) / 127);
-  }
-  std::vector<double> ref(tokens.size() * m.H);
-  parallel_for(int64_t(tokens.size()), [&](int64_t i) {
-    reference_token(m, dtype, x.data(), w13, w2, r, tokens[i], &ref[i * m.H]);
-  });
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    for (int64_t h = 0; h < m.H; ++h) {
-      const double o = load(dtype, out.data(), tokens[i] * m.H + h), e = ref[i * m.H + h];
-      diff += (o - e) * (o - e);
-      norm += e * e;
-    }
-  }
-  Check c;
-  c.rel_err = std::isfinite(diff) ? std::sqrt(diff / std::max(norm, 1e-300)) : INFINITY;
-  c.tokens = int64_t(tokens.size());
-  return c;
-}
-
-// ---- results ----------------------------------------------------------------------
-struct Ceilings { double copy_tbps = 3.0, bf16_tflops = 790; bool measured = false; };
-
-struct Row {
-  const Model* model;
-  int64_t M;
-  std::string device;
-  double time_us, floor_us, bytes, flops;
-  Check check;
-  double baseline_us = 0;  // previous issue's kernels (--baseline), 0 = not measured
-};
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
-TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape, moelora::Device device) {
-  return TensorView::contiguous(data, dtype, shape, device);
-}
-
-// Bytes and FLOPs the layer cannot avoid for one routing.
-void floors(const Model& m, int64_t M, int64_t experts_touched, double* bytes, double* flops) {
-  const double expert_bytes = 3.0 * m.H * m.I * 2;
-  *bytes = experts_touched * expert_bytes + 2.0 * M * m.H * 2 + M * m.top_k * 8.0;
-  *flops = 2.0 * M * m.top_k * 3.0 * m.H * m.I;
-}
-
-// ---- CPU ----------------------------------------------------------------------------
-Row run_cpu(const Model& m, int64_t M, const Options& o, const std::vector<uint16_t>& w13,
-            const std::vector<uint16_t>& w2) {
-  const moelora::Device cpu{};
-  std::vector<uint16_t> x(M * m.H), out(M * m.H, 0x7fc0);
-  fill_normal(o.dtype, x.data(), int64_t(x.size()), 1000 + M, 1.0f);
-  const Routing r = make_routing(m, M, 2000 + M);
-  moelora::FusedExpertsOptions fo;
-  fo.activation = m.activation;
-  const int64_t ws_bytes = moelora::fused_experts_workspace_size({M, m.top_k, m.E, m.H, m.I, o.dtype}, fo);
-  std::vector<uint64_t> workspace((ws_bytes + 7) / 8 + 32);
-  void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data()) + 255) / 256 * 256);
-  moelora::FusedExpertsArgs args{
-      .hidden_states = view(x.data(), o.dtype, {M, m.H}, cpu),
-      .w13 = view(const_cast<uint16_t*>(w13.data()), o.dtype, {m.E, 2 * m.I, m.H}, cpu),
-      .w2 = view(const_cast<uint16_t*>(w2.data()), o.dtype, {m.E, m.H, m.I}, cpu),
-      .topk_weights = view(const_cast<float*>(r.weights.data()), DType::kFloat32, {M, m.top_k}, cpu),
-      .topk_ids = view(const_cast<int32_t*>(r.ids.data()), DType::kInt32, {M, m.top_k}, cpu),
-      .out = view(out.data(), o.dtype, {M, m.H}, cpu),
-      .workspace = view(ws, DType::kInt32, {ws_bytes / 4 + 1}, cpu),
-  };
-  std::vector<double> times;
-  const int iters = o.iters > 0 ? o.iters : 3;
-  for (int i = 0; i < iters; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    moelora::fused_experts(args, fo);
-    times.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
-    if (times.back() > 5e6) break;  // a slow cell needs no more samples
-  }
-  Row row{&m, M, "cpu", median(times), 0, 0, 0, {}};
-  floors(m, M, r.experts_touched, &row.bytes, &row.flops);
-  if (o.check) row.check = check_layer(m, o.dtype, x, w13.data(), w2.data(), r, out, M);
-  return row;
-}
-
 #ifdef MOELORA_WITH_CUDA
 #define CHECK_CUDA(call)                                                                          \
   do {                                                                                            \
@@ -375,7 +277,368 @@ struct DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 };
+#endif
 
+// ---- LoRA ---------------------------------------------------------------------------
+// adapter_scale of every slot: PEFT's lora_alpha / r with alpha = 2r.
+constexpr float kLoraScale = 2.0f;
+// The std of each GEMM's LoRA delta over the std of its base output: lora_a ~ N(0, 1/K)
+// keeps the shrink at the input's scale, lora_b ~ N(0, sigma_b²) with
+// sigma_b = ratio · 0.02·sqrt(K) / (scale · sqrt(r)). With 3% per GEMM the layer's output
+// moves by ~5% (Check::lora_delta prints it), far above bf16 rounding, so a dropped or
+// wrong delta fails the check.
+constexpr double kLoraDeltaRatio = 0.03;
+// NOTE: the stacks are L·E·r·(3H + 3I) elements (DeepSeek-V3 at r = 128: 5.8 GB for 4
+// adapters, 23 GB for 16); a rank whose stacks exceed this is skipped with a note.
+constexpr double kLoraMaxBytes = 20e9;
+
+int64_t lora_stack_elements(const Model& m, int64_t rank, int64_t adapters) {
+  return adapters * m.E * rank * (3 * m.H + 3 * m.I);
+}
+
+// One model's adapter stacks at one rank, host copies (the reference reads them):
+// w13 in two slices (gate, up; gpt-oss's interleaved rows with swiglu_oai), w2 in one.
+struct LoraStacks {
+  int64_t rank = 0, adapters = 0;
+  std::vector<uint16_t> a13[2], b13[2];  // [L, E, r, H], [L, E, I, r]
+  std::vector<uint16_t> a2, b2;          // [L, E, r, I], [L, E, H, r]
+  bool interleaved = false;
+  moelora::MoeLoraWeights w13, w2;       // views on the device of the run
+#ifdef MOELORA_WITH_CUDA
+  std::vector<std::unique_ptr<DeviceBuffer>> dev;  // device copies
+#endif
+};
+
+std::unique_ptr<LoraStacks> make_lora_stacks(const Model& m, DType dtype, int64_t rank, int64_t adapters) {
+  auto st = std::make_unique<LoraStacks>();
+  st->rank = rank;
+  st->adapters = adapters;
+  st->interleaved = m.activation == Activation::kSwigluOai;
+  const int64_t L = adapters, E = m.E, H = m.H, I = m.I;
+  const double sd_b13 = kLoraDeltaRatio * 0.02 * std::sqrt(double(H)) / (kLoraScale * std::sqrt(double(rank)));
+  const double sd_b2 = kLoraDeltaRatio * 0.02 * std::sqrt(double(I)) / (kLoraScale * std::sqrt(double(rank)));
+  const uint64_t seed = 5000 + 16 * uint64_t(rank);
+  for (int c = 0; c < 2; ++c) {
+    st->a13[c].resize(L * E * rank * H);
+    st->b13[c].resize(L * E * I * rank);
+    fill_normal(dtype, st->a13[c].data(), int64_t(st->a13[c].size()), seed + c, float(1 / std::sqrt(double(H))));
+    fill_normal(dtype, st->b13[c].data(), int64_t(st->b13[c].size()), seed + 2 + c, float(sd_b13));
+  }
+  st->a2.resize(L * E * rank * I);
+  st->b2.resize(L * E * H * rank);
+  fill_normal(dtype, st->a2.data(), int64_t(st->a2.size()), seed + 4, float(1 / std::sqrt(double(I))));
+  fill_normal(dtype, st->b2.data(), int64_t(st->b2.size()), seed + 5, float(sd_b2));
+  return st;
+}
+
+// Points the stacks' MoeLoraWeights at data on `device`: the host vectors, or device
+// copies in the order a13[0], a13[1], b13[0], b13[1], a2, b2.
+void set_lora_views(LoraStacks& st, const Model& m, DType dtype, moelora::Device device, void* const data[6]) {
+  const int64_t L = st.adapters, E = m.E, H = m.H, I = m.I, R = st.rank;
+  st.w13.num_slices = 2;
+  st.w13.interleaved_slices = st.interleaved;
+  for (int c = 0; c < 2; ++c) {
+    st.w13.lora_a[c] = TensorView::contiguous(data[c], dtype, {L, E, R, H}, device);
+    st.w13.lora_b[c] = TensorView::contiguous(data[2 + c], dtype, {L, E, I, R}, device);
+  }
+  st.w2.num_slices = 1;
+  st.w2.lora_a[0] = TensorView::contiguous(data[4], dtype, {L, E, R, I}, device);
+  st.w2.lora_b[0] = TensorView::contiguous(data[5], dtype, {L, E, H, R}, device);
+}
+
+// The adapters of one batch: round(share · M) tokens chosen at random get adapters
+// round-robin (in token order), the others -1.
+struct LoraBatch {
+  std::vector<int32_t> ids;    // [M]
+  int64_t pairs_touched = 0;   // distinct (adapter, expert) pairs of the routed slots
+  int64_t adapted_slots = 0;   // slots whose token has an adapter
+};
+
+LoraBatch make_lora_batch(const Routing& r, int64_t M, int64_t top_k, int64_t adapters, double share,
+                          uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> order(M);
+  for (int64_t t = 0; t < M; ++t) order[t] = t;
+  std::shuffle(order.begin(), order.end(), rng);
+  const int64_t count = std::min<int64_t>(M, std::llround(share * double(M)));
+  std::vector<char> chosen(M, 0);
+  for (int64_t i = 0; i < count; ++i) chosen[order[i]] = 1;
+  LoraBatch b;
+  b.ids.assign(M, -1);
+  std::set<std::pair<int32_t, int32_t>> pairs;
+  for (int64_t t = 0, next = 0; t < M; ++t) {
+    if (!chosen[t]) continue;
+    b.ids[t] = int32_t(next++ % adapters);
+    for (int64_t j = 0; j < top_k; ++j) {
+      pairs.insert({b.ids[t], r.ids[t * top_k + j]});
+      ++b.adapted_slots;
+    }
+  }
+  b.pairs_touched = int64_t(pairs.size());
+  return b;
+}
+
+// What one batch's LoRA adds to the layer's floor: the stacks of the (adapter, expert)
+// pairs it routes to, the token ids, and the shrink + expand FLOPs of the adapted slots
+// (w13: 2 slices of r·H + I·r MACs; w2: r·I + H·r).
+void lora_floors(const Model& m, int64_t rank, const LoraBatch& b, int64_t M, double* bytes, double* flops) {
+  const double macs_per_pair = double(rank) * (3.0 * m.H + 3.0 * m.I);
+  *bytes = b.pairs_touched * macs_per_pair * 2 + M * 4.0;
+  *flops = b.adapted_slots * 2.0 * macs_per_pair;
+}
+
+// The reference's view of one batch's adapters.
+struct LoraRef {
+  const LoraStacks* stacks;
+  const int32_t* token_ids;  // [M]
+};
+
+// ---- float64 reference of one token of the layer, straight from the dtype data ----
+// With `lora` (and an adapter on the token), each slot adds
+//   delta13 = scale · B13 (A13 x) to gate and up before the activation and
+//   delta2 = scale · B2 (A2 act) to the expert's output before the routed weight;
+// out_base (optional, [H]) gets the same token without LoRA.
+void reference_token(const Model& m, DType dtype, const uint16_t* x, const uint16_t* w13, const uint16_t* w2,
+                     const Routing& r, int64_t token, double* out /*[H]*/, const LoraRef* lora = nullptr,
+                     double* out_base /*[H]*/ = nullptr) {
+  const int64_t H = m.H, I = m.I;
+  const int64_t l = lora ? lora->token_ids[token] : -1;
+  const LoraStacks* st = l >= 0 ? lora->stacks : nullptr;
+  const int64_t R = st ? st->rank : 0;
+  std::vector<double> xd(H), act(I), h1(2 * I), act_base(st ? I : 0), u(R), delta2(st ? H : 0);
+  auto activate = [&](const std::vector<double>& h, std::vector<double>& a) {
+    for (int64_t i = 0; i < I; ++i) {
+      if (m.activation == Activation::kSilu) {
+        const double g = h[i], v = h[I + i];
+        a[i] = g / (1 + std::exp(-g)) * v;
+      } else {  // swiglu_oai, gate/up interleaved, alpha 1.702, limit 7
+        const double g = std::min(h[2 * i], 7.0), v = std::clamp(h[2 * i + 1], -7.0, 7.0);
+        a[i] = (v + 1) * g / (1 + std::exp(-1.702 * g));
+      }
+    }
+  };
+  for (int64_t h = 0; h < H; ++h) xd[h] = load(dtype, x, token * H + h);
+  std::fill(out, out + H, 0.0);
+  if (out_base) std::fill(out_base, out_base + H, 0.0);
+  for (int64_t j = 0; j < m.top_k; ++j) {
+    const int64_t e = r.ids[token * m.top_k + j];
+    const double weight = r.weights[token * m.top_k + j];
+    for (int64_t n = 0; n < 2 * I; ++n) {
+      const uint16_t* row = w13 + (e * 2 * I + n) * H;
+      double s = 0;
+      for (int64_t h = 0; h < H; ++h) s += xd[h] * load(dtype, row, h);
+      h1[n] = s;
+    }
+    if (st) {
+      activate(h1, act_base);
+      const int64_t pair = l * m.E + e;
+      for (int c = 0; c < 2; ++c) {  // slice 0: gate, 1: up
+        for (int64_t i = 0; i < R; ++i) {
+          const uint16_t* a_row = st->a13[c].data() + (pair * R + i) * H;
+          double s = 0;
+          for (int64_t h = 0; h < H; ++h) s += load(dtype, a_row, h) * xd[h];
+          u[i] = s;
+        }
+        for (int64_t col = 0; col < I; ++col) {
+          const uint16_t* b_row = st->b13[c].data() + (pair * I + col) * R;
+          double s = 0;
+          for (int64_t i = 0; i < R; ++i) s += load(dtype, b_row, i) * u[i];
+          h1[st->interleaved ? 2 * col + c : c * I + col] += kLoraScale * s;
+        }
+      }
+    }
+    activate(h1, act);
+    if (st) {
+      const int64_t pair = l * m.E + e;
+      for (int64_t i = 0; i < R; ++i) {
+        const uint16_t* a_row = st->a2.data() + (pair * R + i) * I;
+        double s = 0;
+        for (int64_t k = 0; k < I; ++k) s += load(dtype, a_row, k) * act[k];
+        u[i] = s;
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const uint16_t* b_row = st->b2.data() + (pair * H + h) * R;
+        double s = 0;
+        for (int64_t i = 0; i < R; ++i) s += load(dtype, b_row, i) * u[i];
+        delta2[h] = kLoraScale * s;
+      }
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      const uint16_t* row = w2 + (e * H + h) * I;
+      double s = 0, s_base = 0;
+      if (st) {
+        for (int64_t i = 0; i < I; ++i) {
+          const double w = load(dtype, row, i);
+          s += act[i] * w;
+          s_base += act_base[i] * w;
+        }
+        out[h] += weight * (s + delta2[h]);
+      } else {
+        for (int64_t i = 0; i < I; ++i) s += act[i] * load(dtype, row, i);
+        s_base = s;
+        out[h] += weight * s;
+      }
+      if (out_base) out_base[h] += weight * s_base;
+    }
+  }
+}
+
+// ‖out − ref‖/‖ref‖ over the checked tokens: all of them up to 256, else 128 spread
+// over the batch (first and last included). With LoRA also ‖ref − ref without LoRA‖/‖ref‖
+// (lora_delta: how far the adapters move the output; a row that dropped the delta would
+// show rel_err ≈ lora_delta).
+struct Check { double rel_err = -1; int64_t tokens = 0; double lora_delta = -1; };
+
+Check check_layer(const Model& m, DType dtype, const std::vector<uint16_t>& x, const uint16_t* w13,
+                  const uint16_t* w2, const Routing& r, const std::vector<uint16_t>& out, int64_t M,
+                  const LoraRef* lora = nullptr) {
+  std::vector<int64_t> tokens;
+  if (M <= 256) {
+    for (int64_t t = 0; t < M; ++t) tokens.push_back(t);
+  } else {
+    for (int64_t i = 0; i < 128; ++i) tokens.push_back(i * (M - 1) / 127);
+  }
+  std::vector<double> ref(tokens.size() * m.H), ref_base(lora ? tokens.size() * m.H : 0);
+  parallel_for(int64_t(tokens.size()), [&](int64_t i) {
+    reference_token(m, dtype, x.data(), w13, w2, r, tokens[i], &ref[i * m.H], lora,
+                    lora ? &ref_base[i * m.H] : nullptr);
+  });
+  double diff = 0, norm = 0, delta = 0;
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    for (int64_t h = 0; h < m.H; ++h) {
+      const double o = load(dtype, out.data(), tokens[i] * m.H + h), e = ref[i * m.H + h];
+      diff += (o - e) * (o - e);
+      norm += e * e;
+      if (lora) delta += (e - ref_base[i * m.H + h]) * (e - ref_base[i * m.H + h]);
+    }
+  }
+  Check c;
+  c.rel_err = std::isfinite(diff) ? std::sqrt(diff / std::max(norm, 1e-300)) : INFINITY;
+  c.tokens = int64_t(tokens.size());
+  if (lora) c.lora_delta = std::sqrt(delta / std::max(norm, 1e-300));
+  return c;
+}
+
+// ---- results ----------------------------------------------------------------------
+struct Ceilings { double copy_tbps = 3.0, bf16_tflops = 790; bool measured = false; };
+
+struct Row {
+  const Model* model;
+  int64_t M;
+  std::string device;
+  double time_us, floor_us, bytes, flops;
+  Check check;
+  double baseline_us = 0;  // previous issue's kernels (--baseline), 0 = not measured
+  // LoRA rows (--lora-rank); lora_rank 0: the base row. lora_tax and tax_floor divide by
+  // the cell's base row (filled in by main).
+  int64_t lora_rank = 0;
+  double lora_tax = 0, tax_floor = 0, base_us = 0;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape, moelora::Device device) {
+  return TensorView::contiguous(data, dtype, shape, device);
+}
+
+// The workspace query's shape; max_loras = lora_rank = 0 without LoRA.
+moelora::FusedExpertsShape layer_shape(const Model& m, int64_t M, DType dtype, int64_t max_loras,
+                                       int64_t lora_rank) {
+  moelora::FusedExpertsShape shape{M, m.top_k, m.E, m.H, m.I, dtype};
+  shape.max_loras = max_loras;
+  shape.lora_rank = lora_rank;
+  return shape;
+}
+
+int64_t max_lora_rank(const std::vector<LoraStacks*>& stacks) {
+  int64_t rank = 0;
+  for (const LoraStacks* st : stacks) rank = std::max(rank, st->rank);
+  return rank;
+}
+
+// Bytes and FLOPs the layer cannot avoid for one routing.
+void floors(const Model& m, int64_t M, int64_t experts_touched, double* bytes, double* flops) {
+  const double expert_bytes = 3.0 * m.H * m.I * 2;
+  *bytes = experts_touched * expert_bytes + 2.0 * M * m.H * 2 + M * m.top_k * 8.0;
+  *flops = 2.0 * M * m.top_k * 3.0 * m.H * m.I;
+}
+
+// ---- CPU ----------------------------------------------------------------------------
+// The cell's rows: the base layer, then one row per LoRA stack on the same inputs and
+// routing (adapters of --adapters / --lora-share).
+std::vector<Row> run_cpu(const Model& m, int64_t M, const Options& o, const std::vector<uint16_t>& w13,
+                         const std::vector<uint16_t>& w2, const std::vector<LoraStacks*>& stacks) {
+  const moelora::Device cpu{};
+  std::vector<uint16_t> x(M * m.H), out(M * m.H, 0x7fc0);
+  fill_normal(o.dtype, x.data(), int64_t(x.size()), 1000 + M, 1.0f);
+  const Routing r = make_routing(m, M, 2000 + M);
+  moelora::FusedExpertsOptions fo;
+  fo.activation = m.activation;
+  const int64_t L = stacks.empty() ? 0 : o.lora_adapters;
+  const int64_t ws_bytes =
+      moelora::fused_experts_workspace_size(layer_shape(m, M, o.dtype, L, max_lora_rank(stacks)), fo);
+  std::vector<uint64_t> workspace((ws_bytes + 7) / 8 + 32);
+  void* ws = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data()) + 255) / 256 * 256);
+  moelora::FusedExpertsArgs args{
+      .hidden_states = view(x.data(), o.dtype, {M, m.H}, cpu),
+      .w13 = view(const_cast<uint16_t*>(w13.data()), o.dtype, {m.E, 2 * m.I, m.H}, cpu),
+      .w2 = view(const_cast<uint16_t*>(w2.data()), o.dtype, {m.E, m.H, m.I}, cpu),
+      .topk_weights = view(const_cast<float*>(r.weights.data()), DType::kFloat32, {M, m.top_k}, cpu),
+      .topk_ids = view(const_cast<int32_t*>(r.ids.data()), DType::kInt32, {M, m.top_k}, cpu),
+      .out = view(out.data(), o.dtype, {M, m.H}, cpu),
+      .workspace = view(ws, DType::kInt32, {ws_bytes / 4 + 1}, cpu),
+  };
+  auto time_layer = [&] {
+    std::vector<double> times;
+    const int iters = o.iters > 0 ? o.iters : 3;
+    for (int i = 0; i < iters; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      moelora::fused_experts(args, fo);
+      times.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+      if (times.back() > 5e6) break;  // a slow cell needs no more samples
+    }
+    return median(times);
+  };
+  std::vector<Row> rows;
+  Row row{&m, M, "cpu", time_layer(), 0, 0, 0, {}};
+  floors(m, M, r.experts_touched, &row.bytes, &row.flops);
+  if (o.check) row.check = check_layer(m, o.dtype, x, w13.data(), w2.data(), r, out, M);
+  rows.push_back(row);
+  if (stacks.empty()) return rows;
+
+  LoraBatch batch = make_lora_batch(r, M, m.top_k, L, o.lora_share, 3000 + M);
+  std::vector<int32_t> enabled(L, 1);
+  std::vector<float> scale(L, kLoraScale);
+  const TensorView enabled_view = view(enabled.data(), DType::kInt32, {L}, cpu);
+  const TensorView scale_view = view(scale.data(), DType::kFloat32, {L}, cpu);
+  moelora::FusedExpertsLora lora;  // stacks set per row below
+  lora.adapters = moelora::MoeLoraAdapters{.token_lora_ids = view(batch.ids.data(), DType::kInt32, {M}, cpu),
+                                           .adapter_enabled = &enabled_view,
+                                           .adapter_scale = &scale_view};
+  args.lora = &lora;
+  for (LoraStacks* st : stacks) {
+    lora.w13 = st->w13;
+    lora.w2 = st->w2;
+    std::fill(out.begin(), out.end(), uint16_t(0x7fc0));  // poison: NaN
+    Row lrow{&m, M, "cpu", time_layer(), 0, 0, 0, {}};
+    lrow.lora_rank = st->rank;
+    double bytes, flops;
+    lora_floors(m, st->rank, batch, M, &bytes, &flops);
+    lrow.bytes = row.bytes + bytes;
+    lrow.flops = row.flops + flops;
+    if (o.check) {
+      const LoraRef ref{st, batch.ids.data()};
+      lrow.check = check_layer(m, o.dtype, x, w13.data(), w2.data(), r, out, M, &ref);
+    }
+    rows.push_back(lrow);
+  }
+  return rows;
+}
+
+#ifdef MOELORA_WITH_CUDA
 Ceilings measure_ceilings() {
   Ceilings c;
   cudaStream_t stream;
@@ -438,11 +701,16 @@ class CudaCell {
   // weights one call reads are not in L2 from the call before.
   static constexpr int kRotations = 4;
 
-  CudaCell(const Model& m, int64_t M, DType dtype, const void* w13, const void* w2) : m_(m), M_(M), dtype_(dtype) {
+  // With `stacks` (device views set), each rotation also gets adapters for
+  // set_lora(): `adapters` slots, all enabled, and a share `share` of tokens with one.
+  CudaCell(const Model& m, int64_t M, DType dtype, const void* w13, const void* w2,
+           const std::vector<LoraStacks*>& stacks = {}, int64_t adapters = 0, double share = 0)
+      : m_(m), M_(M), dtype_(dtype) {
     const moelora::Device gpu{moelora::DeviceType::kCUDA, 0};
     moelora::FusedExpertsOptions fo;
     fo.activation = m.activation;
-    const moelora::FusedExpertsShape shape{M, m.top_k, m.E, m.H, m.I, dtype};
+    const int64_t L = stacks.empty() ? 0 : adapters;
+    const moelora::FusedExpertsShape shape = layer_shape(m, M, dtype, L, max_lora_rank(stacks));
     // Room for any config a tuning trial passes, the sorted input included.
     moelora::MoeKernelConfig sorted_input;
     sorted_input.sorted_input = true;
@@ -474,8 +742,41 @@ class CudaCell {
           .workspace = view(workspace_->ptr, DType::kInt32, {ws_bytes / 4}, gpu),
       });
     }
+    if (L > 0) {
+      // NOTE: the stacks do not rotate (they are shared by every call); each rotation
+      // has its own adapter ids over its own routing.
+      const std::vector<int32_t> enabled(L, 1);
+      const std::vector<float> scale(L, kLoraScale);
+      enabled_dev_ = std::make_unique<DeviceBuffer>(L * 4);
+      scale_dev_ = std::make_unique<DeviceBuffer>(L * 4);
+      CHECK_CUDA(cudaMemcpy(enabled_dev_->ptr, enabled.data(), L * 4, cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(scale_dev_->ptr, scale.data(), L * 4, cudaMemcpyHostToDevice));
+      enabled_view_ = view(enabled_dev_->ptr, DType::kInt32, {L}, gpu);
+      scale_view_ = view(scale_dev_->ptr, DType::kFloat32, {L}, gpu);
+      lora_.resize(kRotations);
+      for (int r = 0; r < kRotations; ++r) {
+        lora_batch_.push_back(make_lora_batch(routing_[r], M, m.top_k, L, share, 3000 + 37 * r + M));
+        lora_ids_dev_.push_back(std::make_unique<DeviceBuffer>(M * 4));
+        CHECK_CUDA(cudaMemcpy(lora_ids_dev_[r]->ptr, lora_batch_[r].ids.data(), M * 4, cudaMemcpyHostToDevice));
+        lora_[r].adapters = moelora::MoeLoraAdapters{.token_lora_ids = view(lora_ids_dev_[r]->ptr, DType::kInt32, {M}, gpu),
+                                                     .adapter_enabled = &enabled_view_,
+                                                     .adapter_scale = &scale_view_};
+      }
+    }
   }
   ~CudaCell() { cudaStreamDestroy(stream_); }
+
+  // The stacks every following call runs with (one of the constructor's), or none.
+  void set_lora(const LoraStacks* stacks) {
+    lora_stacks_ = stacks;
+    for (int r = 0; r < kRotations; ++r) {
+      if (stacks) {
+        lora_[r].w13 = stacks->w13;
+        lora_[r].w2 = stacks->w2;
+      }
+      args_[r].lora = stacks ? &lora_[r] : nullptr;
+    }
+  }
 
   moelora::FusedExpertsOptions options(const moelora::MoeKernelConfig* config) const {
     moelora::FusedExpertsOptions fo;
@@ -523,18 +824,30 @@ class CudaCell {
     return median(times);
   }
 
+  // Averages over the rotations; with LoRA set, the stacks' share is added.
   void floors(double* bytes, double* flops) const {
-    double bytes_sum = 0;
+    double bytes_sum = 0, flops_sum = 0;
     for (int r = 0; r < kRotations; ++r) {
-      double b;
-      ::floors(m_, M_, routing_[r].experts_touched, &b, flops);
+      double b, f;
+      ::floors(m_, M_, routing_[r].experts_touched, &b, &f);
       bytes_sum += b;
+      flops_sum += f;
+      if (lora_stacks_) {
+        lora_floors(m_, lora_stacks_->rank, lora_batch_[r], M_, &b, &f);
+        bytes_sum += b;
+        flops_sum += f;
+      }
     }
     *bytes = bytes_sum / kRotations;
+    *flops = flops_sum / kRotations;
   }
 
   Check check(const std::vector<uint16_t>& out, const std::vector<uint16_t>& w13_host,
               const std::vector<uint16_t>& w2_host) const {
+    if (lora_stacks_) {
+      const LoraRef ref{lora_stacks_, lora_batch_[0].ids.data()};
+      return check_layer(m_, dtype_, x_host_[0], w13_host.data(), w2_host.data(), routing_[0], out, M_, &ref);
+    }
     return check_layer(m_, dtype_, x_host_[0], w13_host.data(), w2_host.data(), routing_[0], out, M_);
   }
 
@@ -548,6 +861,14 @@ class CudaCell {
   std::vector<Routing> routing_;
   std::vector<std::unique_ptr<DeviceBuffer>> x_dev_, out_dev_, ids_dev_, weights_dev_;
   std::vector<moelora::FusedExpertsArgs> args_;
+  // LoRA (constructed with stacks): per-rotation adapter ids; args_[r].lora points into
+  // lora_ (sized once, never moved) while set_lora() has stacks set.
+  std::unique_ptr<DeviceBuffer> enabled_dev_, scale_dev_;
+  TensorView enabled_view_, scale_view_;
+  std::vector<LoraBatch> lora_batch_;
+  std::vector<std::unique_ptr<DeviceBuffer>> lora_ids_dev_;
+  std::vector<moelora::FusedExpertsLora> lora_;
+  const LoraStacks* lora_stacks_ = nullptr;
 };
 
 // The previous issue's kernels: mma.sync tiles of (16|32|64) x 128 on the heuristic
@@ -560,9 +881,11 @@ moelora::MoeKernelConfig baseline_config(const Model& m, int64_t M) {
   return c;
 }
 
-Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const void* w2,
-             const std::vector<uint16_t>& w13_host, const std::vector<uint16_t>& w2_host) {
-  CudaCell cell(m, M, o.dtype, w13, w2);
+// The cell's rows: the base layer, then one row per LoRA stack on the same rotations.
+std::vector<Row> run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const void* w2,
+                          const std::vector<uint16_t>& w13_host, const std::vector<uint16_t>& w2_host,
+                          const std::vector<LoraStacks*>& stacks) {
+  CudaCell cell(m, M, o.dtype, w13, w2, stacks, o.lora_adapters, o.lora_share);
   const int iters = o.iters > 0 ? o.iters : 30;
   Row row{&m, M, "cuda", 0, 0, 0, 0, {}};
   auto fo = cell.options(nullptr);  // the registry's config
@@ -579,7 +902,19 @@ Row run_cuda(const Model& m, int64_t M, const Options& o, const void* w13, const
   }
   cell.floors(&row.bytes, &row.flops);
   if (o.check) row.check = cell.check(out, w13_host, w2_host);
-  return row;
+  std::vector<Row> rows{row};
+  for (const LoraStacks* st : stacks) {
+    cell.set_lora(st);
+    Row lrow{&m, M, "cuda", 0, 0, 0, 0, {}};
+    lrow.lora_rank = st->rank;
+    const std::vector<uint16_t> lora_out = cell.run_once(fo);
+    lrow.time_us = cell.time_us(fo, iters);
+    cell.floors(&lrow.bytes, &lrow.flops);
+    if (o.check) lrow.check = cell.check(lora_out, w13_host, w2_host);
+    rows.push_back(lrow);
+  }
+  cell.set_lora(nullptr);
+  return rows;
 }
 
 // ---- tuning: search the tile space per (model, M), write the registry's JSON --------
@@ -747,6 +1082,40 @@ int tune(const Options& o) {
 
 const char* model_dtype(DType d) { return d == DType::kBFloat16 ? "bf16" : "fp16"; }
 
+// One console line per row; a LoRA row has "  + lora r=R" in the model column and ends
+// with the size of the delta and the tax over the cell's base row.
+void print_row(const Row& row) {
+  const std::string baseline =
+      row.baseline_us > 0 ? "  baseline " + std::to_string(int64_t(row.baseline_us + 0.5)) + " us (x" +
+                                std::to_string(row.baseline_us / row.time_us).substr(0, 4) + ")"
+                          : std::string();
+  char lora_tail[160] = "";
+  if (row.lora_rank > 0) {
+    const std::string delta =
+        row.check.tokens ? "  lora_delta " + std::to_string(row.check.lora_delta).substr(0, 6) : std::string();
+    std::snprintf(lora_tail, sizeof lora_tail, "%s  tax x%.3f on base %.1f us (floor x%.3f)", delta.c_str(),
+                  row.lora_tax, row.base_us, row.tax_floor);
+  }
+  const std::string label = row.lora_rank > 0 ? "  + lora r=" + std::to_string(row.lora_rank) : row.model->name;
+  std::printf("%-16s M=%-5lld %8.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.2f TFLOP/s  rel_err %s%s%s\n",
+              label.c_str(), (long long)row.M, row.time_us, row.floor_us, 100 * row.floor_us / row.time_us,
+              row.bytes / (row.time_us * 1e-6) / 1e12, row.flops / (row.time_us * 1e-6) / 1e12,
+              row.check.tokens ? (std::to_string(row.check.rel_err) + " (" + std::to_string(row.check.tokens) +
+                                  " tokens)").c_str()
+                               : "not checked",
+              baseline.c_str(), lora_tail);
+  std::fflush(stdout);
+}
+
+// A JSON number with a decimal point (1.0, not 1).
+std::string json_fraction(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  std::string out = buf;
+  if (out.find_first_of(".en") == std::string::npos) out += ".0";
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -775,6 +1144,13 @@ int main(int argc, char** argv) {
     std::printf("moelora %s | device %s | dtype %s | ceilings %.2f TB/s copy, %.0f TFLOP/s bf16 (%s)\n",
                 moelora::version(), use_cuda ? "cuda" : "cpu", model_dtype(o.dtype), ceilings.copy_tbps,
                 ceilings.bf16_tflops, ceilings.measured ? "measured" : "nominal H100, not measured");
+    if (!o.lora_ranks.empty()) {
+      std::string ranks;
+      for (int64_t r : o.lora_ranks) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      std::printf("LoRA rows: rank %s | %lld adapters (scale %.1f, all enabled) | share %.2f of tokens | "
+                  "tax = time with LoRA / time without\n",
+                  ranks.c_str(), (long long)o.lora_adapters, kLoraScale, o.lora_share);
+    }
     std::vector<Row> rows;
     for (const Model* model : o.models) {
       const Model& m = *model;
@@ -791,28 +1167,71 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaMemcpy(w2_dev->ptr, w2.data(), w2.size() * 2, cudaMemcpyHostToDevice));
       }
 #endif
+      // The model's LoRA stacks, one per rank, shared by its cells.
+      std::vector<std::unique_ptr<LoraStacks>> lora_owned;
+      std::vector<LoraStacks*> stacks;
+      for (int64_t rank : o.lora_ranks) {
+        const double bytes = 2.0 * double(lora_stack_elements(m, rank, o.lora_adapters));
+        std::string skip;
+        if (bytes > kLoraMaxBytes) skip = "over the " + std::to_string(int(kLoraMaxBytes / 1e9)) + " GB limit";
+#ifdef MOELORA_WITH_CUDA
+        if (skip.empty() && use_cuda) {
+          size_t free_bytes = 0, total_bytes = 0;
+          CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+          // NOTE: 8 GB left for the cell's inputs, outputs and workspace.
+          if (bytes + 8e9 > double(free_bytes)) {
+            skip = "more than the device's free " + std::to_string(int(free_bytes / 1e9)) + " GB less 8 GB";
+          }
+        }
+#endif
+        if (!skip.empty()) {
+          std::printf("note: %s LoRA r=%lld with %lld adapters skipped in every cell: its stacks take %.1f GB, %s\n",
+                      m.name, (long long)rank, (long long)o.lora_adapters, bytes / 1e9, skip.c_str());
+          continue;
+        }
+        lora_owned.push_back(make_lora_stacks(m, o.dtype, rank, o.lora_adapters));
+        LoraStacks& st = *lora_owned.back();
+        void* data[6] = {st.a13[0].data(), st.a13[1].data(), st.b13[0].data(),
+                         st.b13[1].data(), st.a2.data(),     st.b2.data()};
+#ifdef MOELORA_WITH_CUDA
+        if (use_cuda) {
+          const std::vector<uint16_t>* host[6] = {&st.a13[0], &st.a13[1], &st.b13[0], &st.b13[1], &st.a2, &st.b2};
+          for (int i = 0; i < 6; ++i) {
+            st.dev.push_back(std::make_unique<DeviceBuffer>(host[i]->size() * 2));
+            CHECK_CUDA(cudaMemcpy(st.dev[i]->ptr, host[i]->data(), host[i]->size() * 2, cudaMemcpyHostToDevice));
+            data[i] = st.dev[i]->ptr;
+          }
+        }
+        set_lora_views(st, m, o.dtype, use_cuda ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{},
+                       data);
+#else
+        set_lora_views(st, m, o.dtype, moelora::Device{}, data);
+#endif
+        stacks.push_back(&st);
+      }
       for (int64_t M : o.tokens) {
 #ifdef MOELORA_WITH_CUDA
-        Row row = use_cuda ? run_cuda(m, M, o, w13_dev->ptr, w2_dev->ptr, w13, w2) : run_cpu(m, M, o, w13, w2);
+        std::vector<Row> cell_rows = use_cuda ? run_cuda(m, M, o, w13_dev->ptr, w2_dev->ptr, w13, w2, stacks)
+                                              : run_cpu(m, M, o, w13, w2, stacks);
 #else
-        Row row = run_cpu(m, M, o, w13, w2);
+        std::vector<Row> cell_rows = run_cpu(m, M, o, w13, w2, stacks);
 #endif
-        const double floor_bw = row.bytes / (ceilings.copy_tbps * 1e12) * 1e6;
-        const double floor_fl = row.flops / (ceilings.bf16_tflops * 1e12) * 1e6;
-        row.floor_us = std::max(floor_bw, floor_fl);
-        rows.push_back(row);
-        const std::string baseline =
-            row.baseline_us > 0 ? "  baseline " + std::to_string(int64_t(row.baseline_us + 0.5)) + " us (x" +
-                                      std::to_string(row.baseline_us / row.time_us).substr(0, 4) + ")"
-                                : std::string();
-        std::printf("%-16s M=%-5lld %8.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.2f TFLOP/s  rel_err %s%s\n",
-                    m.name, (long long)M, row.time_us, row.floor_us, 100 * row.floor_us / row.time_us,
-                    row.bytes / (row.time_us * 1e-6) / 1e12, row.flops / (row.time_us * 1e-6) / 1e12,
-                    row.check.tokens ? (std::to_string(row.check.rel_err) + " (" + std::to_string(row.check.tokens) +
-                                        " tokens)").c_str()
-                                     : "not checked",
-                    baseline.c_str());
-        std::fflush(stdout);
+        for (Row& row : cell_rows) {
+          const double floor_bw = row.bytes / (ceilings.copy_tbps * 1e12) * 1e6;
+          const double floor_fl = row.flops / (ceilings.bf16_tflops * 1e12) * 1e6;
+          row.floor_us = std::max(floor_bw, floor_fl);
+        }
+        const Row& base = cell_rows[0];
+        for (Row& row : cell_rows) {
+          if (row.lora_rank == 0) continue;
+          row.base_us = base.time_us;
+          row.lora_tax = row.time_us / base.time_us;
+          row.tax_floor = row.floor_us / base.floor_us;
+        }
+        for (const Row& row : cell_rows) {
+          rows.push_back(row);
+          print_row(row);
+        }
       }
     }
 
@@ -825,15 +1244,23 @@ int main(int argc, char** argv) {
                    ceilings.copy_tbps, ceilings.bf16_tflops, ceilings.measured ? "true" : "false");
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
+        char lora[160] = "null", lora_keys[200] = "";
+        if (r.lora_rank > 0) {
+          std::snprintf(lora, sizeof lora, "{\"rank\": %lld, \"adapters\": %lld, \"share\": %s}",
+                        (long long)r.lora_rank, (long long)o.lora_adapters, json_fraction(o.lora_share).c_str());
+          std::snprintf(lora_keys, sizeof lora_keys, ", \"lora_tax\": %.4f, \"tax_floor\": %.4f, \"base_us\": %.3f%s",
+                        r.lora_tax, r.tax_floor, r.base_us,
+                        r.check.tokens ? (", \"lora_delta\": " + std::to_string(r.check.lora_delta)).c_str() : "");
+        }
         std::fprintf(f,
-                     "  {\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"%s\", \"lora\": null, "
+                     "  {\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"%s\", \"lora\": %s, "
                      "\"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, "
-                     "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld, \"baseline_us\": %s}%s\n",
-                     r.model->name, (long long)r.M, model_dtype(o.dtype), r.device.c_str(), r.time_us, r.floor_us,
+                     "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld, \"baseline_us\": %s%s}%s\n",
+                     r.model->name, (long long)r.M, model_dtype(o.dtype), lora, r.device.c_str(), r.time_us, r.floor_us,
                      100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e-6) / 1e12,
                      r.flops / (r.time_us * 1e-6) / 1e12,
                      r.check.tokens ? std::to_string(r.check.rel_err).c_str() : "null", (long long)r.check.tokens,
-                     r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null",
+                     r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null", lora_keys,
                      i + 1 < rows.size() ? "," : "");
       }
       std::fprintf(f, " ]}\n");

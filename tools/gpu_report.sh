@@ -13,6 +13,11 @@
 #   TUNE_TOKENS      if set: tune tiles at these token counts first, write the tables to
 #                    $OUT/configs, and benchmark with them ($MOELORA_CONFIG_DIR); copy
 #                    them to configs/ to ship them
+#   LORA_RANKS       if set (e.g. "16,64"): also time the layer with LoRA at these ranks
+#                    in every cell (moelora_bench --lora-rank) and report the LoRA tax;
+#                    LORA_ADAPTERS (--adapters, default 4) and LORA_SHARE (--lora-share,
+#                    default 1.0) are passed through. Each rank adds a timed and checked
+#                    row per cell: narrow BENCH_TOKENS/BENCH_MODELS to fit 10 minutes.
 # CUTLASS headers must be in .deps/cutlass (tools/install_deps.sh here, then carry .deps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,10 +66,15 @@ if [ -n "${TUNE_TOKENS:-}" ]; then
   export MOELORA_CONFIG_DIR="$OUT_DIR/configs"
 fi
 
+LORA_ARGS=()
+[ -n "${LORA_RANKS:-}" ] && LORA_ARGS+=(--lora-rank "$LORA_RANKS")
+[ -n "${LORA_ADAPTERS:-}" ] && LORA_ARGS+=(--adapters "$LORA_ADAPTERS")
+[ -n "${LORA_SHARE:-}" ] && LORA_ARGS+=(--lora-share "$LORA_SHARE")
+
 step bench
 "$BUILD_DIR/moelora_bench" --device cuda --model "${BENCH_MODELS:-all}" \
   --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" --ceilings --baseline \
-  --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
+  ${LORA_ARGS[@]+"${LORA_ARGS[@]}"} --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
 
 step report
 python3 tools/make_report.py --commit "${MOELORA_COMMIT:-unknown}" --ctest "$OUT_DIR/ctest.xml" \

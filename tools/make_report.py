@@ -2,7 +2,9 @@
 
 Usage: make_report.py --commit SHA --ctest ctest.xml --pytest pytest.xml --bench bench.json
                       [--sanitizer-logs LOG...] --out report.json
-Prints a short table of the layer rows last.
+Prints a short table of the layer rows last, then, when bench.json has LoRA rows
+(moelora_bench --lora-rank; "lora" not null, with "lora_tax" and "tax_floor"), the LoRA
+tax per model and M at each rank. Every row goes into report.json as the bench wrote it.
 """
 import argparse
 import datetime
@@ -82,10 +84,11 @@ def main():
     print(f"tests: ctest {c_pass} passed {c_fail} failed {c_skip} skipped | pytest {p_pass} passed {p_fail} failed {p_skip} skipped")
     for name, line in sanitizer.items():
         print(f"{name}: {line}")
+    base_rows = [r for r in bench["rows"] if r.get("lora") is None]
     print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} "
           f"{'rel_err':>9} {'base_us':>10} {'speedup':>7}")
     speedups = []
-    for r in bench["rows"]:
+    for r in base_rows:
         err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
         base = r.get("baseline_us")
         speedup = base / r["time_us"] if base else None
@@ -98,14 +101,50 @@ def main():
         geomean = math.exp(sum(math.log(x) for x in speedups) / len(speedups))
         print(f"speed-up over the previous kernels: geomean {geomean:.3f}, min {min(speedups):.3f}, "
               f"max {max(speedups):.3f} over {len(speedups)} cells")
-    small = [r for r in bench["rows"] if r["M"] <= 64]
-    large = [r for r in bench["rows"] if r["M"] >= 4096]
+    small = [r for r in base_rows if r["M"] <= 64]
+    large = [r for r in base_rows if r["M"] >= 4096]
     if small:
         print(f"M <= 64: min {min(r['pct_floor'] for r in small):.1f}% of floor "
               f"({sum(r['pct_floor'] >= 85 for r in small)}/{len(small)} cells >= 85%)")
     if large:
         print(f"M >= 4096: min {min(r['pct_floor'] for r in large):.1f}% of floor "
               f"({sum(r['pct_floor'] >= 75 for r in large)}/{len(large)} cells >= 75%)")
+    print_lora_tax(bench["rows"])
+
+
+def print_lora_tax(rows):
+    """Per model and M: the base time and the tax (time with LoRA / time without) at each
+    rank, the floor's tax in brackets; then each rank's geomean and the LoRA rows' error."""
+    lora_rows = [r for r in rows if r.get("lora")]
+    if not lora_rows:
+        return
+    key = lambda r: (r["lora"]["rank"], r["lora"]["adapters"], r["lora"]["share"])
+    columns = sorted({key(r) for r in lora_rows})
+    one_setting = len({c[1:] for c in columns}) == 1
+    label = lambda c: f"r={c[0]}" if one_setting else f"r={c[0]} n={c[1]} s={c[2]}"
+    base = {(r["model"], r["M"]): r for r in rows if r.get("lora") is None}
+    tax = {(r["model"], r["M"], key(r)): r for r in lora_rows}
+    cells = []
+    for r in rows:  # the bench's order
+        if r.get("lora") is None and (r["model"], r["M"]) not in cells:
+            cells.append((r["model"], r["M"]))
+    setting = f", {columns[0][1]} adapters, share {columns[0][2]}" if one_setting else ""
+    print(f"LoRA tax: time with LoRA / time without (floor's ratio){setting}")
+    width = max(16, max(len(label(c)) for c in columns) + 2)
+    print(f"{'model':16} {'M':>5} {'base_us':>10}" + "".join(f"{label(c):>{width}}" for c in columns))
+    for model, M in cells:
+        cols = []
+        for c in columns:
+            r = tax.get((model, M, c))
+            cols.append("-" if r is None else f"{r['lora_tax']:.3f} ({r['tax_floor']:.3f})")
+        print(f"{model:16} {M:>5} {base[(model, M)]['time_us']:>10.1f}" + "".join(f"{x:>{width}}" for x in cols))
+    for c in columns:
+        taxes = [r["lora_tax"] for r in lora_rows if key(r) == c]
+        geomean = math.exp(sum(math.log(x) for x in taxes) / len(taxes))
+        print(f"{label(c)}: tax geomean {geomean:.3f}, min {min(taxes):.3f}, max {max(taxes):.3f} over {len(taxes)} cells")
+    errs = [r["rel_err"] for r in lora_rows if r.get("rel_err") is not None]
+    if errs:
+        print(f"LoRA rows: max rel_err {max(errs):.2e} over {len(errs)} checked rows")
 
 
 if __name__ == "__main__":

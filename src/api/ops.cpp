@@ -925,11 +925,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, E_local, device, options);
     detail::check_kernel_config(op, "config", config);
     if (args.lora) {
-      // NOTE: with adapters the layer runs the aligned path on the virtual alignment, the
-      // activation as its own kernel (the w13 delta goes in before it) and the LoRA delta
-      // kernels after each GEMM. The small-batch kernels and the sorted input do not take
-      // a delta yet.
-      config.small_batch = false;
+      // NOTE: with adapters the aligned path runs on the virtual alignment, the activation
+      // as its own kernel (the w13 delta goes in before it) and the LoRA delta kernels
+      // after each GEMM; the small-batch kernels take per-slot deltas. The sorted input
+      // does not take a delta yet.
       config.sorted_input = false;
     }
     const int64_t block_size = config.block_size;
@@ -984,34 +983,12 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                                         : options.activation == Activation::kGelu ? detail::ActivationKind::kGeluAndMul
                                                                                   : detail::ActivationKind::kSwigluOai;
     void* out_chunk = byte_offset(args.out.data, begin * args.out.strides[0] * elem);
-#ifdef MOELORA_WITH_CUDA
-    if (on_cuda(x) && config.small_batch) {
-      const detail::SmallBatchMoeParams small =
-          small_batch_params(args, options, x_chunk, ids, weights, cache2.data, out_chunk, E_global, kind);
-      // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
-      if (cuda::fused_experts_small_batch_supported(small)) {
-        cuda::fused_experts_small_batch(small, stream);
-        continue;
-      }
-    }
-#endif
-    detail::AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
-    align.tile_counters = tile_counters;
-    align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
     detail::LoraAdapterParams chunk_adapters = lora_adapters;
-    if (args.lora) {
-      chunk_adapters.token_lora_ids += begin * chunk_adapters.token_lora_ids_stride;
-      align.max_loras = lora13.max_loras;
-      align.token_lora_ids = chunk_adapters.token_lora_ids;
-      align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
-      align.adapter_enabled = chunk_adapters.adapter_enabled;
-      align.block_lora_ids = block_lora_ids;
-    }
-    run_align(align, device, stream);
+    if (args.lora) chunk_adapters.token_lora_ids += begin * chunk_adapters.token_lora_ids_stride;
     // The LoRA delta of one GEMM of this chunk, added into its output rows (by slot)
     // before what follows reads them.
     auto add_lora_delta = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k,
-                              const TensorView& gemm_out, bool weighted) {
+                              const TensorView& gemm_out, bool weighted, bool aligned, bool add_inputs) {
       detail::LoraDeltaParams d{};
       d.dtype = dtype;
       d.a = a.data;
@@ -1028,7 +1005,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       d.out = gemm_out.data;
       d.out_stride_row = gemm_out.strides[0];
       d.out_stride_n = gemm_out.strides[1];
-      d.add_inputs = true;
+      d.add_inputs = add_inputs;
       if (weighted) {
         d.topk_weights = static_cast<const float*>(weights.data);
         d.topk_weights_cols = top_k;
@@ -1039,15 +1016,63 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       d.top_k = top_k;
       d.num_slots = slots;
       d.intermediate = byte_offset(ws, layout.lora_intermediate);
-      d.sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data);
-      d.expert_ids = static_cast<const int32_t*>(expert_chunk.data);
-      d.block_lora_ids = block_lora_ids;
-      d.num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data);
-      d.max_num_tokens_padded = cap.max_num_tokens_padded;
-      d.max_num_blocks = cap.max_num_blocks;
-      d.block_size = block_size;
+      // Slots from the chunk's virtual alignment, or one by one from topk_ids.
+      d.topk_ids = ids.data;
+      d.topk_ids_int64 = ids.dtype == DType::kInt64;
+      d.topk_ids_stride_token = ids.strides[0];
+      d.topk_ids_stride_k = ids.strides[1];
+      d.expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr;
+      d.num_global_experts = E_global;
+      if (aligned) {
+        d.sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data);
+        d.expert_ids = static_cast<const int32_t*>(expert_chunk.data);
+        d.block_lora_ids = block_lora_ids;
+        d.num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data);
+        d.max_num_tokens_padded = cap.max_num_tokens_padded;
+        d.max_num_blocks = cap.max_num_blocks;
+        d.block_size = block_size;
+      }
       run_lora_delta(d, device, stream);
     };
+#ifdef MOELORA_WITH_CUDA
+    if (on_cuda(x) && config.small_batch) {
+      const detail::SmallBatchMoeParams small =
+          small_batch_params(args, options, x_chunk, ids, weights, cache2.data, out_chunk, E_global, kind);
+      // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
+      if (cuda::fused_experts_small_batch_supported(small)) {
+        if (!args.lora) {
+          cuda::fused_experts_small_batch(small, stream);
+          continue;
+        }
+        // With adapters: each GEMM's delta per slot (no alignment) into the cache1/cache3
+        // region, added by the kernels before the activation and the routed weight.
+        // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
+        detail::SmallBatchMoeParams with_lora = small;
+        const TensorView delta13 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
+        const TensorView delta2 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
+        const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);
+        const bool interleaved = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
+        add_lora_delta(lora13, interleaved, x_chunk, top_k, delta13, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.gate_up_delta = delta13.data;
+        cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/1);
+        add_lora_delta(lora2, false, act, 1, delta2, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.down_delta = delta2.data;
+        cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/2);
+        continue;
+      }
+    }
+#endif
+    detail::AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
+    align.tile_counters = tile_counters;
+    align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
+    if (args.lora) {
+      align.max_loras = lora13.max_loras;
+      align.token_lora_ids = chunk_adapters.token_lora_ids;
+      align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
+      align.adapter_enabled = chunk_adapters.adapter_enabled;
+      align.block_lora_ids = block_lora_ids;
+    }
+    run_align(align, device, stream);
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
     if (on_cuda(x) && options.fuse_activation && !args.lora) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
@@ -1087,7 +1112,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       if (args.lora) {
         // gpt-oss keeps gate and up interleaved in w13's rows: the slices follow.
         const bool interleaved = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
-        add_lora_delta(lora13, interleaved, x_chunk, top_k, cache1, options.apply_router_weight_on_input);
+        add_lora_delta(lora13, interleaved, x_chunk, top_k, cache1, options.apply_router_weight_on_input,
+                       /*aligned=*/true, /*add_inputs=*/true);
       }
       run_activation(detail::ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data,
                                               .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
@@ -1112,7 +1138,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = sorted_activation;
     run_gemm(gemm2, device, stream);
-    if (args.lora) add_lora_delta(lora2, false, cache2, 1, cache3, !options.apply_router_weight_on_input);
+    if (args.lora) {
+      add_lora_delta(lora2, false, cache2, 1, cache3, !options.apply_router_weight_on_input, /*aligned=*/true,
+                     /*add_inputs=*/true);
+    }
 
     if (!direct) {
       run_sum_reduce(detail::SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,

@@ -180,6 +180,11 @@ struct SmallBatchMoeParams {
   float routed_scaling_factor;    // applied to the top-k sum (not with no_combine)
   ActivationKind activation;
   float alpha, limit;             // swiglu_oai only
+  // LoRA (fused_experts with adapters): per-slot deltas added to GEMM1's gate and up
+  // values before the activation ([num_tokens * top_k, 2I] in w13's row order) and to
+  // GEMM2's rows before the routed weight ([num_tokens * top_k, H]); null: none.
+  const void* gate_up_delta = nullptr;
+  const void* down_delta = nullptr;
 };
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
@@ -266,5 +271,7 @@ void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
 void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).
 bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
-void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream);
+// Both kernels, or one: GEMM1 + activation (stage 1), GEMM2 + the top-k sum (stage 2).
+// With LoRA the down delta is computed from GEMM1's output between the two.
+void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream, int stages = 3);
 }  // namespace moelora::cuda

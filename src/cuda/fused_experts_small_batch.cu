@@ -237,8 +237,13 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const Sm
       if (lane < n) {
         const int slot = t.sorted_slot[g + lane];
         const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
-        const float out = gated_activation<kAct>(lane_value(acc, 0, lane) * w_in, lane_value(acc, 1, lane) * w_in,
-                                                 p.alpha, p.limit);
+        float gate = lane_value(acc, 0, lane), up = lane_value(acc, 1, lane);
+        if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
+          const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
+          gate += to_float(delta[interleaved ? 2 * j : j]);
+          up += to_float(delta[interleaved ? 2 * j + 1 : I + j]);
+        }
+        const float out = gated_activation<kAct>(gate * w_in, up * w_in, p.alpha, p.limit);
         act[int64_t(slot) * I + j] = from_float<T>(out);
       }
     }
@@ -288,8 +293,13 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
         warp_dot<T, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
         if (lane < n) {
           const int slot = t.sorted_slot[g + lane];
+          const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
 #pragma unroll
-          for (int r = 0; r < kRowsPerItem; ++r) partial[slot][row0 + r] = lane_value(acc, r, lane);
+          for (int r = 0; r < kRowsPerItem; ++r) {
+            // LoRA: the slot's delta joins before the routed weight.
+            partial[slot][row0 + r] =
+                lane_value(acc, r, lane) + (delta ? to_float(delta[min(h0 + row0 + r, H - 1)]) : 0.f);
+          }
         }
       }
     }
@@ -344,9 +354,10 @@ void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream)
 }
 
 template <class T, ActivationKind kAct>
-void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream) {
+void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
   constexpr auto gemm1 = small_batch_gemm1_kernel<T, kAct>;
-  launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  if (!(stages & 2)) return;
   if (p.I <= 512) {
     launch_small_batch_gemm2<small_batch_gemm2_kernel<T, 16, 1>, 16>(p, stream);
   } else {
@@ -355,11 +366,11 @@ void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream) {
 }
 
 template <class T>
-void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream) {
+void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
   switch (p.activation) {
-    case ActivationKind::kSiluAndMul: return launch_small_batch<T, ActivationKind::kSiluAndMul>(p, stream);
-    case ActivationKind::kGeluAndMul: return launch_small_batch<T, ActivationKind::kGeluAndMul>(p, stream);
-    case ActivationKind::kSwigluOai: return launch_small_batch<T, ActivationKind::kSwigluOai>(p, stream);
+    case ActivationKind::kSiluAndMul: return launch_small_batch<T, ActivationKind::kSiluAndMul>(p, stream, stages);
+    case ActivationKind::kGeluAndMul: return launch_small_batch<T, ActivationKind::kGeluAndMul>(p, stream, stages);
+    case ActivationKind::kSwigluOai: return launch_small_batch<T, ActivationKind::kSwigluOai>(p, stream, stages);
   }
 }
 
@@ -377,16 +388,16 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
          rows_aligned;
 }
 
-void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream) {
+void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int stages) {
   if (!fused_experts_small_batch_supported(p)) {
     throw Error("moelora.fused_experts: the small-batch kernels do not take this call (at most " +
                 std::to_string(kMaxSlots) + " slots, bf16/fp16, 16-byte aligned rows)");
   }
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == DType::kBFloat16) {
-    dispatch_activation<__nv_bfloat16>(p, s);
+    dispatch_activation<__nv_bfloat16>(p, s, stages);
   } else {
-    dispatch_activation<__half>(p, s);
+    dispatch_activation<__half>(p, s, stages);
   }
 }
 

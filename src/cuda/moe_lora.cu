@@ -95,7 +95,8 @@ __host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16;
 
 // ---- shrink -----------------------------------------------------------------------------
 // Grid (tiles, slices). intermediate[s, c, i] = Σ_k a[s / a_top_k, k] · lora_a[c][l, e, i, k].
-template <typename T>
+// kVecLoads: 16-byte loads of a and lora_a (K % 8 == 0, aligned rows).
+template <typename T, bool kVecLoads>
 __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const LoraDeltaParams p) {
   constexpr int BK = kShrinkK<T>;
   __shared__ int slots[kTileRows];
@@ -124,15 +125,36 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
     for (float& v : acc) v = 0.f;
   }
   for (int64_t k0 = 0; k0 < p.K; k0 += BK) {
-    // NOTE: plain coalesced element loads; the tile is small next to the GEMM's.
-    for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
-      const int r = i / BK, k = i % BK;
-      const int s = slots[r];
-      a_tile[r][k] = s >= 0 && k0 + k < p.K ? a[(s / p.a_top_k) * p.a_stride_row + k0 + k] : zero;
-    }
-    for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
-      const int r = i / BK, k = i % BK;
-      lora_tile[r][k] = r < rank && k0 + k < p.K ? lora_a[r * sl.a_stride_rank + k0 + k] : zero;
+    if constexpr (kVecLoads) {
+      // K % kVec == 0: a vector is wholly inside K or wholly past it.
+      constexpr int kVec = Vec16<T>::kSize, kVecsPerRow = BK / kVec;
+      Vec16<T> zeros;
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) zeros.v[v] = zero;
+      for (int i = threadIdx.x; i < kTileRows * kVecsPerRow; i += kShrinkThreads) {
+        const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
+        const int s = slots[r];
+        *reinterpret_cast<Vec16<T>*>(&a_tile[r][k]) =
+            s >= 0 && k0 + k < p.K
+                ? *reinterpret_cast<const Vec16<T>*>(a + (s / p.a_top_k) * p.a_stride_row + k0 + k)
+                : zeros;
+      }
+      for (int i = threadIdx.x; i < rank_padded * kVecsPerRow; i += kShrinkThreads) {
+        const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
+        *reinterpret_cast<Vec16<T>*>(&lora_tile[r][k]) =
+            r < rank && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(lora_a + r * sl.a_stride_rank + k0 + k)
+                                     : zeros;
+      }
+    } else {
+      for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
+        const int r = i / BK, k = i % BK;
+        const int s = slots[r];
+        a_tile[r][k] = s >= 0 && k0 + k < p.K ? a[(s / p.a_top_k) * p.a_stride_row + k0 + k] : zero;
+      }
+      for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
+        const int r = i / BK, k = i % BK;
+        lora_tile[r][k] = r < rank && k0 + k < p.K ? lora_a[r * sl.a_stride_rank + k0 + k] : zero;
+      }
     }
     __syncthreads();
     if constexpr (kTensorCores<T>) {
@@ -263,6 +285,107 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
   allow_next_kernel_launch();
 }
 
+// ---- per-slot mode (small batch): CUDA-core GEMV kernels ----------------------------------
+// NOTE: at decode the tile kernels above left the GPU idle: a handful of CTAs each walked
+// K in 64-element steps (Qwen3-30B M = 1: 88 us for the four delta launches, H100).
+// Here every (slot, slice, rank row) dot product is a warp of 16-byte loads over K, and
+// the expand a thread per output column.
+constexpr int kGemvThreads = 256;
+constexpr int kExpandGemvColumns = kGemvThreads;
+
+// The (expert, adapter) of a slot in the per-slot mode; active as in load_tile.
+__device__ __forceinline__ Tile slot_tile(const LoraDeltaParams& p, int64_t slot) {
+  Tile t;
+  const int64_t e = load_topk_id(p, slot);
+  t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
+  t.lora = p.adapters.token_lora_ids[(slot / p.top_k) * p.adapters.token_lora_ids_stride];
+  t.active = t.expert >= 0 && t.expert < p.num_experts && t.lora >= 0 && t.lora < p.adapters.max_loras &&
+             (p.adapters.adapter_enabled == nullptr || p.adapters.adapter_enabled[t.lora] != 0);
+  return t;
+}
+
+// Warp per item (slot, slice, rank row): intermediate[s, c, i] = a[s / a_top_k] · lora_a[c][l, e, i].
+// K % 8 == 0 and 16-byte aligned rows (checked by the launcher).
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(const LoraDeltaParams p) {
+  wait_for_previous_kernel();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t items = p.num_slots * p.num_slices * p.rank;
+  for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;
+       item += int64_t(gridDim.x) * (kGemvThreads / 32)) {
+    const int64_t i = item % p.rank, slice_slot = item / p.rank;
+    const int c = int(slice_slot % p.num_slices);
+    const int64_t s = slice_slot / p.num_slices;
+    const Tile t = slot_tile(p, s);
+    if (!t.active) continue;
+    const detail::LoraSliceParams& sl = p.slices[c];
+    const T* a_row = static_cast<const T*>(p.a) + (s / p.a_top_k) * p.a_stride_row;
+    const T* lora_row = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert +
+                        i * sl.a_stride_rank;
+    constexpr int kVec = Vec16<T>::kSize;
+    float acc = 0.f;
+    for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
+      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
+      const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (lane == 0) static_cast<T*>(p.intermediate)[(s * p.num_slices + c) * p.rank + i] = from_float<T>(acc);
+  }
+  allow_next_kernel_launch();
+}
+
+// Grid (slots, slices, column chunks): thread j of the chunk computes output column j of
+// the slot's slice from the slot's rank vector (shared) and row j of lora_b.
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads) moe_lora_expand_gemv_kernel(const LoraDeltaParams p) {
+  __shared__ float t_row[kMaxRankPadded];
+  wait_for_previous_kernel();
+  const int64_t s = blockIdx.x;
+  const int c = blockIdx.y;
+  const int64_t j = int64_t(blockIdx.z) * kExpandGemvColumns + threadIdx.x;
+  const Tile t = slot_tile(p, s);
+  const int rank = int(p.rank);
+  if (t.active && int(threadIdx.x) < rank) {
+    t_row[threadIdx.x] = to_float(static_cast<const T*>(p.intermediate)[(s * p.num_slices + c) * rank + threadIdx.x]);
+  }
+  __syncthreads();
+  if (j >= p.N_slice) return;
+  T* out = static_cast<T*>(p.out);
+  const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
+  const int64_t at = s * p.out_stride_row + col * p.out_stride_n;
+  if (!t.active) {
+    if (!p.add_inputs) out[at] = from_float<T>(0.f);
+    return;
+  }
+  const detail::LoraSliceParams& sl = p.slices[c];
+  const T* lora_row = static_cast<const T*>(sl.lora_b) + t.lora * sl.b_stride_lora + t.expert * sl.b_stride_expert +
+                      j * sl.b_stride_n;
+  float acc = 0.f;
+  for (int i = 0; i < rank; ++i) acc = fmaf(t_row[i], to_float(lora_row[i]), acc);
+  float w = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+  if (p.topk_weights) {
+    w *= p.topk_weights[(s / p.topk_weights_cols) * p.topk_weights_stride_row +
+                        (s % p.topk_weights_cols) * p.topk_weights_stride_col];
+  }
+  out[at] = from_float<T>((p.add_inputs ? to_float(out[at]) : 0.f) + w * acc);
+}
+
+// The shrink GEMV's 16-byte loads: K a multiple of the vector, every row start aligned.
+template <typename T>
+bool shrink_gemv_loadable(const LoraDeltaParams& p) {
+  constexpr int64_t kVec = Vec16<T>::kSize;
+  bool ok = p.K % kVec == 0 && p.a_stride_row % kVec == 0 && aligned16(p.a);
+  for (int c = 0; c < p.num_slices; ++c) {
+    const detail::LoraSliceParams& sl = p.slices[c];
+    ok = ok && aligned16(sl.lora_a) && sl.a_stride_lora % kVec == 0 && sl.a_stride_expert % kVec == 0 &&
+         sl.a_stride_rank % kVec == 0;
+  }
+  return ok;
+}
+
 template <typename T>
 void launch(const LoraDeltaParams& p, cudaStream_t stream) {
   const int64_t tiles = num_tiles(p);
@@ -273,8 +396,21 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
     throw Error("moelora.fused_moe_lora: argument 'out' expected at most " + std::to_string(65535 * kExpandColumns) +
                 " columns per slice on CUDA, got " + std::to_string(p.N_slice));
   }
-  launch_kernel(moe_lora_shrink_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0,
-                stream, p);
+  if (p.sorted_token_ids == nullptr && shrink_gemv_loadable<T>(p)) {
+    // Per-slot mode: GEMV kernels over every (slot, slice, rank row) and output column.
+    const int64_t warps = p.num_slots * p.num_slices * p.rank;
+    const int64_t ctas = std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32), 8 * 1024);
+    launch_kernel(moe_lora_shrink_gemv_kernel<T>, dim3(unsigned(ctas)), dim3(kGemvThreads), 0, stream, p);
+    const int64_t chunks = (p.N_slice + kExpandGemvColumns - 1) / kExpandGemvColumns;
+    if (p.num_slots > INT32_MAX || chunks > 65535) {
+      throw Error("moelora.fused_moe_lora: too many slots or columns for the per-slot kernels");
+    }
+    launch_kernel(moe_lora_expand_gemv_kernel<T>, dim3(unsigned(p.num_slots), unsigned(p.num_slices), unsigned(chunks)),
+                  dim3(kGemvThreads), 0, stream, p);
+    return;
+  }
+  launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
+                dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0, stream, p);
   launch_kernel(moe_lora_expand_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices), unsigned(column_chunks)),
                 dim3(kExpandThreads), 0, stream, p);
 }

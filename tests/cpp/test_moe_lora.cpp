@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef MOELORA_WITH_CUDA
@@ -494,6 +495,26 @@ std::vector<LayerLoraCase> layer_cases() {
     cases.push_back(chunked);
     LayerLoraCase big{.name = "block64", .backend = backend, .M = 200, .top_k = 4, .E = 8, .L = 4, .rank = 64};
     cases.push_back(big);
+    // CUDA: the small-batch kernels with per-slot deltas (at most 64 slots a chunk).
+    static const MoeKernelConfig small_batch{.block_size = 16, .small_batch = true};
+    for (auto [name, activation, slices, rank] :
+         {std::tuple{"small_batch", Activation::kSilu, 2, int64_t(16)},
+          std::tuple{"small_batch_swiglu_oai", Activation::kSwigluOai, 2, int64_t(8)},
+          std::tuple{"small_batch_one_slice_rank128", Activation::kGelu, 1, int64_t(128)}}) {
+      LayerLoraCase c{.name = name, .backend = backend, .rank = rank, .disable_some = true, .w13_slices = slices,
+                      .activation = activation};
+      c.options.config = &small_batch;
+      cases.push_back(c);
+    }
+    LayerLoraCase small_no_combine{.name = "small_batch_no_combine_chunked", .backend = backend, .M = 30, .share = 0.5};
+    small_no_combine.options.config = &small_batch;
+    small_no_combine.options.no_combine = true;
+    small_no_combine.options.chunk_size = 13;
+    cases.push_back(small_no_combine);
+    LayerLoraCase small_on_input{.name = "small_batch_weight_on_input", .backend = backend, .top_k = 1};
+    small_on_input.options.config = &small_batch;
+    small_on_input.options.apply_router_weight_on_input = true;
+    cases.push_back(small_on_input);
   }
   return cases;
 }
