@@ -11,12 +11,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "moelora/ops.h"
 #include "moelora/tensor.h"
@@ -158,6 +160,43 @@ moelora::FusedExpertsOptions make_options(moelora::Activation activation, float 
   return options;
 }
 
+// The adapter state of a LoRA op (token_lora_ids, and the optional per-slot tensors).
+// The returned struct points into the optionals: keep them alive while it is used.
+moelora::MoeLoraAdapters make_adapters(const TensorView& token_lora_ids,
+                                       const std::optional<TensorView>& adapter_enabled,
+                                       const std::optional<TensorView>& adapter_scale) {
+  moelora::MoeLoraAdapters adapters;
+  adapters.token_lora_ids = token_lora_ids;
+  adapters.adapter_enabled = optional_ptr(adapter_enabled);
+  adapters.adapter_scale = optional_ptr(adapter_scale);
+  return adapters;
+}
+
+// One GEMM's adapter stacks from Python lists of 1 or 2 slices (prefix names the
+// arguments in errors: "", "w13_").
+moelora::MoeLoraWeights make_lora_weights(const char* op, const std::string& prefix,
+                                          const std::vector<TensorView>& lora_a,
+                                          const std::vector<TensorView>& lora_b, bool interleaved_slices) {
+  if (lora_a.size() != 1 && lora_a.size() != 2) {
+    throw moelora::Error(std::string("moelora.") + op + ": argument '" + prefix +
+                         "lora_a' expected a list of 1 or 2 tensors (output slices), got " +
+                         std::to_string(lora_a.size()));
+  }
+  if (lora_b.size() != lora_a.size()) {
+    throw moelora::Error(std::string("moelora.") + op + ": argument '" + prefix + "lora_b' expected " +
+                         std::to_string(lora_a.size()) + " tensors (one per slice of '" + prefix +
+                         "lora_a'), got " + std::to_string(lora_b.size()));
+  }
+  moelora::MoeLoraWeights weights;
+  weights.num_slices = static_cast<int>(lora_a.size());
+  for (size_t c = 0; c < lora_a.size(); ++c) {
+    weights.lora_a[c] = lora_a[c];
+    weights.lora_b[c] = lora_b[c];
+  }
+  weights.interleaved_slices = interleaved_slices;
+  return weights;
+}
+
 nb::tuple tuple_of(const int64_t* values, int count) {
   nb::list items;
   for (int i = 0; i < count; ++i) items.append(values[i]);
@@ -198,6 +237,10 @@ NB_MODULE(_moelora, m) {
         "View a DLPack-capable array (numpy, torch, ...) as a TensorView. `dtype` "
         "reinterprets the elements (e.g. 'bfloat16' for a numpy uint16 view of bf16 data).");
 
+  m.attr("MAX_NUM_EXPERTS") = moelora::kMaxNumExperts;
+  m.attr("MAX_LORA_RANK") = moelora::kMaxLoraRank;
+  m.attr("MAX_LORA_ADAPTERS") = moelora::kMaxLoraAdapters;
+
   m.def("version", []() { return std::string(moelora::version()); });
   m.def("cuda_available", &moelora::cuda_available,
         "True when built with the CUDA backend and a CUDA device is visible.");
@@ -226,6 +269,34 @@ NB_MODULE(_moelora, m) {
       "expert_ids"_a, "num_tokens_post_padded"_a, "stream"_a = 0);
 
   m.def(
+      "moe_lora_align_block_size_capacity",
+      [](int64_t num_slots, int64_t block_size, int64_t num_experts, int64_t max_loras) {
+        const moelora::AlignCapacity capacity =
+            moelora::moe_lora_align_block_size_capacity(num_slots, block_size, num_experts, max_loras);
+        return std::make_tuple(capacity.max_num_tokens_padded, capacity.max_num_blocks);
+      },
+      "num_slots"_a, "block_size"_a, "num_experts"_a, "max_loras"_a,
+      "(max_num_tokens_padded, max_num_blocks): the sizes of moe_lora_align_block_size's outputs.");
+
+  m.def(
+      "moe_lora_align_block_size",
+      [](const TensorView& topk_ids, const TensorView& token_lora_ids,
+         const std::optional<TensorView>& adapter_enabled, int64_t max_loras, int64_t block_size,
+         int64_t num_experts, const std::optional<TensorView>& expert_map, const TensorView& sorted_token_ids,
+         const TensorView& expert_ids, const TensorView& block_lora_ids,
+         const TensorView& num_tokens_post_padded, uintptr_t stream) {
+        const std::optional<TensorView> no_scale;
+        const moelora::MoeLoraAdapters adapters = make_adapters(token_lora_ids, adapter_enabled, no_scale);
+        nb::gil_scoped_release release;
+        moelora::moe_lora_align_block_size(topk_ids, adapters, max_loras, block_size, num_experts,
+                                           optional_ptr(expert_map), sorted_token_ids, expert_ids,
+                                           block_lora_ids, num_tokens_post_padded, as_stream(stream));
+      },
+      "topk_ids"_a, "token_lora_ids"_a, "adapter_enabled"_a.none(), "max_loras"_a, "block_size"_a,
+      "num_experts"_a, "expert_map"_a.none(), "sorted_token_ids"_a, "expert_ids"_a, "block_lora_ids"_a,
+      "num_tokens_post_padded"_a, "stream"_a = 0);
+
+  m.def(
       "fused_moe",
       [](const TensorView& a, const TensorView& w, const TensorView& out,
          const TensorView& sorted_token_ids, const TensorView& expert_ids,
@@ -248,6 +319,49 @@ NB_MODULE(_moelora, m) {
       "a"_a, "w"_a, "out"_a, "sorted_token_ids"_a, "expert_ids"_a, "num_tokens_post_padded"_a,
       "topk_weights"_a.none() = nb::none(), "mul_routed_weight"_a = false, "top_k"_a = 1,
       "block_size"_a = 64, "stream"_a = 0);
+
+  m.def(
+      "fused_moe_lora_workspace_size",
+      [](int64_t num_slots, int num_slices, int64_t rank, const std::string& dtype) {
+        return moelora::fused_moe_lora_workspace_size(num_slots, num_slices, rank, parse_dtype(dtype));
+      },
+      "num_slots"_a, "num_slices"_a, "rank"_a, "dtype"_a,
+      "Bytes of workspace fused_moe_lora needs (the [slots, slices, rank] intermediate).");
+
+  m.def(
+      "fused_moe_lora",
+      [](const TensorView& out, const TensorView& a, const TensorView& topk_ids, const TensorView& token_lora_ids,
+         const std::vector<TensorView>& lora_a, const std::vector<TensorView>& lora_b,
+         const TensorView& workspace, const std::optional<TensorView>& adapter_enabled,
+         const std::optional<TensorView>& adapter_scale, const std::optional<TensorView>& topk_weights,
+         bool mul_routed_weight, bool add_inputs, bool interleaved_slices,
+         const std::optional<TensorView>& sorted_token_ids, const std::optional<TensorView>& expert_ids,
+         const std::optional<TensorView>& block_lora_ids, const std::optional<TensorView>& num_tokens_post_padded,
+         int64_t block_size, uintptr_t stream) {
+        moelora::FusedMoeLoraArgs args;
+        args.out = out;
+        args.a = a;
+        args.topk_ids = topk_ids;
+        args.adapters = make_adapters(token_lora_ids, adapter_enabled, adapter_scale);
+        args.weights = make_lora_weights("fused_moe_lora", "", lora_a, lora_b, interleaved_slices);
+        args.workspace = workspace;
+        args.topk_weights = optional_ptr(topk_weights);
+        args.mul_routed_weight = mul_routed_weight;
+        args.add_inputs = add_inputs;
+        args.sorted_token_ids = optional_ptr(sorted_token_ids);
+        args.expert_ids = optional_ptr(expert_ids);
+        args.block_lora_ids = optional_ptr(block_lora_ids);
+        args.num_tokens_post_padded = optional_ptr(num_tokens_post_padded);
+        args.block_size = block_size;
+        nb::gil_scoped_release release;
+        moelora::fused_moe_lora(args, as_stream(stream));
+      },
+      "out"_a, "a"_a, "topk_ids"_a, "token_lora_ids"_a, "lora_a"_a, "lora_b"_a, "workspace"_a,
+      "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(),
+      "topk_weights"_a.none() = nb::none(), "mul_routed_weight"_a = false, "add_inputs"_a = true,
+      "interleaved_slices"_a = false, "sorted_token_ids"_a.none() = nb::none(),
+      "expert_ids"_a.none() = nb::none(), "block_lora_ids"_a.none() = nb::none(),
+      "num_tokens_post_padded"_a.none() = nb::none(), "block_size"_a = 0, "stream"_a = 0);
 
   // The gated activations without parameters share one binding shape.
   using GatedActivation = void (*)(const TensorView&, const TensorView&, moelora::Stream);
@@ -286,10 +400,12 @@ NB_MODULE(_moelora, m) {
          int64_t intermediate_size, const std::string& dtype, moelora::Activation activation,
          float swiglu_alpha, float swiglu_limit, bool apply_router_weight_on_input,
          bool no_combine, float routed_scaling_factor, int64_t chunk_size, int64_t block_size,
-         int64_t num_local_experts) {
-        const moelora::FusedExpertsShape shape{num_tokens,  top_k,
-                                               num_experts, hidden_size,
-                                               intermediate_size, parse_dtype(dtype), num_local_experts};
+         int64_t num_local_experts, int64_t max_loras, int64_t lora_rank) {
+        moelora::FusedExpertsShape shape{num_tokens,  top_k,
+                                         num_experts, hidden_size,
+                                         intermediate_size, parse_dtype(dtype), num_local_experts};
+        shape.max_loras = max_loras;
+        shape.lora_rank = lora_rank;
         return moelora::fused_experts_workspace_size(
             shape, make_options(activation, swiglu_alpha, swiglu_limit,
                                 apply_router_weight_on_input, no_combine, routed_scaling_factor,
@@ -299,7 +415,9 @@ NB_MODULE(_moelora, m) {
       "dtype"_a, "activation"_a = moelora::Activation::kSilu, "swiglu_alpha"_a = 1.702f,
       "swiglu_limit"_a = 7.0f, "apply_router_weight_on_input"_a = false, "no_combine"_a = false,
       "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0, "num_local_experts"_a = 0,
-      "Bytes of workspace fused_experts needs; num_experts is the global expert count.");
+      "max_loras"_a = 0, "lora_rank"_a = 0,
+      "Bytes of workspace fused_experts needs; num_experts is the global expert count. With "
+      "adapters: max_loras (the slots L) and lora_rank (the largest rank of w13's and w2's stacks).");
 
   m.def(
       "fused_experts_block_size",
@@ -320,7 +438,11 @@ NB_MODULE(_moelora, m) {
          const TensorView& workspace, const std::optional<TensorView>& expert_map,
          moelora::Activation activation, float swiglu_alpha, float swiglu_limit,
          bool apply_router_weight_on_input, bool no_combine, float routed_scaling_factor,
-         int64_t chunk_size, int64_t block_size, uintptr_t stream) {
+         int64_t chunk_size, int64_t block_size, const std::optional<TensorView>& token_lora_ids,
+         const std::optional<std::vector<TensorView>>& w13_lora_a,
+         const std::optional<std::vector<TensorView>>& w13_lora_b, const std::optional<TensorView>& w2_lora_a,
+         const std::optional<TensorView>& w2_lora_b, const std::optional<TensorView>& adapter_enabled,
+         const std::optional<TensorView>& adapter_scale, uintptr_t stream) {
         moelora::FusedExpertsArgs args;
         args.hidden_states = hidden_states;
         args.w13 = w13;
@@ -330,6 +452,32 @@ NB_MODULE(_moelora, m) {
         args.out = out;
         args.workspace = workspace;
         args.expert_map = optional_ptr(expert_map);
+        // LoRA: all of token_lora_ids and the four stacks, or none of them.
+        const bool any_lora = token_lora_ids || w13_lora_a || w13_lora_b || w2_lora_a || w2_lora_b;
+        moelora::FusedExpertsLora lora;
+        if (any_lora) {
+          const std::pair<bool, const char*> required[] = {
+              {bool(token_lora_ids), "token_lora_ids"}, {bool(w13_lora_a), "w13_lora_a"},
+              {bool(w13_lora_b), "w13_lora_b"},         {bool(w2_lora_a), "w2_lora_a"},
+              {bool(w2_lora_b), "w2_lora_b"}};
+          for (const auto& [given, name] : required) {
+            if (!given) {
+              throw moelora::Error(std::string("moelora.fused_experts: argument '") + name +
+                                   "' expected a tensor with the other LoRA arguments (token_lora_ids, "
+                                   "w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), got none");
+            }
+          }
+          lora.adapters = make_adapters(*token_lora_ids, adapter_enabled, adapter_scale);
+          // gpt-oss keeps gate and up interleaved in w13's rows: two slices follow them.
+          const bool interleaved = activation == moelora::Activation::kSwigluOai && w13_lora_a->size() == 2;
+          lora.w13 = make_lora_weights("fused_experts", "w13_", *w13_lora_a, *w13_lora_b, interleaved);
+          lora.w2 = make_lora_weights("fused_experts", "w2_", {*w2_lora_a}, {*w2_lora_b}, false);
+          args.lora = &lora;
+        } else if (adapter_enabled || adapter_scale) {
+          throw moelora::Error(std::string("moelora.fused_experts: argument '") +
+                               (adapter_enabled ? "adapter_enabled" : "adapter_scale") +
+                               "' expected none without token_lora_ids and the LoRA stacks, got a tensor");
+        }
         const moelora::FusedExpertsOptions options =
             make_options(activation, swiglu_alpha, swiglu_limit, apply_router_weight_on_input,
                          no_combine, routed_scaling_factor, chunk_size, block_size);
@@ -341,5 +489,7 @@ NB_MODULE(_moelora, m) {
       "swiglu_alpha"_a = 1.702f, "swiglu_limit"_a = 7.0f,
       "apply_router_weight_on_input"_a = false, "no_combine"_a = false,
       "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0,
-      "stream"_a = 0);
+      "token_lora_ids"_a.none() = nb::none(), "w13_lora_a"_a.none() = nb::none(),
+      "w13_lora_b"_a.none() = nb::none(), "w2_lora_a"_a.none() = nb::none(), "w2_lora_b"_a.none() = nb::none(),
+      "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(), "stream"_a = 0);
 }

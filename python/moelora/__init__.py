@@ -3,7 +3,7 @@
 The ops in :mod:`moelora.ops` take numpy arrays (float32, float16, ml_dtypes.bfloat16,
 int32, int64) or torch tensors (CPU or CUDA). When torch is importable, importing this
 package also registers the ``torch.ops.moelora.*`` custom ops and exposes
-:class:`moelora.FusedMoE`.
+:class:`moelora.FusedMoE` (with multi-LoRA adapter slots: ``max_loras``, ``load_adapter``).
 
 The compiled extension ``_moelora`` is looked up first in the folder named by the
 environment variable ``MOELORA_EXT_DIR`` (a CMake build dir, for development without
@@ -48,7 +48,11 @@ TensorView = _ext.TensorView
 view = _ext.view
 cuda_available = _ext.cuda_available
 moe_align_block_size_capacity = _ext.moe_align_block_size_capacity
+moe_lora_align_block_size_capacity = _ext.moe_lora_align_block_size_capacity
+fused_moe_lora_workspace_size = _ext.fused_moe_lora_workspace_size
 fused_experts_workspace_size = _ext.fused_experts_workspace_size
+MAX_LORA_RANK = _ext.MAX_LORA_RANK
+MAX_LORA_ADAPTERS = _ext.MAX_LORA_ADAPTERS
 fused_experts_block_size = _ext.fused_experts_block_size
 __version__ = _ext.version()
 
@@ -59,10 +63,13 @@ def version():
 
 
 from .ops import (  # noqa: E402  (the extension must be loaded first)
+    MoeLora,
     fused_experts,
     fused_moe,
+    fused_moe_lora,
     gelu_and_mul,
     moe_align_block_size,
+    moe_lora_align_block_size,
     moe_sum_reduce,
     silu_and_mul,
     swiglu_oai_and_mul,
@@ -90,15 +97,22 @@ __all__ = [
     "Activation",
     "Error",
     "HAS_TORCH",
+    "MAX_LORA_ADAPTERS",
+    "MAX_LORA_RANK",
+    "MoeLora",
     "TensorView",
     "cuda_available",
     "fused_experts",
     "fused_experts_block_size",
     "fused_experts_workspace_size",
     "fused_moe",
+    "fused_moe_lora",
+    "fused_moe_lora_workspace_size",
     "gelu_and_mul",
     "moe_align_block_size",
     "moe_align_block_size_capacity",
+    "moe_lora_align_block_size",
+    "moe_lora_align_block_size_capacity",
     "moe_sum_reduce",
     "silu_and_mul",
     "swiglu_oai_and_mul",

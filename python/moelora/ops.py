@@ -12,6 +12,7 @@ A bad argument raises ValueError (moelora.Error) naming the op and the argument.
 """
 
 import contextlib
+import dataclasses
 import sys
 
 import numpy as np
@@ -19,10 +20,13 @@ import numpy as np
 from . import _ext
 
 __all__ = [
+    "MoeLora",
     "fused_experts",
     "fused_moe",
+    "fused_moe_lora",
     "gelu_and_mul",
     "moe_align_block_size",
+    "moe_lora_align_block_size",
     "moe_sum_reduce",
     "silu_and_mul",
     "swiglu_oai_and_mul",
@@ -39,6 +43,10 @@ _ACTIVATIONS = {
 
 _NUMPY_DTYPES = {"int32": np.int32}
 
+# Multi-LoRA limits of the library (include/moelora/ops.h).
+MAX_LORA_RANK = _ext.MAX_LORA_RANK
+MAX_LORA_ADAPTERS = _ext.MAX_LORA_ADAPTERS
+
 
 def align_capacity(num_slots, block_size, num_experts, min_fn=min):
     """(max_num_tokens_padded, max_num_blocks), as moe_align_block_size_capacity computes
@@ -48,6 +56,13 @@ def align_capacity(num_slots, block_size, num_experts, min_fn=min):
     pads by at most block_size - 1 entries, and at most num_slots groups are non-empty."""
     max_num_tokens_padded = num_slots + min_fn(num_experts + 1, num_slots) * (block_size - 1)
     return max_num_tokens_padded, (max_num_tokens_padded + block_size - 1) // block_size
+
+
+def lora_align_capacity(num_slots, block_size, num_experts, max_loras, min_fn=min):
+    """(max_num_tokens_padded, max_num_blocks) of moe_lora_align_block_size: the capacity
+    of moe_align_block_size over the virtual experts, one per (expert, adapter or none)
+    pair. Plain arithmetic, like align_capacity, for torch's symbolic sizes."""
+    return align_capacity(num_slots, block_size, num_experts * (max_loras + 1), min_fn)
 
 
 def _torch():
@@ -221,6 +236,51 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
     return sorted_token_ids, expert_ids, num_tokens_post_padded
 
 
+def _check_max_loras(op, max_loras):
+    if isinstance(max_loras, bool) or not isinstance(max_loras, (int, np.integer)):
+        raise _error(op, "max_loras", f"expected an int, got {type(max_loras).__name__}")
+    if not 1 <= max_loras <= MAX_LORA_ADAPTERS:
+        raise _error(op, "max_loras", f"expected a value in [1, {MAX_LORA_ADAPTERS}], got {max_loras}")
+    return int(max_loras)
+
+
+def moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, num_experts, adapter_enabled=None,
+                              expert_map=None):
+    """moe_align_block_size over (expert, adapter) pairs: every block holds the slots of one
+    expert and one adapter (or of no adapter: base-only blocks, adapter -1).
+
+    topk_ids [M, top_k] int32|int64 (-1 = dropped slot); token_lora_ids [M] int32, the
+    adapter of each token in [0, max_loras) or -1; adapter_enabled [max_loras] int32
+    (0 = disabled: its tokens run base-only), optional; expert_map as moe_align_block_size.
+    Groups are ordered expert-major: all of an expert's groups are adjacent.
+    Returns (sorted_token_ids [max_num_tokens_padded] int32, expert_ids [max_num_blocks]
+    int32, block_lora_ids [max_num_blocks] int32 (-1 = base-only or unused block),
+    num_tokens_post_padded [1] int32), allocated on topk_ids' device; sizes from
+    moe_lora_align_block_size_capacity(M * top_k, block_size, num_experts, max_loras).
+    """
+    op = "moe_lora_align_block_size"
+    max_loras = _check_max_loras(op, max_loras)
+    ids_view = _view(op, "topk_ids", topk_ids)
+    lora_ids_view = _view(op, "token_lora_ids", token_lora_ids)
+    enabled_view = _optional_view(op, "adapter_enabled", adapter_enabled)
+    map_view = _optional_view(op, "expert_map", expert_map)
+    num_slots = int(np.prod(ids_view.shape, dtype=np.int64))
+    max_num_tokens_padded, max_num_blocks = _ext.moe_lora_align_block_size_capacity(
+        num_slots, int(block_size), int(num_experts), max_loras)
+    sorted_token_ids = _empty(topk_ids, (max(max_num_tokens_padded, 0),), "int32")
+    expert_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
+    block_lora_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
+    num_tokens_post_padded = _empty(topk_ids, (1,), "int32")
+    stream, guard = _launch(topk_ids)
+    with guard:
+        _ext.moe_lora_align_block_size(
+            ids_view, lora_ids_view, enabled_view, max_loras, int(block_size), int(num_experts), map_view,
+            _view(op, "sorted_token_ids", sorted_token_ids), _view(op, "expert_ids", expert_ids),
+            _view(op, "block_lora_ids", block_lora_ids),
+            _view(op, "num_tokens_post_padded", num_tokens_post_padded), stream=stream)
+    return sorted_token_ids, expert_ids, block_lora_ids, num_tokens_post_padded
+
+
 def fused_moe(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights=None,
               mul_routed_weight=False, top_k=1, block_size=64):
     """The grouped expert GEMM over aligned blocks, written into out.
@@ -242,6 +302,90 @@ def fused_moe(a, w, out, sorted_token_ids, expert_ids, num_tokens_post_padded, t
             _view(op, "num_tokens_post_padded", num_tokens_post_padded),
             _optional_view(op, "topk_weights", topk_weights),
             bool(mul_routed_weight), int(top_k), int(block_size), stream=stream)
+    return out
+
+
+def _is_array(x):
+    return isinstance(x, np.ndarray) or _is_torch_tensor(x)
+
+
+def _slices(op, name, x, allowed=(1, 2)):
+    """A LoRA stack argument as a list of its output slices: a list or tuple of arrays (a
+    single array is one slice)."""
+    if _is_array(x):
+        x = [x]
+    elif isinstance(x, (list, tuple)):
+        x = list(x)
+    else:
+        raise TypeError(f"moelora.{op}: argument '{name}' expected a list of arrays (one per output slice), "
+                        f"got {type(x).__name__}")
+    if len(x) not in allowed:
+        expected = ("an array (or a list of one)" if allowed == (1,) else
+                    f"a list of {' or '.join(str(n) for n in allowed)} arrays (one per output slice)")
+        raise _error(op, name, f"expected {expected}, got a list of {len(x)}")
+    return x
+
+
+def _slice_views(op, name, slices):
+    return [_view(op, f"{name}[{c}]", x) for c, x in enumerate(slices)]
+
+
+def fused_moe_lora(out, a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_enabled=None, adapter_scale=None,
+                   topk_weights=None, mul_routed_weight=False, add_inputs=True, interleaved_slices=False,
+                   alignment=None):
+    """The LoRA delta of an expert GEMM, added into out (vLLM's fused_moe_lora).
+
+    out [M * top_k, N]: the GEMM's output (a's dtype), written in place; a [M, K] (row =
+    slot // top_k) or [M * top_k, K] (one row per slot); topk_ids [M, top_k] int32|int64
+    local expert ids (-1 = dropped); token_lora_ids [M] int32 (-1 = no adapter);
+    lora_a / lora_b: lists of S = 1 or 2 slices, lora_a[c] [L, E, r, K] and
+    lora_b[c] [L, E, N / S, r] (a's dtype); slice c holds columns [c N/S, (c+1) N/S), or
+    the columns n % S == c with interleaved_slices; adapter_enabled [L] int32 (0 =
+    disabled) and adapter_scale [L] float32 (1 when absent) optional.
+    For every slot whose token has an enabled adapter l and whose expert e is not -1:
+        out[s] = (out[s] if add_inputs else 0) + scale[l] * B[l, e] @ (A[l, e] @ a[row(s)])
+    times topk_weights.flat[s] (float32 [M, top_k]) when mul_routed_weight; every other
+    row is kept with add_inputs, zeroed without.
+    alignment: None (per slot; small batches) or (sorted_token_ids, expert_ids,
+    block_lora_ids, num_tokens_post_padded, block_size) from moe_lora_align_block_size.
+    Returns out.
+    """
+    op = "fused_moe_lora"
+    _check_writable(op, "out", out)
+    lora_a = _slices(op, "lora_a", lora_a)
+    lora_b = _slices(op, "lora_b", lora_b)
+    if len(lora_b) != len(lora_a):
+        raise _error(op, "lora_b", f"expected {len(lora_a)} slices (as many as 'lora_a'), got {len(lora_b)}")
+    if alignment is None:
+        sorted_token_ids = expert_ids = block_lora_ids = num_tokens_post_padded = None
+        block_size = 0
+    else:
+        if not isinstance(alignment, (list, tuple)) or len(alignment) != 5:
+            raise _error(op, "alignment", "expected None or a tuple (sorted_token_ids, expert_ids, block_lora_ids, "
+                                          "num_tokens_post_padded, block_size), got "
+                                          + (f"{len(alignment)} items" if isinstance(alignment, (list, tuple))
+                                             else type(alignment).__name__))
+        sorted_token_ids, expert_ids, block_lora_ids, num_tokens_post_padded, block_size = alignment
+    out_view = _view(op, "out", out)
+    a_view = _view(op, "a", a)
+    ids_view = _view(op, "topk_ids", topk_ids)
+    lora_a_views = _slice_views(op, "lora_a", lora_a)
+    lora_b_views = _slice_views(op, "lora_b", lora_b)
+    num_slots = int(np.prod(ids_view.shape, dtype=np.int64))
+    rank = min(max(_dim(lora_a_views[0], 2), 0), MAX_LORA_RANK)  # a bad rank is reported by the op
+    dtype = a_view.dtype if a_view.dtype in ("float32", "float16", "bfloat16") else "float32"
+    workspace_bytes = _ext.fused_moe_lora_workspace_size(num_slots, len(lora_a), rank, dtype)
+    workspace = _aligned_workspace(a, max(workspace_bytes, 0))
+    stream, guard = _launch(a)
+    with guard:
+        _ext.fused_moe_lora(
+            out_view, a_view, ids_view, _view(op, "token_lora_ids", token_lora_ids), lora_a_views, lora_b_views,
+            _view(op, "workspace", workspace), _optional_view(op, "adapter_enabled", adapter_enabled),
+            _optional_view(op, "adapter_scale", adapter_scale), _optional_view(op, "topk_weights", topk_weights),
+            bool(mul_routed_weight), bool(add_inputs), bool(interleaved_slices),
+            _optional_view(op, "sorted_token_ids", sorted_token_ids), _optional_view(op, "expert_ids", expert_ids),
+            _optional_view(op, "block_lora_ids", block_lora_ids),
+            _optional_view(op, "num_tokens_post_padded", num_tokens_post_padded), int(block_size), stream=stream)
     return out
 
 
@@ -277,6 +421,31 @@ def moe_sum_reduce(x, out=None, routed_scaling_factor=1.0):
     return out
 
 
+@dataclasses.dataclass
+class MoeLora:
+    """The adapters of one MoE layer, for fused_experts(..., lora=MoeLora(...)).
+
+    token_lora_ids [M] int32: the adapter slot of each token, -1 = none.
+    w13_lora_a / w13_lora_b: lists of 1 or 2 slices (a single array is one slice).
+        Two slices (gate, up): w13_lora_a[c] [L, E, r, H], w13_lora_b[c] [L, E, I, r]; with
+        swiglu_oai they are gate and up of gpt-oss's interleaved rows (even, odd).
+        One slice: w13_lora_a[0] [L, E, r, H], w13_lora_b[0] [L, E, 2I, r] in w13's row order.
+    w2_lora_a [L, E, r, I], w2_lora_b [L, E, H, r].
+    adapter_enabled [L] int32 (0 = disabled slot), adapter_scale [L] float32 (1 when
+    absent): optional. E = the experts of w13 (local experts); stacks in the layer's dtype.
+    The layer computes h1 = x (w13[e] + scale B13 A13)^T, h2 = act(h1) (w2[e] + scale B2 A2)^T
+    for the tokens with an enabled adapter.
+    """
+
+    token_lora_ids: object
+    w13_lora_a: object
+    w13_lora_b: object
+    w2_lora_a: object
+    w2_lora_b: object
+    adapter_enabled: object = None
+    adapter_scale: object = None
+
+
 def _activation_enum(activation):
     if isinstance(activation, _ext.Activation):
         return activation
@@ -290,7 +459,7 @@ def _activation_enum(activation):
 def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", inplace=False,
                   no_combine=False, apply_router_weight_on_input=False, routed_scaling_factor=1.0,
                   expert_map=None, chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, out=None,
-                  block_size=0):
+                  block_size=0, lora=None):
     """The whole MoE layer: align -> GEMM1 -> activation -> GEMM2 -> reduce.
 
     hidden_states [M, H]; w13 [E_local, 2I, H] (gate rows then up rows; interleaved for
@@ -299,7 +468,7 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     (global -> local or -1 for experts on other ranks, whose slots contribute zero).
     Returns out [M, H] (routed_scaling_factor * the weighted sum over the top_k experts),
     or [M, top_k, H] with no_combine. inplace writes into hidden_states and returns it.
-    block_size 0 lets the library choose.
+    block_size 0 lets the library choose. lora: a MoeLora (multi-LoRA adapters), or None.
     """
     op = "fused_experts"
     activation = _activation_enum(activation)
@@ -325,6 +494,30 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
         _check_writable(op, "out", out)
     out_view = x_view if out is hidden_states else _view(op, "out", out)
 
+    lora_args, max_loras, lora_rank = {}, 0, 0
+    if lora is not None:
+        if not isinstance(lora, MoeLora):
+            raise TypeError(f"moelora.{op}: argument 'lora' expected a moelora.MoeLora or None, "
+                            f"got {type(lora).__name__}")
+        w13_lora_a = _slices(op, "w13_lora_a", lora.w13_lora_a)
+        w13_lora_b = _slices(op, "w13_lora_b", lora.w13_lora_b)
+        if len(w13_lora_b) != len(w13_lora_a):
+            raise _error(op, "w13_lora_b", f"expected {len(w13_lora_a)} slices (as many as 'w13_lora_a'), "
+                                           f"got {len(w13_lora_b)}")
+        w2_lora_a = _slices(op, "w2_lora_a", lora.w2_lora_a, allowed=(1,))[0]
+        w2_lora_b = _slices(op, "w2_lora_b", lora.w2_lora_b, allowed=(1,))[0]
+        lora_args = dict(
+            token_lora_ids=_view(op, "token_lora_ids", lora.token_lora_ids),
+            w13_lora_a=_slice_views(op, "w13_lora_a", w13_lora_a),
+            w13_lora_b=_slice_views(op, "w13_lora_b", w13_lora_b),
+            w2_lora_a=_view(op, "w2_lora_a", w2_lora_a), w2_lora_b=_view(op, "w2_lora_b", w2_lora_b),
+            adapter_enabled=_optional_view(op, "adapter_enabled", lora.adapter_enabled),
+            adapter_scale=_optional_view(op, "adapter_scale", lora.adapter_scale))
+        # Bad sizes are reported by the op; the clamps keep the workspace query sane until then.
+        max_loras = min(max(_dim(lora_args["w13_lora_a"][0], 0), 0), MAX_LORA_ADAPTERS)
+        lora_rank = min(max(_dim(lora_args["w13_lora_a"][0], 2), _dim(lora_args["w2_lora_a"], 2), 0),
+                        MAX_LORA_RANK)
+
     num_experts = _dim(map_view, 0) if map_view is not None else _dim(w13_view, 0)
     options = dict(
         activation=activation, swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
@@ -334,11 +527,11 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     workspace_bytes = _ext.fused_experts_workspace_size(
         num_tokens, top_k, num_experts, hidden_size, _dim(w2_view, -1),
         x_view.dtype if x_view.dtype in ("float32", "float16", "bfloat16") else "float32",
-        num_local_experts=_dim(w13_view, 0), **options)
+        num_local_experts=_dim(w13_view, 0), max_loras=max_loras, lora_rank=lora_rank, **options)
     workspace = _aligned_workspace(hidden_states, max(workspace_bytes, 0))
 
     stream, guard = _launch(hidden_states)
     with guard:
         _ext.fused_experts(x_view, w13_view, w2_view, weights_view, ids_view, out_view,
-                           _view(op, "workspace", workspace), map_view, stream=stream, **options)
+                           _view(op, "workspace", workspace), map_view, stream=stream, **options, **lora_args)
     return out

@@ -10,10 +10,14 @@ import math
 import numpy as np
 
 __all__ = [
+    "effective_lora_ids",
     "fused_experts",
     "fused_moe",
+    "fused_moe_lora",
     "gelu_and_mul",
+    "lora_delta",
     "moe_align_block_size",
+    "moe_lora_align_block_size",
     "moe_sum_reduce",
     "silu_and_mul",
     "swiglu_oai_and_mul",
@@ -105,6 +109,124 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
             len(sorted_ids), groups)
 
 
+def effective_lora_ids(token_lora_ids, max_loras, adapter_enabled=None):
+    """The adapter each token runs with: token_lora_ids[m] when it is in [0, max_loras) and
+    enabled (adapter_enabled[l] != 0), else -1 (base only). int64 [M]."""
+    ids = np.asarray(token_lora_ids).astype(np.int64).reshape(-1)
+    valid = (ids >= 0) & (ids < max_loras)
+    if adapter_enabled is not None:
+        enabled = np.asarray(adapter_enabled).astype(np.int64).reshape(-1) != 0
+        valid &= enabled[np.clip(ids, 0, max_loras - 1)]
+    return np.where(valid, ids, -1)
+
+
+def moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, num_experts, adapter_enabled=None,
+                              expert_map=None):
+    """The used part of moe_lora_align_block_size's outputs.
+
+    Groups are (expert, adapter) pairs in expert-major order, an expert's base-only group
+    (adapter -1: no adapter, or a disabled one) before its adapters 0..L-1, then the
+    trailing group of dropped slots (expert -1, adapter -1).
+    Returns (sorted_token_ids, expert_ids, block_lora_ids, num_tokens_post_padded: int,
+    groups), as moe_align_block_size (the order of slots inside a group is free).
+    """
+    ids = np.asarray(topk_ids).astype(np.int64)
+    top_k = ids.shape[1] if ids.ndim == 2 else 1
+    ids = ids.reshape(-1)
+    num_slots = ids.size
+    slot_lora = np.repeat(effective_lora_ids(token_lora_ids, max_loras, adapter_enabled), top_k)
+    sorted_ids, block_experts, block_loras, groups = [], [], [], []
+    keys = [(e, l) for e in range(num_experts) for l in range(-1, max_loras)] + [(-1, -1)]
+    for expert, lora in keys:
+        if expert == -1:
+            slots = np.flatnonzero(ids == -1)
+        else:
+            slots = np.flatnonzero((ids == expert) & (slot_lora == lora))
+        if slots.size == 0:
+            continue
+        num_blocks = -(-slots.size // block_size)
+        padded = np.full(num_blocks * block_size, num_slots, dtype=np.int64)
+        padded[:slots.size] = slots
+        groups.append((len(sorted_ids), len(sorted_ids) + padded.size))
+        sorted_ids.extend(padded.tolist())
+        if expert == -1:
+            block_expert = -1
+        elif expert_map is not None:
+            block_expert = int(np.asarray(expert_map)[expert])
+        else:
+            block_expert = expert
+        block_experts.extend([block_expert] * num_blocks)
+        block_loras.extend([lora] * num_blocks)
+    return (np.asarray(sorted_ids, dtype=np.int32), np.asarray(block_experts, dtype=np.int32),
+            np.asarray(block_loras, dtype=np.int32), len(sorted_ids), groups)
+
+
+def _slice_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _lora_matrices(lora_a, lora_b, lora, expert):
+    """[(A [r, K], B [N/S, r]) per slice] of one (adapter, expert) in float64."""
+    return [(_f64(a[lora, expert]), _f64(b[lora, expert])) for a, b in zip(lora_a, lora_b)]
+
+
+def _apply_delta(rows, matrices, scale, interleaved_slices):
+    """The LoRA delta of input rows [n, K] -> [n, N] = scale * B (A row) per slice, the
+    slices' columns in blocks (c * N/S + j) or interleaved (j * S + c)."""
+    num_slices = len(matrices)
+    parts = [(rows @ a.T) @ b.T * scale for a, b in matrices]
+    width = parts[0].shape[1]
+    delta = np.empty((rows.shape[0], width * num_slices))
+    for c, part in enumerate(parts):
+        if interleaved_slices:
+            delta[:, c::num_slices] = part
+        else:
+            delta[:, c * width:(c + 1) * width] = part
+    return delta
+
+
+def lora_delta(a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_enabled=None, adapter_scale=None,
+               interleaved_slices=False):
+    """The per-slot LoRA delta of an expert GEMM, following the ops.h contract literally:
+        delta[s, col(c, j)] = scale[l] * sum_i lora_b[c][l, e, j, i] * sum_k lora_a[c][l, e, i, k] * a[row(s), k]
+    for slot s = m * top_k + j with token m's adapter l (enabled, in range) and expert e =
+    topk_ids[m, j] >= 0; zero rows for the other slots. a [M, K] (row = s // top_k) or
+    [M * top_k, K] (row = s). lora_a / lora_b: lists of 1 or 2 slices (or one array).
+    Returns (delta [M * top_k, N] float64, active [M * top_k] bool)."""
+    lora_a, lora_b = _slice_list(lora_a), _slice_list(lora_b)
+    ids = np.asarray(topk_ids).astype(np.int64)
+    num_tokens, top_k = ids.shape
+    num_slots = num_tokens * top_k
+    max_loras = lora_a[0].shape[0]
+    a = _f64(a)
+    rows_per_slot = 1 if a.shape[0] == num_slots else top_k  # a row = slot // rows_per_slot
+    scales = np.ones(max_loras) if adapter_scale is None else _f64(adapter_scale).reshape(-1)
+    slot_lora = np.repeat(effective_lora_ids(token_lora_ids, max_loras, adapter_enabled), top_k)
+    slot_expert = ids.reshape(-1)
+    active = (slot_lora >= 0) & (slot_expert >= 0)
+    width = lora_b[0].shape[2] * len(lora_b)
+    delta = np.zeros((num_slots, width))
+    for lora, expert in set(zip(slot_lora[active].tolist(), slot_expert[active].tolist())):
+        slots = np.flatnonzero(active & (slot_lora == lora) & (slot_expert == expert))
+        delta[slots] = _apply_delta(a[slots // rows_per_slot], _lora_matrices(lora_a, lora_b, lora, expert),
+                                    scales[lora], interleaved_slices)
+    return delta, active
+
+
+def fused_moe_lora(out, a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_enabled=None, adapter_scale=None,
+                   topk_weights=None, mul_routed_weight=False, add_inputs=True, interleaved_slices=False):
+    """fused_moe_lora's result [M * top_k, N] float64 from its input `out` (read only when
+    add_inputs): rows of slots with an adapter and an expert get (out if add_inputs else
+    0) + delta (times the routed weight when mul_routed_weight); the other rows keep out
+    (add_inputs) or are zero."""
+    delta, active = lora_delta(a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_enabled, adapter_scale,
+                               interleaved_slices)
+    if mul_routed_weight:
+        delta *= _f64(topk_weights).reshape(-1)[:, None]
+    base = _f64(out).reshape(delta.shape) if add_inputs else np.zeros_like(delta)
+    return np.where(active[:, None], base + delta, base)
+
+
 def fused_moe(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, num_slots, topk_weights=None,
               mul_routed_weight=False, top_k=1, block_size=64):
     """The grouped GEMM, following the contract literally.
@@ -131,15 +253,29 @@ def fused_moe(a, w, sorted_token_ids, expert_ids, num_tokens_post_padded, num_sl
     return out
 
 
+def _lora_field(lora, name):
+    if isinstance(lora, dict):
+        return lora.get(name)
+    return getattr(lora, name, None)
+
+
 def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", no_combine=False,
                   apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                  swiglu_alpha=1.702, swiglu_limit=7.0):
+                  swiglu_alpha=1.702, swiglu_limit=7.0, lora=None):
     """The MoE layer in float64, per slot (m, j) with expert e = topk_ids[m, j]:
     y[m, j] = act(x[m] @ w13[e].T) @ w2[e].T, weighted by topk_weights[m, j] (on GEMM1's
     output when apply_router_weight_on_input, else on y); zero for a dropped slot (e = -1)
     or an expert whose expert_map entry is -1 (w13/w2 indexed by expert_map[e]).
     Returns [M, H] = routed_scaling_factor * sum_j y[m, j], or y [M, top_k, H] with
     no_combine (no scaling).
+
+    lora: None, or an object or dict with the fields of moelora.MoeLora (numpy arrays):
+    token_lora_ids, w13_lora_a / w13_lora_b (lists of 1 or 2 slices), w2_lora_a,
+    w2_lora_b, adapter_enabled, adapter_scale. A token with an enabled adapter l adds
+    scale[l] * B (A h) to each GEMM's output before what follows reads it: the w13 delta
+    before the activation (and the router weight on input), the w2 delta before the
+    routed weight. Two w13 slices are gate and up: halves of w13's rows, or with
+    swiglu_oai its even and odd rows; one slice covers w13's 2I rows in their order.
     """
     x = _f64(hidden_states)
     ids = np.asarray(topk_ids).astype(np.int64)
@@ -151,13 +287,34 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     if expert_map is not None:
         mapping = np.asarray(expert_map).astype(np.int64)
         local_ids = np.where(ids >= 0, mapping[np.maximum(ids, 0)], -1)
+    token_lora = np.full(num_tokens, -1)  # no adapter: the loops below add no delta
+    if lora is not None:
+        w13_lora_a = _slice_list(_lora_field(lora, "w13_lora_a"))
+        w13_lora_b = _slice_list(_lora_field(lora, "w13_lora_b"))
+        w2_lora_a = _slice_list(_lora_field(lora, "w2_lora_a"))
+        w2_lora_b = _slice_list(_lora_field(lora, "w2_lora_b"))
+        max_loras = w13_lora_a[0].shape[0]
+        token_lora = effective_lora_ids(_lora_field(lora, "token_lora_ids"), max_loras,
+                                        _lora_field(lora, "adapter_enabled"))
+        scale = _lora_field(lora, "adapter_scale")
+        scales = np.ones(max_loras) if scale is None else _f64(scale).reshape(-1)
+        interleaved = activation == "swiglu_oai" and len(w13_lora_a) == 2
     per_slot = np.zeros((num_tokens, top_k, hidden_size))
     for expert in np.unique(local_ids[local_ids >= 0]):
         tokens, ks = np.nonzero(local_ids == expert)
         h = x[tokens] @ _f64(w13[expert]).T
+        slot_lora = token_lora[tokens]
+        for l in np.unique(slot_lora[slot_lora >= 0]):
+            rows = slot_lora == l
+            h[rows] += _apply_delta(x[tokens[rows]], _lora_matrices(w13_lora_a, w13_lora_b, l, expert),
+                                    scales[l], interleaved)
         if apply_router_weight_on_input:
             h *= weights[tokens, ks][:, None]
-        y = act(h, swiglu_alpha, swiglu_limit) @ _f64(w2[expert]).T
+        a = act(h, swiglu_alpha, swiglu_limit)
+        y = a @ _f64(w2[expert]).T
+        for l in np.unique(slot_lora[slot_lora >= 0]):
+            rows = slot_lora == l
+            y[rows] += _apply_delta(a[rows], _lora_matrices(w2_lora_a, w2_lora_b, l, expert), scales[l], False)
         if not apply_router_weight_on_input:
             y *= weights[tokens, ks][:, None]
         per_slot[tokens, ks] = y

@@ -7,6 +7,12 @@ implementation giving output shapes from input shapes alone.
 
 Mirroring SGLang, fused_experts is functional (returns a new tensor) and
 inplace_fused_experts writes into hidden_states.
+
+Multi-LoRA: fused_experts_lora is fused_experts with the adapter state and stacks (the
+required tensors first, then the options of fused_experts); fused_moe_lora adds the LoRA
+delta of one expert GEMM into `out` (vLLM's fused_moe_lora); moe_lora_align_block_size
+aligns over (expert, adapter) pairs. The adapter state (token_lora_ids, adapter_enabled,
+adapter_scale) stays on the device, so one captured CUDA graph serves any mix of adapters.
 """
 
 import torch
@@ -22,6 +28,10 @@ _FUSED_EXPERTS_ARGS = (
     "bool apply_router_weight_on_input=False, float routed_scaling_factor=1.0, "
     "Tensor? expert_map=None, int chunk_size=65536, float swiglu_alpha=1.702, "
     "float swiglu_limit=7.0")
+
+_LORA_ARGS = (
+    "Tensor token_lora_ids, Tensor[] w13_lora_a, Tensor[] w13_lora_b, Tensor w2_lora_a, Tensor w2_lora_b, "
+    "Tensor? adapter_enabled=None, Tensor? adapter_scale=None")
 
 _SCHEMAS = {
     "moe_align_block_size":
@@ -40,6 +50,20 @@ _SCHEMAS = {
         f"fused_experts(Tensor hidden_states, {_FUSED_EXPERTS_ARGS}, bool no_combine=False) -> Tensor",
     "inplace_fused_experts":
         f"inplace_fused_experts(Tensor(a!) hidden_states, {_FUSED_EXPERTS_ARGS}) -> ()",
+    "moe_lora_align_block_size":
+        "moe_lora_align_block_size(Tensor topk_ids, Tensor token_lora_ids, int max_loras, int block_size, "
+        "int num_experts, Tensor? adapter_enabled=None, Tensor? expert_map=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "fused_moe_lora":
+        "fused_moe_lora(Tensor(a!) out, Tensor a, Tensor topk_ids, Tensor token_lora_ids, Tensor[] lora_a, "
+        "Tensor[] lora_b, Tensor? adapter_enabled=None, Tensor? adapter_scale=None, Tensor? topk_weights=None, "
+        "bool mul_routed_weight=False, bool add_inputs=True, bool interleaved_slices=False, "
+        "Tensor? sorted_token_ids=None, Tensor? expert_ids=None, Tensor? block_lora_ids=None, "
+        "Tensor? num_tokens_post_padded=None, int block_size=0) -> ()",
+    "fused_experts_lora":
+        "fused_experts_lora(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        f"{_LORA_ARGS}, str activation='silu', bool apply_router_weight_on_input=False, "
+        "float routed_scaling_factor=1.0, Tensor? expert_map=None, int chunk_size=65536, "
+        "float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False) -> Tensor",
 }
 
 
@@ -91,6 +115,40 @@ def _inplace_fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activ
         swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
 
 
+def _moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, num_experts, adapter_enabled=None,
+                               expert_map=None):
+    return _ops.moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, num_experts,
+                                          adapter_enabled=adapter_enabled, expert_map=expert_map)
+
+
+def _fused_moe_lora(out, a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_enabled=None, adapter_scale=None,
+                    topk_weights=None, mul_routed_weight=False, add_inputs=True, interleaved_slices=False,
+                    sorted_token_ids=None, expert_ids=None, block_lora_ids=None, num_tokens_post_padded=None,
+                    block_size=0):
+    alignment = None
+    if sorted_token_ids is not None or expert_ids is not None or block_lora_ids is not None \
+            or num_tokens_post_padded is not None:
+        # The op names the missing one when only some are given.
+        alignment = (sorted_token_ids, expert_ids, block_lora_ids, num_tokens_post_padded, block_size)
+    _ops.fused_moe_lora(out, a, topk_ids, token_lora_ids, list(lora_a), list(lora_b),
+                        adapter_enabled=adapter_enabled, adapter_scale=adapter_scale, topk_weights=topk_weights,
+                        mul_routed_weight=mul_routed_weight, add_inputs=add_inputs,
+                        interleaved_slices=interleaved_slices, alignment=alignment)
+
+
+def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
+                        w2_lora_a, w2_lora_b, adapter_enabled=None, adapter_scale=None, activation="silu",
+                        apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+    lora = _ops.MoeLora(token_lora_ids, list(w13_lora_a), list(w13_lora_b), w2_lora_a, w2_lora_b,
+                        adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
+    return _ops.fused_experts(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora)
+
+
 # ---- fake implementations: shapes only ---------------------------------------------
 
 def _moe_align_block_size_fake(topk_ids, block_size, num_experts, expert_map=None):
@@ -127,6 +185,30 @@ def _inplace_fused_experts_fake(hidden_states, *args, **kwargs):
     return None
 
 
+def _moe_lora_align_block_size_fake(topk_ids, token_lora_ids, max_loras, block_size, num_experts,
+                                    adapter_enabled=None, expert_map=None):
+    max_num_tokens_padded, max_num_blocks = _ops.lora_align_capacity(topk_ids.numel(), block_size, num_experts,
+                                                                     max_loras, min_fn=torch.sym_min)
+    device = topk_ids.device
+    return (torch.empty((max_num_tokens_padded,), dtype=torch.int32, device=device),
+            torch.empty((max_num_blocks,), dtype=torch.int32, device=device),
+            torch.empty((max_num_blocks,), dtype=torch.int32, device=device),
+            torch.empty((1,), dtype=torch.int32, device=device))
+
+
+def _fused_moe_lora_fake(out, *args, **kwargs):
+    return None
+
+
+def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
+                             w2_lora_a, w2_lora_b, adapter_enabled=None, adapter_scale=None, activation="silu",
+                             apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                             chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+    if no_combine:
+        return hidden_states.new_empty((hidden_states.shape[0], topk_ids.shape[1], hidden_states.shape[1]))
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
 _IMPLEMENTATIONS = {
     "moe_align_block_size": (_moe_align_block_size, _moe_align_block_size_fake),
     "fused_moe": (_fused_moe, _fused_moe_fake),
@@ -136,6 +218,9 @@ _IMPLEMENTATIONS = {
     "moe_sum_reduce": (_moe_sum_reduce, _moe_sum_reduce_fake),
     "fused_experts": (_fused_experts, _fused_experts_fake),
     "inplace_fused_experts": (_inplace_fused_experts, _inplace_fused_experts_fake),
+    "moe_lora_align_block_size": (_moe_lora_align_block_size, _moe_lora_align_block_size_fake),
+    "fused_moe_lora": (_fused_moe_lora, _fused_moe_lora_fake),
+    "fused_experts_lora": (_fused_experts_lora, _fused_experts_lora_fake),
 }
 
 for _name, _schema in _SCHEMAS.items():

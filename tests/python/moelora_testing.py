@@ -205,3 +205,69 @@ class MoeProblem:
         options.setdefault("activation", self.activation)
         return reference.fused_experts(self.x_np, self.w13_np, self.w2_np, self.topk_weights_np,
                                        self.topk_ids_np, expert_map=self.expert_map_np, **options)
+
+
+# ---- multi-LoRA ----------------------------------------------------------------------
+
+def adapter_state(rng, num_tokens, num_loras, fraction=0.5, disabled=(), scale=True):
+    """(token_lora_ids [M] int32, adapter_enabled [L] int32, adapter_scale [L] float32) as
+    numpy: round(fraction * M) tokens (at random) get an adapter in [0, L), the others -1;
+    the slots in `disabled` are disabled; scales in [0.5, 2) (all 1 without `scale`)."""
+    ids = np.full(num_tokens, -1, dtype=np.int32)
+    count = int(round(fraction * num_tokens))
+    chosen = rng.permutation(num_tokens)[:count]
+    ids[chosen] = rng.integers(0, num_loras, size=count)
+    enabled = np.ones(num_loras, dtype=np.int32)
+    enabled[list(disabled)] = 0
+    scales = (rng.random(num_loras, dtype=np.float32) * 1.5 + 0.5) if scale else np.ones(num_loras, np.float32)
+    return ids, enabled, scales.astype(np.float32)
+
+
+class LoraStacks:
+    """Random adapter stacks of one expert GEMM (out = a · wᵀ, K -> N) in `num_slices`
+    output slices: lora_a[c] [L, E, rank, K], lora_b[c] [L, E, N / S, rank], rounded to
+    `dtype` (numpy: a_np / b_np) and the same values on `backend` (a / b). Adapter l has
+    rank ranks[l] <= rank (default: rank) and is zero-padded past it. Scaled so that
+    B (A a) has about unit variance for unit-variance rows a, like the base GEMM's output."""
+
+    def __init__(self, rng, num_loras, num_experts, rank, K, N, num_slices, dtype, backend, ranks=None):
+        ranks = [rank] * num_loras if ranks is None else list(ranks)
+        width = N // num_slices
+        self.rank, self.num_slices = rank, num_slices
+        self.a_np, self.b_np = [], []
+        for _ in range(num_slices):
+            a = np.zeros((num_loras, num_experts, rank, K), dtype=np.float32)
+            b = np.zeros((num_loras, num_experts, width, rank), dtype=np.float32)
+            for lora, r in enumerate(ranks):
+                a[lora, :, :r] = uniform(rng, (num_experts, r, K), np.sqrt(3.0 / K))
+                b[lora, :, :, :r] = uniform(rng, (num_experts, width, r), np.sqrt(3.0 / r))
+            self.a_np.append(rounded(a, dtype))
+            self.b_np.append(rounded(b, dtype))
+        self.a = [to_backend(x, backend) for x in self.a_np]
+        self.b = [to_backend(x, backend) for x in self.b_np]
+
+
+def write_safetensors(path, tensors):
+    """Write name -> numpy/torch array as a .safetensors file: with the safetensors
+    package when installed, else by hand (the format: an 8-byte little-endian header
+    length, a JSON header, the raw little-endian data). float32 only by hand."""
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        save_file = None
+    arrays = {name: np.ascontiguousarray(to_numpy(value).astype(np.float32)) for name, value in tensors.items()}
+    if save_file is not None:
+        save_file(arrays, str(path))
+        return
+    import json
+    header, offset = {}, 0
+    for name, array in arrays.items():
+        header[name] = {"dtype": "F32", "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for array in arrays.values():
+            f.write(array.astype("<f4").tobytes())
