@@ -309,7 +309,8 @@ std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermedi
 // [L, E, r, I], lora_b [L, E, H, r]). E = experts of w13. The w13 delta is added before
 // the activation, the w2 delta before the routed weight: the layer computes
 //   h1 = x · (w13[e] + scale·B13·A13)ᵀ,  h2 = act(h1) · (w2[e] + scale·B2·A2)ᵀ.
-// With swiglu_oai the two w13 slices are gate and up of gpt-oss's interleaved rows.
+// With swiglu_oai the two w13 slices are gate and up of gpt-oss's interleaved rows:
+// w13.interleaved_slices must say so (true exactly then; w2's false).
 struct FusedExpertsLora {
   MoeLoraAdapters adapters;
   MoeLoraWeights w13;

@@ -873,6 +873,14 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       fail(op, "argument 'w2_num_slices' expected 1 (w2 has one output slice), got " + std::to_string(lora2.num_slices));
     }
     ArgCheck(op, "w2_lora_a[0]", args.lora->w2.lora_a[0]).dim(0, lora13.max_loras, "adapter slots, from w13_lora_a");
+    // The slices of w13 follow its row order: interleaved exactly for gpt-oss's two.
+    const bool interleaved13 = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
+    if (args.lora->w13.interleaved_slices != interleaved13 || args.lora->w2.interleaved_slices) {
+      fail(op, std::string("argument 'w13_interleaved_slices' expected ") + (interleaved13 ? "true" : "false") +
+                   " (true only for swiglu_oai with two slices; w2's false), got " +
+                   (args.lora->w13.interleaved_slices ? "true" : "false") + " / w2 " +
+                   (args.lora->w2.interleaved_slices ? "true" : "false"));
+    }
     lora_adapters = lora_adapter_params(op, args.lora->adapters, M, lora13.max_loras, device, "hidden_states");
   }
 

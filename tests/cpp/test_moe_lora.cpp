@@ -591,6 +591,9 @@ TEST(FusedExpertsLoraErrors, NameTheArgument) {
   bad.w2.lora_a[0] = layer.stack2.a[0].view({c.L, c.E / 2, c.rank, c.I});
   EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w2_lora_a[0]'"));
   bad = layer.lora;
+  bad.w13.interleaved_slices = true;  // silu: gate and up are halves
+  EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("'w13_interleaved_slices' expected false"));
+  bad = layer.lora;
   bad.w2.num_slices = 2;
   EXPECT_THAT(error_message([&] { fused_experts(args); }), HasSubstr("w2_"));
 
