@@ -86,11 +86,23 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
     in order (the order of slots inside a group is not part of the contract).
     """
     ids = np.asarray(topk_ids).astype(np.int64).reshape(-1)
+    keys = [(e, -1) for e in range(num_experts)] + [(-1, -1)]
+    sorted_ids, block_experts, _, count, groups = _align_groups(ids, np.full(ids.size, -1), keys, block_size,
+                                                                expert_map)
+    return sorted_ids, block_experts, count, groups
+
+
+def _align_groups(ids, slot_lora, keys, block_size, expert_map):
+    """Slots grouped by the (expert, adapter) keys in order (expert -1: the dropped slots),
+    each group padded with the sentinel ids.size to a multiple of block_size.
+    Returns (sorted_token_ids, expert_ids, block_lora_ids, num_tokens_post_padded, groups)."""
     num_slots = ids.size
-    sorted_ids, block_experts, groups = [], [], []
-    # Experts in ascending id, then the trailing group of dropped slots (id -1).
-    for expert in list(range(num_experts)) + [-1]:
-        slots = np.flatnonzero(ids == expert)
+    sorted_ids, block_experts, block_loras, groups = [], [], [], []
+    for expert, lora in keys:
+        if expert == -1:
+            slots = np.flatnonzero(ids == -1)
+        else:
+            slots = np.flatnonzero((ids == expert) & (slot_lora == lora))
         if slots.size == 0:
             continue
         num_blocks = -(-slots.size // block_size)
@@ -105,8 +117,9 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
         else:
             block_expert = expert
         block_experts.extend([block_expert] * num_blocks)
+        block_loras.extend([lora] * num_blocks)
     return (np.asarray(sorted_ids, dtype=np.int32), np.asarray(block_experts, dtype=np.int32),
-            len(sorted_ids), groups)
+            np.asarray(block_loras, dtype=np.int32), len(sorted_ids), groups)
 
 
 def effective_lora_ids(token_lora_ids, max_loras, adapter_enabled=None):
@@ -133,32 +146,9 @@ def moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, n
     ids = np.asarray(topk_ids).astype(np.int64)
     top_k = ids.shape[1] if ids.ndim == 2 else 1
     ids = ids.reshape(-1)
-    num_slots = ids.size
     slot_lora = np.repeat(effective_lora_ids(token_lora_ids, max_loras, adapter_enabled), top_k)
-    sorted_ids, block_experts, block_loras, groups = [], [], [], []
     keys = [(e, l) for e in range(num_experts) for l in range(-1, max_loras)] + [(-1, -1)]
-    for expert, lora in keys:
-        if expert == -1:
-            slots = np.flatnonzero(ids == -1)
-        else:
-            slots = np.flatnonzero((ids == expert) & (slot_lora == lora))
-        if slots.size == 0:
-            continue
-        num_blocks = -(-slots.size // block_size)
-        padded = np.full(num_blocks * block_size, num_slots, dtype=np.int64)
-        padded[:slots.size] = slots
-        groups.append((len(sorted_ids), len(sorted_ids) + padded.size))
-        sorted_ids.extend(padded.tolist())
-        if expert == -1:
-            block_expert = -1
-        elif expert_map is not None:
-            block_expert = int(np.asarray(expert_map)[expert])
-        else:
-            block_expert = expert
-        block_experts.extend([block_expert] * num_blocks)
-        block_loras.extend([lora] * num_blocks)
-    return (np.asarray(sorted_ids, dtype=np.int32), np.asarray(block_experts, dtype=np.int32),
-            np.asarray(block_loras, dtype=np.int32), len(sorted_ids), groups)
+    return _align_groups(ids, slot_lora, keys, block_size, expert_map)
 
 
 def _slice_list(x):

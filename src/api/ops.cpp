@@ -140,29 +140,35 @@ AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_siz
   return {max_padded, ceil_div(max_padded, block_size)};
 }
 
-void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_t num_experts,
-                          const TensorView* expert_map, const TensorView& sorted_token_ids,
-                          const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
-                          Stream stream) {
-  const char* op = "moe_align_block_size";
-  ArgCheck(op, "topk_ids", topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64});
-  check_block_size(op, block_size, /*multiple_of_16=*/false);
-  if (num_experts < 1 || num_experts > kMaxNumExperts) {
-    fail(op, "argument 'num_experts' expected a value in [1, " + std::to_string(kMaxNumExperts) + "], got " +
-                 std::to_string(num_experts));
-  }
+namespace {
+
+// The checks both alignment ops share; returns the backend's parameters. num_groups: the
+// alignment groups (experts, or (expert, adapter) pairs) that size the outputs;
+// block_lora_ids: the LoRA op's extra output, or null.
+detail::AlignParams checked_align_params(const char* op, const char* capacity_fn, const TensorView& topk_ids,
+                                         int64_t block_size, int64_t num_experts, int64_t num_groups,
+                                         const TensorView* expert_map, const TensorView& sorted_token_ids,
+                                         const TensorView& expert_ids, const TensorView* block_lora_ids,
+                                         const TensorView& num_tokens_post_padded) {
   const Device device = topk_ids.device;
-  const AlignCapacity cap = moe_align_block_size_capacity(topk_ids.numel(), block_size, num_experts);
+  const AlignCapacity cap = moe_align_block_size_capacity(topk_ids.numel(), block_size, num_groups);
   ArgCheck(op, "sorted_token_ids", sorted_token_ids)
       .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim_at_least(0, cap.max_num_tokens_padded, "moe_align_block_size_capacity().max_num_tokens_padded");
+      .dim_at_least(0, cap.max_num_tokens_padded, (std::string(capacity_fn) + "().max_num_tokens_padded").c_str());
   ArgCheck(op, "expert_ids", expert_ids)
       .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim_at_least(0, cap.max_num_blocks, "moe_align_block_size_capacity().max_num_blocks")
+      .dim_at_least(0, cap.max_num_blocks, (std::string(capacity_fn) + "().max_num_blocks").c_str())
       .no_overlap(sorted_token_ids, "sorted_token_ids");
-  ArgCheck(op, "num_tokens_post_padded", num_tokens_post_padded)
-      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
+  ArgCheck ntpp(op, "num_tokens_post_padded", num_tokens_post_padded);
+  ntpp.rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
       .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
+  if (block_lora_ids) {
+    ArgCheck(op, "block_lora_ids", *block_lora_ids)
+        .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
+        .dim(0, expert_ids.shape[0], "one adapter per block, as 'expert_ids'")
+        .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
+    ntpp.no_overlap(*block_lora_ids, "block_lora_ids");
+  }
   if (expert_map) {
     ArgCheck(op, "expert_map", *expert_map)
         .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
@@ -172,9 +178,32 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
   }
   check_cpu_ids(op, "topk_ids", topk_ids, -1, num_experts);
   if (on_cuda(topk_ids)) require_cuda_backend(op);
-  run_align(align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
-                         num_tokens_post_padded),
-            device, stream);
+  detail::AlignParams p = align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
+                                       num_tokens_post_padded);
+  if (block_lora_ids) p.block_lora_ids = static_cast<int32_t*>(block_lora_ids->data);
+  return p;
+}
+
+void check_align_args(const char* op, const TensorView& topk_ids, int64_t block_size, int64_t num_experts) {
+  ArgCheck(op, "topk_ids", topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64});
+  check_block_size(op, block_size, /*multiple_of_16=*/false);
+  if (num_experts < 1 || num_experts > kMaxNumExperts) {
+    fail(op, "argument 'num_experts' expected a value in [1, " + std::to_string(kMaxNumExperts) + "], got " +
+                 std::to_string(num_experts));
+  }
+}
+
+}  // namespace
+
+void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_t num_experts,
+                          const TensorView* expert_map, const TensorView& sorted_token_ids,
+                          const TensorView& expert_ids, const TensorView& num_tokens_post_padded,
+                          Stream stream) {
+  const char* op = "moe_align_block_size";
+  check_align_args(op, topk_ids, block_size, num_experts);
+  run_align(checked_align_params(op, "moe_align_block_size_capacity", topk_ids, block_size, num_experts, num_experts,
+                                 expert_map, sorted_token_ids, expert_ids, nullptr, num_tokens_post_padded),
+            topk_ids.device, stream);
 }
 
 // ---------------------------------------------------------------------------------
@@ -267,6 +296,61 @@ LoraStack lora_stack(const char* op, const std::string& name, const MoeLoraWeigh
   return st;
 }
 
+// One GEMM's LoRA delta in the per-slot mode (topk_ids [M, top_k] gives each slot's
+// expert); with_blocks() switches it to the blocks of a LoRA alignment.
+struct LoraDelta {
+  detail::LoraDeltaParams p{};
+  LoraDelta(const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k, int64_t num_experts,
+            const TensorView& out, bool add_inputs, const TensorView* topk_weights,
+            const detail::LoraAdapterParams& adapters, const TensorView& topk_ids, const TensorView* expert_map,
+            int64_t num_global_experts, void* intermediate) {
+    p.dtype = a.dtype;
+    p.a = a.data;
+    p.a_stride_row = a.strides[0];
+    p.a_top_k = a_top_k;
+    p.K = a.shape[1];
+    p.N_slice = st.N_slice;
+    p.rank = st.rank;
+    p.num_slices = st.num_slices;
+    p.slices[0] = st.slices[0];
+    p.slices[1] = st.slices[1];
+    p.interleaved_slices = interleaved;
+    p.num_experts = num_experts;
+    p.out = out.data;
+    p.out_stride_row = out.strides[0];
+    p.out_stride_n = out.strides[1];
+    p.add_inputs = add_inputs;
+    if (topk_weights) {
+      p.topk_weights = static_cast<const float*>(topk_weights->data);
+      p.topk_weights_cols = topk_ids.shape[1];
+      p.topk_weights_stride_row = topk_weights->strides[0];
+      p.topk_weights_stride_col = topk_weights->strides[1];
+    }
+    p.adapters = adapters;
+    p.top_k = topk_ids.shape[1];
+    p.num_slots = topk_ids.shape[0] * topk_ids.shape[1];
+    p.intermediate = intermediate;
+    p.topk_ids = topk_ids.data;
+    p.topk_ids_int64 = topk_ids.dtype == DType::kInt64;
+    p.topk_ids_stride_token = topk_ids.strides[0];
+    p.topk_ids_stride_k = topk_ids.strides[1];
+    p.expert_map = expert_map ? static_cast<const int32_t*>(expert_map->data) : nullptr;
+    p.num_global_experts = num_global_experts;
+  }
+  LoraDelta& with_blocks(const int32_t* sorted_token_ids, int64_t max_num_tokens_padded, const int32_t* expert_ids,
+                         const int32_t* block_lora_ids, int64_t max_num_blocks, const int32_t* num_tokens_post_padded,
+                         int64_t block_size) {
+    p.sorted_token_ids = sorted_token_ids;
+    p.max_num_tokens_padded = max_num_tokens_padded;
+    p.expert_ids = expert_ids;
+    p.block_lora_ids = block_lora_ids;
+    p.max_num_blocks = max_num_blocks;
+    p.num_tokens_post_padded = num_tokens_post_padded;
+    p.block_size = block_size;
+    return *this;
+  }
+};
+
 }  // namespace
 
 AlignCapacity moe_lora_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts,
@@ -280,49 +364,18 @@ void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters
                                const TensorView& block_lora_ids, const TensorView& num_tokens_post_padded,
                                Stream stream) {
   const char* op = "moe_lora_align_block_size";
-  ArgCheck(op, "topk_ids", topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64});
-  check_block_size(op, block_size, /*multiple_of_16=*/false);
-  if (num_experts < 1 || num_experts > kMaxNumExperts) {
-    fail(op, "argument 'num_experts' expected a value in [1, " + std::to_string(kMaxNumExperts) + "], got " +
-                 std::to_string(num_experts));
-  }
+  check_align_args(op, topk_ids, block_size, num_experts);
   check_max_loras(op, max_loras);
-  const Device device = topk_ids.device;
   const detail::LoraAdapterParams lora =
-      lora_adapter_params(op, adapters, topk_ids.shape[0], max_loras, device, "topk_ids");
-  const AlignCapacity cap = moe_lora_align_block_size_capacity(topk_ids.numel(), block_size, num_experts, max_loras);
-  ArgCheck(op, "sorted_token_ids", sorted_token_ids)
-      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim_at_least(0, cap.max_num_tokens_padded, "moe_lora_align_block_size_capacity().max_num_tokens_padded");
-  ArgCheck(op, "expert_ids", expert_ids)
-      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim_at_least(0, cap.max_num_blocks, "moe_lora_align_block_size_capacity().max_num_blocks")
-      .no_overlap(sorted_token_ids, "sorted_token_ids");
-  ArgCheck(op, "block_lora_ids", block_lora_ids)
-      .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim(0, expert_ids.shape[0], "one adapter per block, as 'expert_ids'")
-      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
-  ArgCheck(op, "num_tokens_post_padded", num_tokens_post_padded)
-      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
-      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids")
-      .no_overlap(block_lora_ids, "block_lora_ids");
-  if (expert_map) {
-    ArgCheck(op, "expert_map", *expert_map)
-        .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
-  }
-  if (int64_t(cap.max_num_tokens_padded) > INT32_MAX) {
-    fail(op, "argument 'topk_ids' expected fewer slots (sorted ids are int32), got " + topk_ids.shape_string());
-  }
-  check_cpu_ids(op, "topk_ids", topk_ids, -1, num_experts);
-  if (on_cuda(topk_ids)) require_cuda_backend(op);
-  detail::AlignParams p = align_params(topk_ids, block_size, num_experts, expert_map, sorted_token_ids, expert_ids,
-                                       num_tokens_post_padded);
+      lora_adapter_params(op, adapters, topk_ids.shape[0], max_loras, topk_ids.device, "topk_ids");
+  detail::AlignParams p = checked_align_params(op, "moe_lora_align_block_size_capacity", topk_ids, block_size,
+                                               num_experts, lora_groups(num_experts, max_loras), expert_map,
+                                               sorted_token_ids, expert_ids, &block_lora_ids, num_tokens_post_padded);
   p.max_loras = max_loras;
   p.token_lora_ids = lora.token_lora_ids;
   p.token_lora_ids_stride = lora.token_lora_ids_stride;
   p.adapter_enabled = lora.adapter_enabled;
-  p.block_lora_ids = static_cast<int32_t*>(block_lora_ids.data);
-  run_align(p, device, stream);
+  run_align(p, topk_ids.device, stream);
 }
 
 int64_t fused_moe_lora_workspace_size(int64_t num_slots, int num_slices, int64_t rank, DType dtype) {
@@ -399,48 +452,16 @@ void fused_moe_lora(const FusedMoeLoraArgs& args, Stream stream) {
   }
   if (on_cuda(a)) require_cuda_backend(op);
   if (num_slots == 0) return;
-  detail::LoraDeltaParams p{};
-  p.dtype = a.dtype;
-  p.a = a.data;
-  p.a_stride_row = a.strides[0];
-  p.a_top_k = a.shape[0] == num_slots ? 1 : top_k;
-  p.K = K;
-  p.N_slice = st.N_slice;
-  p.rank = st.rank;
-  p.num_slices = st.num_slices;
-  p.slices[0] = st.slices[0];
-  p.slices[1] = st.slices[1];
-  p.interleaved_slices = args.weights.interleaved_slices;
-  p.num_experts = num_experts;
-  p.out = args.out.data;
-  p.out_stride_row = args.out.strides[0];
-  p.out_stride_n = args.out.strides[1];
-  p.add_inputs = args.add_inputs;
-  if (topk_weights) {
-    p.topk_weights = static_cast<const float*>(topk_weights->data);
-    p.topk_weights_cols = top_k;
-    p.topk_weights_stride_row = topk_weights->strides[0];
-    p.topk_weights_stride_col = topk_weights->strides[1];
-  }
-  p.adapters = adapters;
-  p.top_k = top_k;
-  p.num_slots = num_slots;
-  p.intermediate = args.workspace.data;
-  p.topk_ids = args.topk_ids.data;
-  p.topk_ids_int64 = args.topk_ids.dtype == DType::kInt64;
-  p.topk_ids_stride_token = args.topk_ids.strides[0];
-  p.topk_ids_stride_k = args.topk_ids.strides[1];
-  p.num_global_experts = num_experts;
+  LoraDelta delta(st, args.weights.interleaved_slices, a, a.shape[0] == num_slots ? 1 : top_k, num_experts, args.out,
+                  args.add_inputs, topk_weights, adapters, args.topk_ids, nullptr, num_experts, args.workspace.data);
   if (blocks) {
-    p.sorted_token_ids = static_cast<const int32_t*>(args.sorted_token_ids->data);
-    p.expert_ids = static_cast<const int32_t*>(args.expert_ids->data);
-    p.block_lora_ids = static_cast<const int32_t*>(args.block_lora_ids->data);
-    p.num_tokens_post_padded = static_cast<const int32_t*>(args.num_tokens_post_padded->data);
-    p.max_num_tokens_padded = args.sorted_token_ids->shape[0];
-    p.max_num_blocks = std::min(args.expert_ids->shape[0], args.block_lora_ids->shape[0]);
-    p.block_size = args.block_size;
+    delta.with_blocks(static_cast<const int32_t*>(args.sorted_token_ids->data), args.sorted_token_ids->shape[0],
+                      static_cast<const int32_t*>(args.expert_ids->data),
+                      static_cast<const int32_t*>(args.block_lora_ids->data),
+                      std::min(args.expert_ids->shape[0], args.block_lora_ids->shape[0]),
+                      static_cast<const int32_t*>(args.num_tokens_post_padded->data), args.block_size);
   }
-  run_lora_delta(p, device, stream);
+  run_lora_delta(delta.p, device, stream);
 }
 
 // ---------------------------------------------------------------------------------
@@ -997,50 +1018,15 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     // before what follows reads them.
     auto add_lora_delta = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k,
                               const TensorView& gemm_out, bool weighted, bool aligned, bool add_inputs) {
-      detail::LoraDeltaParams d{};
-      d.dtype = dtype;
-      d.a = a.data;
-      d.a_stride_row = a.strides[0];
-      d.a_top_k = a_top_k;
-      d.K = a.shape[1];
-      d.N_slice = st.N_slice;
-      d.rank = st.rank;
-      d.num_slices = st.num_slices;
-      d.slices[0] = st.slices[0];
-      d.slices[1] = st.slices[1];
-      d.interleaved_slices = interleaved;
-      d.num_experts = E_local;
-      d.out = gemm_out.data;
-      d.out_stride_row = gemm_out.strides[0];
-      d.out_stride_n = gemm_out.strides[1];
-      d.add_inputs = add_inputs;
-      if (weighted) {
-        d.topk_weights = static_cast<const float*>(weights.data);
-        d.topk_weights_cols = top_k;
-        d.topk_weights_stride_row = weights.strides[0];
-        d.topk_weights_stride_col = weights.strides[1];
-      }
-      d.adapters = chunk_adapters;
-      d.top_k = top_k;
-      d.num_slots = slots;
-      d.intermediate = byte_offset(ws, layout.lora_intermediate);
+      LoraDelta delta(st, interleaved, a, a_top_k, E_local, gemm_out, add_inputs, weighted ? &weights : nullptr,
+                      chunk_adapters, ids, args.expert_map, E_global, byte_offset(ws, layout.lora_intermediate));
       // Slots from the chunk's virtual alignment, or one by one from topk_ids.
-      d.topk_ids = ids.data;
-      d.topk_ids_int64 = ids.dtype == DType::kInt64;
-      d.topk_ids_stride_token = ids.strides[0];
-      d.topk_ids_stride_k = ids.strides[1];
-      d.expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr;
-      d.num_global_experts = E_global;
       if (aligned) {
-        d.sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data);
-        d.expert_ids = static_cast<const int32_t*>(expert_chunk.data);
-        d.block_lora_ids = block_lora_ids;
-        d.num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data);
-        d.max_num_tokens_padded = cap.max_num_tokens_padded;
-        d.max_num_blocks = cap.max_num_blocks;
-        d.block_size = block_size;
+        delta.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
+                          static_cast<const int32_t*>(expert_chunk.data), block_lora_ids, cap.max_num_blocks,
+                          static_cast<const int32_t*>(ntpp.data), block_size);
       }
-      run_lora_delta(d, device, stream);
+      run_lora_delta(delta.p, device, stream);
     };
 #ifdef MOELORA_WITH_CUDA
     if (on_cuda(x) && config.small_batch) {

@@ -43,7 +43,7 @@ constexpr int kShrinkK = 128 / int(sizeof(T));
 // leading dimension a multiple of 8 (16-bit) / 4 (fp32).
 constexpr int kPad = 8;
 
-// The slots, expert and adapter of one tile. slot[r] < 0 marks an empty row.
+// The expert and adapter of one tile (its slots sit in shared memory; -1 marks an empty row).
 struct Tile {
   int expert = -1;
   int lora = -1;
@@ -55,6 +55,38 @@ __device__ __forceinline__ int64_t load_topk_id(const LoraDeltaParams& p, int64_
   const int64_t offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
   return p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
                           : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+}
+
+// Whether tile t's expert and adapter are valid and the adapter enabled.
+__device__ __forceinline__ bool tile_active(const LoraDeltaParams& p, const Tile& t) {
+  return t.expert >= 0 && t.expert < p.num_experts && t.lora >= 0 && t.lora < p.adapters.max_loras &&
+         (p.adapters.adapter_enabled == nullptr || p.adapters.adapter_enabled[t.lora] != 0);
+}
+
+// The (expert, adapter) of a slot in the per-slot mode.
+__device__ __forceinline__ Tile slot_tile(const LoraDeltaParams& p, int64_t slot) {
+  Tile t;
+  const int64_t e = load_topk_id(p, slot);
+  t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
+  t.lora = p.adapters.token_lora_ids[(slot / p.top_k) * p.adapters.token_lora_ids_stride];
+  t.active = tile_active(p, t);
+  return t;
+}
+
+// Output element of slot s at column j of slice c.
+__device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {
+  const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
+  return s * p.out_stride_row + col * p.out_stride_n;
+}
+
+// The factor on slot s's delta: the adapter's scale (× the slot's routed weight).
+__device__ __forceinline__ float delta_weight(const LoraDeltaParams& p, const Tile& t, int64_t s) {
+  float w = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+  if (p.topk_weights) {
+    w *= p.topk_weights[(s / p.topk_weights_cols) * p.topk_weights_stride_row +
+                        (s % p.topk_weights_cols) * p.topk_weights_stride_col];
+  }
+  return w;
 }
 
 // Number of tiles the grid covers (host: from capacities; device-side counts decide
@@ -75,19 +107,16 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
     if (entry0 >= used) return false;
     t.expert = p.expert_ids[block];
     t.lora = p.block_lora_ids[block];
+    t.active = tile_active(p, t);
     if (threadIdx.x < kTileRows) {
       const int64_t entry = entry0 + threadIdx.x;
       const int64_t s = entry < used ? p.sorted_token_ids[entry] : -1;
       slots[threadIdx.x] = s >= 0 && s < p.num_slots ? int(s) : -1;
     }
   } else {
-    const int64_t e = load_topk_id(p, tile);
-    t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
-    t.lora = p.adapters.token_lora_ids[(tile / p.top_k) * p.adapters.token_lora_ids_stride];
+    t = slot_tile(p, tile);
     if (threadIdx.x < kTileRows) slots[threadIdx.x] = threadIdx.x == 0 ? int(tile) : -1;
   }
-  t.active = t.expert >= 0 && t.expert < p.num_experts && t.lora >= 0 && t.lora < p.adapters.max_loras &&
-             (p.adapters.adapter_enabled == nullptr || p.adapters.adapter_enabled[t.lora] != 0);
   return true;
 }
 
@@ -218,15 +247,11 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
   const int64_t n0 = int64_t(blockIdx.z) * kExpandColumns;
   const int columns = p.N_slice - n0 < kExpandColumns ? int(p.N_slice - n0) : kExpandColumns;
   T* out = static_cast<T*>(p.out);
-  auto out_index = [&](int s, int64_t j) {
-    const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
-    return int64_t(s) * p.out_stride_row + col * p.out_stride_n;
-  };
   if (!t.active) {
     if (!p.add_inputs) {
       for (int i = threadIdx.x; i < kTileRows * columns; i += kExpandThreads) {
         const int s = slots[i / columns];
-        if (s >= 0) out[out_index(s, n0 + i % columns)] = from_float<T>(0.f);
+        if (s >= 0) out[out_offset(p, s, c, n0 + i % columns)] = from_float<T>(0.f);
       }
     }
     return;
@@ -268,19 +293,13 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
     }
   }
   __syncthreads();
-  const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
   for (int i = threadIdx.x; i < kTileRows * columns; i += kExpandThreads) {
     const int r = i / columns, n = i % columns;
     const int s = slots[r];
     if (s < 0) continue;
-    float w = scale;
-    if (p.topk_weights) {
-      w *= p.topk_weights[(s / p.topk_weights_cols) * p.topk_weights_stride_row +
-                          (s % p.topk_weights_cols) * p.topk_weights_stride_col];
-    }
-    const int64_t at = out_index(s, n0 + n);
+    const int64_t at = out_offset(p, s, c, n0 + n);
     const float base = p.add_inputs ? to_float(out[at]) : 0.f;
-    out[at] = from_float<T>(base + w * result[r][n]);
+    out[at] = from_float<T>(base + delta_weight(p, t, s) * result[r][n]);
   }
   allow_next_kernel_launch();
 }
@@ -292,17 +311,6 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
 // the expand a thread per output column.
 constexpr int kGemvThreads = 256;
 constexpr int kExpandGemvColumns = kGemvThreads;
-
-// The (expert, adapter) of a slot in the per-slot mode; active as in load_tile.
-__device__ __forceinline__ Tile slot_tile(const LoraDeltaParams& p, int64_t slot) {
-  Tile t;
-  const int64_t e = load_topk_id(p, slot);
-  t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
-  t.lora = p.adapters.token_lora_ids[(slot / p.top_k) * p.adapters.token_lora_ids_stride];
-  t.active = t.expert >= 0 && t.expert < p.num_experts && t.lora >= 0 && t.lora < p.adapters.max_loras &&
-             (p.adapters.adapter_enabled == nullptr || p.adapters.adapter_enabled[t.lora] != 0);
-  return t;
-}
 
 // Warp per item (slot, slice, rank row): intermediate[s, c, i] = a[s / a_top_k] · lora_a[c][l, e, i].
 // K % 8 == 0 and 16-byte aligned rows (checked by the launcher).
@@ -354,8 +362,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_expand_gemv_kernel(cons
   __syncthreads();
   if (j >= p.N_slice) return;
   T* out = static_cast<T*>(p.out);
-  const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
-  const int64_t at = s * p.out_stride_row + col * p.out_stride_n;
+  const int64_t at = out_offset(p, s, c, j);
   if (!t.active) {
     if (!p.add_inputs) out[at] = from_float<T>(0.f);
     return;
@@ -365,12 +372,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_expand_gemv_kernel(cons
                       j * sl.b_stride_n;
   float acc = 0.f;
   for (int i = 0; i < rank; ++i) acc = fmaf(t_row[i], to_float(lora_row[i]), acc);
-  float w = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
-  if (p.topk_weights) {
-    w *= p.topk_weights[(s / p.topk_weights_cols) * p.topk_weights_stride_row +
-                        (s % p.topk_weights_cols) * p.topk_weights_stride_col];
-  }
-  out[at] = from_float<T>((p.add_inputs ? to_float(out[at]) : 0.f) + w * acc);
+  out[at] = from_float<T>((p.add_inputs ? to_float(out[at]) : 0.f) + delta_weight(p, t, s) * acc);
 }
 
 // The shrink GEMV's 16-byte loads: K a multiple of the vector, every row start aligned.
