@@ -691,7 +691,7 @@ constexpr int64_t kSortedActivationMinSlots = 512;
 // GEMM2 writes cache3 ([slots, H]): the two share one region, and so does the sorted input.
 struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
-      block_lora_ids, lora_intermediate, total;
+      block_lora_ids, entry_lora_ids, block_lora_masks, lora_intermediate, total;
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
   AlignCapacity capacity;
@@ -757,9 +757,12 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
   if (s.max_loras > 0) {
     l.block_lora_ids = take(l.capacity.max_num_blocks * 4);
-    // Each GEMM's shrink output [slots, slices, rank] (w13: 2 slices at most); GEMM2's
-    // delta runs after GEMM1's, so they share it.
-    l.lora_intermediate = take(slots * 2 * s.lora_rank * elem);
+    l.entry_lora_ids = take(l.capacity.max_num_tokens_padded * 4);  // the segmented alignment (fused path)
+    l.block_lora_masks = take(l.capacity.max_num_blocks * 8);
+    // Each GEMM's shrink output (w13: 2 slices at most): [slots, slices, rank], or by
+    // entry for the fused expand ([padded entries, slices * rank]). GEMM2's shrink runs
+    // after GEMM1 has read GEMM1's, so they share it.
+    l.lora_intermediate = take(std::max(slots, l.capacity.max_num_tokens_padded) * 2 * s.lora_rank * elem);
   }
   l.total = at;
   return l;
@@ -944,6 +947,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   const TensorView expert_ids = i32(layout.expert_ids, layout.capacity.max_num_blocks);
   const TensorView ntpp = i32(layout.num_tokens_post_padded, 1);
   int32_t* block_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.block_lora_ids)) : nullptr;
+  int32_t* entry_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.entry_lora_ids)) : nullptr;
+  uint64_t* block_lora_masks = args.lora ? static_cast<uint64_t*>(byte_offset(ws, layout.block_lora_masks)) : nullptr;
   int32_t* tile_counters =
       on_cuda(x) && options.ordered_tiles ? static_cast<int32_t*>(byte_offset(ws, layout.tile_counters)) : nullptr;
 
@@ -953,13 +958,6 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     MoeKernelConfig config =
         fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, E_local, device, options);
     detail::check_kernel_config(op, "config", config);
-    if (args.lora) {
-      // NOTE: with adapters the aligned path runs on the virtual alignment, the activation
-      // as its own kernel (the w13 delta goes in before it) and the LoRA delta kernels
-      // after each GEMM; the small-batch kernels take per-slot deltas. The sorted input
-      // does not take a delta yet.
-      config.sorted_input = false;
-    }
     const int64_t block_size = config.block_size;
     const AlignCapacity cap = args.lora ? moe_lora_align_block_size_capacity(slots, block_size, E_global, lora13.max_loras)
                                         : moe_align_block_size_capacity(slots, block_size, E_global);
@@ -986,8 +984,30 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     // (row = entry), and GEMM2 loads each tile's rows as one TMA box instead of gathering
     // them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of Mixtral's layer at
     // M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
-    bool sorted_activation = on_cuda(x) && !args.lora && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
-                             config.gemm2.kernel == GemmKernel::kSm90 && cap.max_num_tokens_padded <= layout.cache2_rows;
+    // With adapters, the aligned path runs on the virtual alignment. When both GEMMs run on
+    // the sm90 kernel, each takes its LoRA expand as extra K steps (GemmParams::lora_t)
+    // after a shrink kernel, and the activation stays fused; otherwise the activation runs
+    // as its own kernel and the delta kernels after each GEMM (the w13 delta before the
+    // activation). The small-batch kernels take per-slot deltas.
+    bool fused_lora = false;
+#ifdef MOELORA_WITH_CUDA
+    if (args.lora && on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
+        config.gemm2.kernel == GemmKernel::kSm90) {
+      const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
+      fused_lora = cuda::fused_moe_lora_expand_supported(gemm_params(x_chunk, args.w13, by_slot, sorted_chunk,
+                                                                     expert_chunk, ntpp, nullptr, top_k, block_size,
+                                                                     config.gemm1),
+                                                         lora13.rank, lora13.num_slices, lora13.slices) &&
+                   cuda::fused_moe_lora_expand_supported(gemm_params(by_slot, args.w2, by_slot, sorted_chunk,
+                                                                     expert_chunk, ntpp, nullptr, 1, block_size,
+                                                                     config.gemm2),
+                                                         lora2.rank, lora2.num_slices, lora2.slices);
+    }
+#endif
+    if (args.lora && !fused_lora) config.sorted_input = false;  // the delta kernels read x by slot
+    bool sorted_activation = on_cuda(x) && (!args.lora || fused_lora) && options.fuse_activation &&
+                             config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90 &&
+                             cap.max_num_tokens_padded <= layout.cache2_rows;
 #ifdef MOELORA_WITH_CUDA
     if (sorted_activation) {
       // Both GEMMs must run on the tensor cores (16-byte rows; e.g. I % 8 == 0): the
@@ -1028,6 +1048,31 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       }
       run_lora_delta(delta.p, device, stream);
     };
+    // The fused path: GEMM g's shrink over the chunk's LoRA blocks into the intermediate by
+    // entry (scaled), then g takes the expand in its K loop.
+    auto with_fused_lora = [&](detail::GemmParams& g, const LoraStack& st, bool interleaved, const TensorView& a,
+                               int64_t a_top_k, bool a_rows_by_entry) {
+      void* lora_t = byte_offset(ws, layout.lora_intermediate);
+      LoraDelta shrink(st, interleaved, a, a_top_k, E_local, a, false, nullptr, chunk_adapters, ids, args.expert_map,
+                       E_global, lora_t);
+      shrink.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
+                         static_cast<const int32_t*>(expert_chunk.data), nullptr, cap.max_num_blocks,
+                         static_cast<const int32_t*>(ntpp.data), block_size);
+      shrink.p.entry_lora_ids = entry_lora_ids;
+      shrink.p.intermediate_by_entry = true;
+      shrink.p.a_rows_by_entry = a_rows_by_entry;
+#ifdef MOELORA_WITH_CUDA
+      cuda::moe_lora_shrink(shrink.p, stream);
+#endif
+      g.lora_t = lora_t;
+      g.block_lora_masks = block_lora_masks;
+      g.entry_lora_ids = entry_lora_ids;
+      g.lora_t_cols = st.num_slices * st.rank;
+      g.lora_rank = st.rank;
+      g.lora_slices = st.num_slices;
+      g.lora[0] = st.slices[0];
+      g.lora[1] = st.slices[1];
+    };
 #ifdef MOELORA_WITH_CUDA
     if (on_cuda(x) && config.small_batch) {
       const detail::SmallBatchMoeParams small =
@@ -1064,11 +1109,18 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       align.token_lora_ids = chunk_adapters.token_lora_ids;
       align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
       align.adapter_enabled = chunk_adapters.adapter_enabled;
-      align.block_lora_ids = block_lora_ids;
+      if (fused_lora) {
+        // Segmented: the blocks of the plain expert alignment, each with its adapters'
+        // runs, so the base GEMM tiles are those without adapters (no per-adapter padding).
+        align.entry_lora_ids = entry_lora_ids;
+        align.block_lora_masks = block_lora_masks;
+      } else {
+        align.block_lora_ids = block_lora_ids;
+      }
     }
     run_align(align, device, stream);
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
-    if (on_cuda(x) && options.fuse_activation && !args.lora) {
+    if (on_cuda(x) && options.fuse_activation && (!args.lora || fused_lora)) {
       // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
       TensorView gemm1_input = x_chunk;
       if (sorted_input) {
@@ -1095,6 +1147,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       gemm1.alpha = options.swiglu_alpha;
       gemm1.limit = options.swiglu_limit;
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
+      if (fused_lora) {
+        with_fused_lora(gemm1, lora13, options.activation == Activation::kSwigluOai && lora13.num_slices == 2, x_chunk,
+                        top_k, false);
+      }
       run_gemm(gemm1, device, stream);
     } else {
       // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
@@ -1131,8 +1187,9 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = sorted_activation;
+    if (fused_lora) with_fused_lora(gemm2, lora2, false, cache2, 1, sorted_activation);
     run_gemm(gemm2, device, stream);
-    if (args.lora) {
+    if (args.lora && !fused_lora) {
       add_lora_delta(lora2, false, cache2, 1, cache3, !options.apply_router_weight_on_input, /*aligned=*/true,
                      /*add_inputs=*/true);
     }

@@ -40,6 +40,13 @@ struct AlignParams {
   int64_t token_lora_ids_stride = 1;
   const int32_t* adapter_enabled = nullptr;  // [max_loras]; null = all enabled
   int32_t* block_lora_ids = nullptr;         // [max_num_blocks]
+  // Segmented (CUDA, fused_experts' fused LoRA path; max_loras > 0, block_lora_ids null):
+  // the same (expert, adapter) groups in the same order, padded only where an expert ends,
+  // so the blocks are those of the plain expert alignment and each block holds runs of a
+  // few adapters. entry_lora_ids gets each entry's adapter (-1: none or padding),
+  // block_lora_masks each block's set of adapters (bit l).
+  int32_t* entry_lora_ids = nullptr;     // [max_num_tokens_padded]
+  uint64_t* block_lora_masks = nullptr;  // [max_num_blocks]
 };
 
 // The adapter of token m: token_lora_ids[m] when in [0, max_loras) and enabled, else -1.
@@ -87,6 +94,12 @@ struct LoraDeltaParams {
   int64_t top_k;
   int64_t num_slots;
   void* intermediate;  // [num_slots, num_slices, rank] of dtype
+  // Shrink for the fused expand (CUDA, block mode; GemmParams::lora_t): intermediate is
+  // [max_num_tokens_padded, num_slices * rank] by entry, scaled by the adapter's scale,
+  // zero on padding entries; rows of base-only blocks are not written. a_rows_by_entry: a
+  // row = entry (GEMM2's activation in sorted order) instead of slot / a_top_k.
+  bool intermediate_by_entry = false;
+  bool a_rows_by_entry = false;
   // Per-slot mode (sorted_token_ids == null): expert of slot s = topk_ids (-1 or out of
   // range: none), through expert_map when given.
   const void* topk_ids;
@@ -98,6 +111,7 @@ struct LoraDeltaParams {
   const int32_t* sorted_token_ids;
   const int32_t* expert_ids;
   const int32_t* block_lora_ids;
+  const int32_t* entry_lora_ids = nullptr;  // segmented alignment (with block_lora_ids null): per entry
   const int32_t* num_tokens_post_padded;
   int64_t max_num_tokens_padded;
   int64_t max_num_blocks;
@@ -148,6 +162,22 @@ struct GemmParams {
   // entry too when x was copied into sorted order (MoeKernelConfig::sorted_input).
   bool out_rows_sorted = false;
   bool a_rows_sorted = false;
+  // Fused LoRA expand (sm90 kernel in 1-CTA clusters; fused_experts with adapters, on
+  // the segmented alignment, AlignParams::block_lora_masks): a tile whose block holds n
+  // adapters runs ceil(n * lora_t_cols / 64) more K steps after its base ones. Adapter j
+  // of the block (j-th set bit) owns K columns [j * lora_t_cols, +lora_t_cols): there A =
+  // the rows of lora_t (by entry: the shrink's output, already scaled by the adapter's
+  // scale) whose entry has that adapter, zero for the other rows, and B = the adapter's
+  // lora_b rows for the tile's columns, slice s at [s * lora_rank, +lora_rank), zero off
+  // the slice. So acc = x · wᵀ + Σ_rows' adapter t · [B_0 | B_1]ᵀ before the epilogue
+  // (routed weight, activation). lora_t == null: no LoRA.
+  const void* lora_t = nullptr;               // [sorted_token_ids_size, lora_t_cols], dtype
+  const uint64_t* block_lora_masks = nullptr;  // [max_num_blocks]
+  const int32_t* entry_lora_ids = nullptr;     // [sorted_token_ids_size], -1 = none
+  int64_t lora_t_cols = 0;                  // lora_slices * lora_rank, a multiple of 8
+  int64_t lora_rank = 0;                    // a multiple of 8
+  int lora_slices = 0;                      // 1 or 2
+  LoraSliceParams lora[2] = {};             // lora_b of each slice (lora_a is the shrink's)
 };
 
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
@@ -269,6 +299,13 @@ void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
 // Two launches (shrink, expand); base-only blocks and slots skip the LoRA work.
 void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
+// The shrink alone, by entry (LoraDeltaParams::intermediate_by_entry), for a GEMM with
+// the fused expand (GemmParams::lora_t).
+void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
+// Whether the sm90 kernel can run GemmParams p with the fused expand of this stack:
+// 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned, the sm90 kernel available.
+bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,
+                                     const detail::LoraSliceParams* slices);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).
 bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 // Both kernels, or one: GEMM1 + activation (stage 1), GEMM2 + the top-k sum (stage 2).

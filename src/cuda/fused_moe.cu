@@ -66,6 +66,18 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p) {
          aligned16(p.a) && aligned16(p.w);
 }
 
+bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,
+                                     const detail::LoraSliceParams* slices) {
+  constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type: t's and lora_b's chunks
+  bool ok = fused_moe_tensor_core_loadable(p) && rank % kElems == 0 && (num_slices == 1 || num_slices == 2) &&
+            sm90_kernels_available(current_device_info());
+  for (int c = 0; c < num_slices; ++c) {
+    ok = ok && aligned16(slices[c].lora_b) && slices[c].b_stride_lora % kElems == 0 &&
+         slices[c].b_stride_expert % kElems == 0 && slices[c].b_stride_n % kElems == 0;
+  }
+  return ok;
+}
+
 WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
   // Dims innermost first, byte strides growing outward: split halves (gate rows, then up
   // rows) put the half outside the row; interleaved pairs (2j gate, 2j + 1 up) inside.
@@ -97,7 +109,7 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
   const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
   const bool loadable = fused_moe_tensor_core_loadable(p);
-  if (sorted_rows && !loadable) {
+  if ((sorted_rows || p.lora_t != nullptr) && !loadable) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows need the tensor-core (sm90) kernel");
   }
   if (!loadable) {
@@ -110,6 +122,9 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (sorted_rows && tile.kernel != GemmKernel::kSm90) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows need the sm90 kernel");
+  }
+  if (p.lora_t != nullptr && tile.kernel != GemmKernel::kSm90) {
+    throw std::logic_error("moelora.fused_moe: the fused LoRA expand needs the sm90 kernel");
   }
   if (tile.kernel == GemmKernel::kSm90) {
     if (!sm90) {

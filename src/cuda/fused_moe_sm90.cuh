@@ -60,8 +60,16 @@
 // as one 16-byte write. NOTE: the pair-wise 4-byte stores used 8 of every 32 bytes a
 // sector moved (ncu) and cost ~220 us of the 1260 us layer (Qwen3-30B, M = 4096).
 //
-// LoRA (issue 4) adds a low-rank wgmma on the A tile already in the ring inside the K
-// loop, and one more before the epilogue; the slot tables are reused as they are.
+// Fused LoRA expand (GemmParams::lora_t, issue 4): a tile of a block with an adapter
+// runs a few more K steps through the same ring and wgmmas, A = its rows of the shrink's
+// output t [entries, S * rank] and B = lora_b's rows for its columns, block-diagonal over
+// the slices (gate rows read t's gate columns, up rows the up ones; zeros elsewhere), so
+// the delta lands in the accumulators before the epilogue's routed weight and activation.
+// The producer loads both by cp.async (t's rows are consecutive entries; lora_b's rows
+// follow the weight boxes' placement). NOTE: the shrink x · Aᵀ runs as its own kernel:
+// done in this K loop (seed 003), every n-tile of a row block would repeat it, S * r /
+// kBlockN more wgmma work on every tile (GEMM1 at r = 64: +50%), where the expand's steps
+// add S * r / K.
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
@@ -324,6 +332,32 @@ __device__ __forceinline__ Sm90ClusterTile sm90_cluster_tile(const detail::GemmP
   return c;
 }
 
+// The adapters of a tile's block (bit l: adapter l) when the fused LoRA expand runs on it
+// (GemmParams::lora_t), else 0. 1-CTA clusters only: a pair walks its tiles in lockstep,
+// and its two blocks may differ in adapters. NOTE: not a field of Sm90ClusterTile: held
+// across the producer's K loop it spilled the 56-register producer (ptxas).
+template <int kBlockM, int kClusterM>
+__device__ __forceinline__ uint64_t sm90_tile_lora_mask(const detail::GemmParams& p, const Sm90ClusterTile& tile) {
+  uint64_t mask = 0;
+  if (kClusterM == 1 && p.lora_t != nullptr && tile.own_loads) mask = p.block_lora_masks[tile.m_tile * kBlockM / p.block_size];
+  // Warp-uniform (see sm90_cluster_tile).
+  const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(mask), 0), hi = __shfl_sync(0xffffffffu, uint32_t(mask >> 32), 0);
+  return uint64_t(hi) << 32 | lo;
+}
+
+// The fused LoRA expand's K steps for a block with these adapters.
+template <int kBlockK>
+__device__ __forceinline__ int sm90_lora_k_steps(const detail::GemmParams& p, uint64_t mask) {
+  return int((__popcll(mask) * p.lora_t_cols + kBlockK - 1) / kBlockK);
+}
+
+// Bit position of the (j + 1)-th set bit of mask (j < popcount).
+__device__ __forceinline__ int nth_set_bit(uint64_t mask, int j) {
+  const uint32_t lo = uint32_t(mask), hi = uint32_t(mask >> 32);
+  const int in_lo = __popc(lo);
+  return j < in_lo ? int(__fns(lo, 0, j + 1)) : 32 + int(__fns(hi, 0, j - in_lo + 1));
+}
+
 // Lane q of each quad holds word w[j] for column group j of a 4-group block (its own
 // columns 2q, 2q + 1 of the group); afterwards it holds t[p] = lane p's word of group q,
 // i.e. the 8 adjacent columns of group q in order. Selects, not register indexing, so
@@ -547,6 +581,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const int row0 = threadIdx.x / Config::kChunksPerRow;
     const bool interleaved = p.activation == detail::ActivationKind::kSwigluOai;
     Tensor sA = make_tensor(make_smem_ptr(smem_a), typename Config::SmemLayoutA{});  // (BLK_M, BLK_K, STAGES)
+    Tensor sB = make_tensor(make_smem_ptr(smem_b), typename Config::SmemLayoutB{});  // (BLK_N, BLK_K, STAGES)
     using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
     int stage = 0;
     uint32_t phase = 1;  // a fresh barrier counts as having completed the phase before
@@ -627,6 +662,52 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
         advance();
       }
+      if constexpr (kClusterM == 1) {
+        // Fused LoRA expand (GemmParams::lora_t): K steps over the block's adapters, each
+        // owning lora_t_cols columns. A = the tile's rows of t (by entry) whose entry has
+        // the column's adapter; B = that adapter's lora_b, block-diagonal over the slices
+        // (slice s at [s * rank, +rank)). Every chunk by cp.async, zero filled elsewhere.
+        const uint64_t mask = sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile);
+        const int lora_steps = sm90_lora_k_steps<kBlockK>(p, mask);
+        for (int kt = 0; kt < lora_steps; ++kt) {
+          Barrier::wait(&empty_bar[stage], phase);
+          if (threadIdx.x == 0) Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
+          const int c = kt * kBlockK + k_col;  // this thread's K column
+          const int adapter_index = c / int(p.lora_t_cols), tc = c - adapter_index * int(p.lora_t_cols);
+          const bool in_t = adapter_index < __popcll(mask);
+          const int lora = in_t ? nth_set_bit(mask, adapter_index) : -1;
+          const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + tc;
+#pragma unroll
+          for (int i = 0; i < Config::kChunksA; ++i) {
+            const int row = row0 + i * Config::kRowsPerPass;
+            const bool ok = in_t && p.entry_lora_ids[entry0 + row] == lora;
+            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? t_rows + row * p.lora_t_cols : a_base),
+                          *reinterpret_cast<uint128_t*>(&sA(row, k_col, stage)), ok);
+          }
+          const int col_slice = tc / int(p.lora_rank);
+          const detail::LoraSliceParams& sl = p.lora[col_slice < p.lora_slices ? col_slice : 0];
+          const T* b_base = static_cast<const T*>(sl.lora_b) + (in_t ? lora : 0) * sl.b_stride_lora +
+                            tile.expert * sl.b_stride_expert + (tc - col_slice * p.lora_rank);
+#pragma unroll 1
+          for (int i = 0; i < kBlockN / Config::kRowsPerPass; ++i) {
+            const int row = row0 + i * Config::kRowsPerPass;
+            // The slice and lora_b row of tile row `row` (the base weight boxes' placement).
+            int slice = 0;
+            int64_t b_row = n0 + row, out_col = b_row;
+            if (p.gated) {
+              const int box = row / Config::kBoxRows, half = box % 2;
+              out_col = n0 + (box / 2) * Config::kBoxRows + row % Config::kBoxRows;
+              slice = p.lora_slices == 2 ? half : 0;
+              b_row = p.lora_slices == 2 ? out_col : interleaved ? 2 * out_col + half : half * p.N + out_col;
+            }
+            const bool ok = in_t && slice == col_slice && out_col < p.N;
+            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b_row * sl.b_stride_n : a_base),
+                          *reinterpret_cast<uint128_t*>(&sB(row, k_col, stage)), ok);
+          }
+          cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
+          advance();
+        }
+      }
     }
     if constexpr (kClusterM > 1) {
       if (takes) taker.drain();
@@ -685,6 +766,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
     if (tile.active) {
+      // K steps of this tile: the base ones, then the fused LoRA expand's.
+      const int64_t k_steps = num_k_tiles + sm90_lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile));
       int release_stage = stage;
       int64_t released = 0;
       auto release = [&] {
@@ -702,10 +785,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         // The first wgmma overwrites the accumulators (no clear: ptxas serialises wgmmas
         // when ordinary instructions write their accumulators inside a pipeline stage).
         tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-        for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+        for (int64_t k_tile = 0; k_tile < k_steps; ++k_tile) {
           Barrier::wait(&full_bar[stage], phase);
-          // cp.async wrote the A slot through the generic proxy; wgmma reads it through the async one.
-          if (!p.a_rows_sorted) cutlass::arch::fence_view_async_shared();
+          // cp.async wrote the A slot (and the LoRA steps' B slot) through the generic
+          // proxy; wgmma reads them through the async one.
+          if (!p.a_rows_sorted || k_tile >= num_k_tiles) cutlass::arch::fence_view_async_shared();
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
 #pragma unroll
@@ -730,7 +814,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           next_stage();
         }
       }
-      while (released < num_k_tiles) release();
+      while (released < k_steps) release();
     }
     // Static: this CTA's last tile (ordered: only the counter knows; the CTA's exit lets
     // the next kernel launch).
@@ -808,6 +892,7 @@ void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
 // The instances of one (element type, tile height): one translation unit each.
 template <class T, int kBlockM>
 void dispatch_fused_moe_sm90(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream) {
+  if (p.lora_t != nullptr) cluster_m = 1;  // the fused LoRA expand runs in 1-CTA clusters (sm90_cluster_tile)
   if (block_n == 128 && cluster_m == 1) return launch_fused_moe_sm90<T, kBlockM, 128, 1>(p, stream);
   if (block_n == 128 && cluster_m == 2) return launch_fused_moe_sm90<T, kBlockM, 128, 2>(p, stream);
   if (block_n == 256 && cluster_m == 1) return launch_fused_moe_sm90<T, kBlockM, 256, 1>(p, stream);

@@ -36,6 +36,7 @@ constexpr int kAlignMaxGroups = 16896;
 // Dynamic shared memory: the two group tables, then each slot's group (2 bytes a slot)
 // for the scatter pass, as many slots as fit (80K without LoRA, 32K at the most groups);
 // beyond that the scatter reads topk_ids again.
+// Segmented LoRA alignment: a third table (200 KB at the most groups, no slot cache).
 constexpr int kAlignSmemBytes = 200 * 1024;
 // CTAs of the cluster (the portable maximum), and the slots that earn one more CTA.
 constexpr int kAlignMaxCtas = 8;
@@ -98,6 +99,8 @@ struct AlignCtas {
 };
 
 // cache_slots: how many slots' groups the dynamic shared memory holds after the tables.
+// Segmented (AlignParams::entry_lora_ids): a third table holds each group's total, so the
+// last group of an expert can pad the expert's sum to the block size.
 __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(const detail::AlignParams p,
                                                                             int num_groups, int cache_slots) {
   using BlockScan = cub::BlockScan<int, kAlignThreads>;
@@ -107,7 +110,9 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   // this CTA's scatter cursor per group.
   int* group_count = reinterpret_cast<int*>(align_smem);
   int* group_cursor = group_count + num_groups;
-  uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_cursor + num_groups);  // [cache_slots]
+  const bool segmented = p.entry_lora_ids != nullptr;
+  int* group_total = group_cursor + num_groups;  // [num_groups] when segmented
+  uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_total + (segmented ? num_groups : 0));  // [cache_slots]
 
   const AlignCtas ctas;
   const int num_slots = int(p.num_tokens * p.top_k);  // < 2^31: checked by the launcher
@@ -128,6 +133,12 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   // the real slots.
   for (int i = ctas.rank * kAlignThreads + threadIdx.x; i < int(p.max_num_tokens_padded); i += ctas.count * kAlignThreads) {
     p.sorted_token_ids[i] = sentinel;
+    if (segmented) p.entry_lora_ids[i] = -1;
+  }
+  // The adapter masks are OR-ed in by every CTA after the cluster barrier below.
+  for (int b = ctas.rank * kAlignThreads + threadIdx.x; segmented && b < int(p.max_num_blocks);
+       b += ctas.count * kAlignThreads) {
+    p.block_lora_masks[b] = 0;
   }
   __syncthreads();
   // NOTE: kAlignBatch independent loads in flight per thread before their atomics: a
@@ -148,6 +159,14 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     }
   }
   ctas.sync();
+  if (segmented) {
+    for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) {
+      int total = 0;
+      for (int r = 0; r < ctas.count; ++r) total += ctas.shared_of(group_count, r)[g];
+      group_total[g] = total;
+    }
+    __syncthreads();
+  }
 
   // Each group's size over all CTAs and the slots of the CTAs before this one; an
   // exclusive scan of the padded sizes, kAlignGroupsPerPass groups a pass (thread t owns
@@ -169,6 +188,16 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
         }
       }
       padded[i] = (total + block_size - 1) / block_size * block_size;
+      if (segmented && g < num_groups - 1) {
+        // Unpadded inside an expert; its last group pads the expert's sum (every expert
+        // starts on a block, so its blocks are those of the plain alignment).
+        padded[i] = total;
+        if (g % groups_per_expert == groups_per_expert - 1) {
+          int expert_total = 0;
+          for (int k = g - groups_per_expert + 1; k <= g; ++k) expert_total += group_total[k];
+          padded[i] += (expert_total + block_size - 1) / block_size * block_size - expert_total;
+        }
+      }
     }
     int pass_total = 0;
     BlockScan(scan_storage).ExclusiveSum(padded, offset, pass_total);
@@ -186,9 +215,17 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
         expert = p.expert_map ? p.expert_map[e] : e;
         lora = g - e * groups_per_expert - 1;
       }
-      for (int b = start / block_size; b < (start + padded[i]) / block_size; ++b) {
+      // Segmented, groups of one expert share blocks: the same expert id, and each
+      // group's adapter bit in the blocks its slots reach.
+      for (int b = start / block_size; b * block_size < start + padded[i]; ++b) {
         p.expert_ids[b] = expert;
         if (p.block_lora_ids) p.block_lora_ids[b] = lora;
+      }
+      if (segmented && lora >= 0) {
+        const int total = group_total[g];
+        for (int b = start / block_size; b * block_size < start + total; ++b) {
+          atomicOr(reinterpret_cast<unsigned long long*>(&p.block_lora_masks[b]), 1ull << lora);
+        }
       }
     }
     total_padded += pass_total;
@@ -212,7 +249,10 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
-      if (g[i] >= 0) p.sorted_token_ids[atomicAdd(&group_cursor[g[i]], 1)] = s0 + i * kAlignThreads + int(threadIdx.x);
+      if (g[i] < 0) continue;
+      const int entry = atomicAdd(&group_cursor[g[i]], 1);
+      p.sorted_token_ids[entry] = s0 + i * kAlignThreads + int(threadIdx.x);
+      if (segmented && g[i] < num_groups - 1) p.entry_lora_ids[entry] = g[i] % groups_per_expert - 1;
     }
   }
 }
@@ -239,7 +279,7 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
                        ? int(std::clamp<int64_t>((num_slots + kAlignSlotsPerCta - 1) / kAlignSlotsPerCta, 1, kAlignMaxCtas))
                        : 1;
   const int64_t share = (num_slots + ctas - 1) / ctas;
-  const int64_t table_bytes = 2 * num_groups * int64_t(sizeof(int));
+  const int64_t table_bytes = (p.entry_lora_ids ? 3 : 2) * num_groups * int64_t(sizeof(int));
   const int cache_slots = int(std::min<int64_t>(share, (kAlignSmemBytes - table_bytes) / int64_t(sizeof(uint16_t))));
   const size_t smem_bytes = size_t(table_bytes + int64_t(cache_slots) * int64_t(sizeof(uint16_t)));
   MOELORA_CUDA_CHECK(

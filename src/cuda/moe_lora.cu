@@ -16,6 +16,8 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <climits>
+#include <stdexcept>
 #include <string>
 
 #include "common/params.h"
@@ -48,6 +50,7 @@ struct Tile {
   int expert = -1;
   int lora = -1;
   bool active = false;  // expert and adapter valid, adapter enabled
+  int64_t entry0 = -1;  // block mode: the tile's first entry
 };
 
 __device__ __forceinline__ int64_t load_topk_id(const LoraDeltaParams& p, int64_t slot) {
@@ -105,8 +108,9 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
     const int64_t entry0 = block * p.block_size + (tile - block * tiles_per_block) * kTileRows;
     const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
     if (entry0 >= used) return false;
+    t.entry0 = entry0;
     t.expert = p.expert_ids[block];
-    t.lora = p.block_lora_ids[block];
+    t.lora = p.block_lora_ids ? p.block_lora_ids[block] : -1;  // segmented: per row
     t.active = tile_active(p, t);
     if (threadIdx.x < kTileRows) {
       const int64_t entry = entry0 + threadIdx.x;
@@ -122,6 +126,11 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
 
 __host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16; }
 
+// Row of `a` for tile row r holding slot s >= 0: its entry (a_rows_by_entry), else s / a_top_k.
+__device__ __forceinline__ int64_t a_row(const LoraDeltaParams& p, const Tile& t, int r, int s) {
+  return p.a_rows_by_entry ? t.entry0 + r : s / p.a_top_k;
+}
+
 // ---- shrink -----------------------------------------------------------------------------
 // Grid (tiles, slices). intermediate[s, c, i] = Σ_k a[s / a_top_k, k] · lora_a[c][l, e, i, k].
 // kVecLoads: 16-byte loads of a and lora_a (K % 8 == 0, aligned rows).
@@ -133,10 +142,30 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
   __shared__ alignas(32) T lora_tile[kMaxRankPadded][BK + kPad];
   __shared__ alignas(32) float result[kTileRows][kMaxRankPadded + 4];
 
+  __shared__ int row_lora[kTileRows];  // segmented alignment: each row's adapter
+
   wait_for_previous_kernel();
   Tile t;
-  if (!load_tile(p, blockIdx.x, slots, t) || !t.active) return;
+  if (!load_tile(p, blockIdx.x, slots, t)) return;
+  const bool segmented = p.entry_lora_ids != nullptr;
+  if (segmented && threadIdx.x < kTileRows) {
+    row_lora[threadIdx.x] = slots[threadIdx.x] >= 0 ? p.entry_lora_ids[t.entry0 + threadIdx.x] : -1;
+  }
   __syncthreads();
+  // Segmented: the tile's rows hold runs of a few adapters; one pass per adapter, in order.
+  for (int previous = -1;;) {
+    if (segmented) {
+      int next = INT_MAX;
+      for (int r = 0; r < kTileRows; ++r) next = row_lora[r] > previous && row_lora[r] < next ? row_lora[r] : next;
+      if (next == INT_MAX) break;
+      previous = t.lora = next;
+      t.active = tile_active(p, t);
+      if (!t.active) continue;
+    } else if (!t.active) {
+      break;
+    }
+    // The rows of this pass.
+    auto keep = [&](int r) { return slots[r] >= 0 && (!segmented || row_lora[r] == t.lora); };
   const int c = blockIdx.y;
   const int rank = int(p.rank), rank_padded = round_up16(rank);
   const detail::LoraSliceParams& sl = p.slices[c];
@@ -164,9 +193,8 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
         const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
         const int s = slots[r];
         *reinterpret_cast<Vec16<T>*>(&a_tile[r][k]) =
-            s >= 0 && k0 + k < p.K
-                ? *reinterpret_cast<const Vec16<T>*>(a + (s / p.a_top_k) * p.a_stride_row + k0 + k)
-                : zeros;
+            keep(r) && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(a + a_row(p, t, r, s) * p.a_stride_row + k0 + k)
+                                   : zeros;
       }
       for (int i = threadIdx.x; i < rank_padded * kVecsPerRow; i += kShrinkThreads) {
         const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
@@ -178,7 +206,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
         const int r = i / BK, k = i % BK;
         const int s = slots[r];
-        a_tile[r][k] = s >= 0 && k0 + k < p.K ? a[(s / p.a_top_k) * p.a_stride_row + k0 + k] : zero;
+        a_tile[r][k] = keep(r) && k0 + k < p.K ? a[a_row(p, t, r, s) * p.a_stride_row + k0 + k] : zero;
       }
       for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
         const int r = i / BK, k = i % BK;
@@ -222,10 +250,24 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
   }
   __syncthreads();
   T* out = static_cast<T*>(p.intermediate);
-  for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
-    const int r = i / rank, col = i % rank;
-    const int s = slots[r];
-    if (s >= 0) out[(int64_t(s) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
+  if (p.intermediate_by_entry) {
+    // Every row of the tile (padding rows are zeros; segmented: the pass's rows), scaled:
+    // the fused expand's A operand.
+    const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+    for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+      const int r = i / rank, col = i % rank;
+      if (!segmented || keep(r)) {
+        out[(t.entry0 + r) * (p.num_slices * rank) + c * rank + col] = from_float<T>(scale * result[r][col]);
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+      const int r = i / rank, col = i % rank;
+      if (keep(r)) out[(int64_t(slots[r]) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
+    }
+  }
+  if (!segmented) break;
+  __syncthreads();  // the next pass refills the tiles
   }
   allow_next_kernel_launch();
 }
@@ -418,6 +460,23 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
+  if (p.sorted_token_ids == nullptr || !p.intermediate_by_entry || p.block_size % kTileRows != 0 ||
+      p.rank > kMaxRankPadded) {
+    throw std::logic_error("moelora.moe_lora_shrink: needs block mode, an intermediate by entry, block_size % 16 == 0 "
+                           "and rank <= 128");
+  }
+  const int64_t tiles = num_tiles(p);
+  if (tiles <= 0) return;
+  if (tiles > INT32_MAX) throw Error("moelora.fused_experts: too many LoRA row tiles (" + std::to_string(tiles) + ")");
+  dispatch_float(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
+                  dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0,
+                  static_cast<cudaStream_t>(stream), p);
+  });
+}
 
 void moe_lora_delta(const LoraDeltaParams& p, Stream stream) {
   if (p.rank > kMaxRankPadded) {

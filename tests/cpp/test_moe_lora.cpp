@@ -515,6 +515,43 @@ std::vector<LayerLoraCase> layer_cases() {
     small_on_input.options.config = &small_batch;
     small_on_input.options.apply_router_weight_on_input = true;
     cases.push_back(small_on_input);
+    if (backend != Backend::kCUDA) continue;
+    // CUDA: both GEMMs on the sm90 kernel, the LoRA expand fused into their K loops
+    // (rank % 8 == 0; rank 1 falls back to the delta kernels). Tails in N (I = 48, H = 136),
+    // up to 4 extra K steps (2 slices x rank 128), 2-CTA cluster tiles run as 1-CTA.
+    static const MoeKernelConfig fused_m128{.block_size = 128,
+                                            .gemm1 = {GemmKernel::kSm90, 128, 256, 2, true},
+                                            .gemm2 = {GemmKernel::kSm90, 128, 128, 1, false}};
+    static const MoeKernelConfig fused_m64{.block_size = 64,
+                                           .gemm1 = {GemmKernel::kSm90, 64, 128, 1, false},
+                                           .gemm2 = {GemmKernel::kSm90, 64, 256, 2, true},
+                                           .sorted_input = true};
+    for (const MoeKernelConfig* config : {&fused_m128, &fused_m64}) {
+      const std::string tag = config == &fused_m128 ? "sm90_m128_" : "sm90_m64_";
+      std::vector<LayerLoraCase> fused;
+      for (int64_t rank : {1, 8, 16, 64, 128}) {
+        fused.push_back({.name = tag + "rank" + std::to_string(rank), .backend = backend, .M = 60, .top_k = 4,
+                         .rank = rank});
+      }
+      fused.push_back({.name = tag + "sorted_activation_share50", .backend = backend, .M = 200, .top_k = 4,
+                       .L = 16, .share = 0.5, .disable_some = true});
+      fused.push_back({.name = tag + "swiglu_oai", .backend = backend, .M = 60, .activation = Activation::kSwigluOai});
+      fused.push_back({.name = tag + "swiglu_oai_one_slice", .backend = backend, .M = 60, .rank = 24,
+                       .w13_slices = 1, .activation = Activation::kSwigluOai});
+      fused.push_back({.name = tag + "gelu_one_slice_fp16", .backend = backend, .dtype = DType::kFloat16, .M = 60,
+                       .rank = 32, .w13_slices = 1, .activation = Activation::kGelu});
+      LayerLoraCase on_input{.name = tag + "weight_on_input_top1", .backend = backend, .M = 60, .top_k = 1};
+      on_input.options.apply_router_weight_on_input = true;
+      fused.push_back(on_input);
+      LayerLoraCase no_combine{.name = tag + "no_combine_chunked", .backend = backend, .M = 70, .share = 0.5};
+      no_combine.options.no_combine = true;
+      no_combine.options.chunk_size = 32;
+      fused.push_back(no_combine);
+      for (LayerLoraCase& c : fused) {
+        c.options.config = config;
+        cases.push_back(c);
+      }
+    }
   }
   return cases;
 }
@@ -524,10 +561,17 @@ INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_ca
 // ---- one captured CUDA graph serves every adapter mix -------------------------------------
 
 #ifdef MOELORA_WITH_CUDA
-TEST(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
+// The default config, and both GEMMs on the sm90 kernel with the fused expand.
+class FusedExpertsLoraCudaGraph : public ::testing::TestWithParam<int> {};
+
+TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   LayerLoraCase c{.name = "graph", .backend = Backend::kCUDA, .M = 48, .top_k = 4, .E = 16, .L = 8, .rank = 16,
                   .disable_some = true};
+  static const MoeKernelConfig fused{.block_size = 64,
+                                     .gemm1 = {GemmKernel::kSm90, 64, 256, 1, true},
+                                     .gemm2 = {GemmKernel::kSm90, 64, 128, 1, true}};
+  if (GetParam() == 1) c.options.config = &fused;
   std::mt19937 rng(4242);
   LoraLayer layer(c, rng);
   TestStream stream(Backend::kCUDA);
@@ -554,6 +598,7 @@ TEST(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
 }
+INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1));
 #endif
 
 // ---- bad arguments --------------------------------------------------------------------
