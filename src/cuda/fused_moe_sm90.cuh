@@ -60,16 +60,20 @@
 // as one 16-byte write. NOTE: the pair-wise 4-byte stores used 8 of every 32 bytes a
 // sector moved (ncu) and cost ~220 us of the 1260 us layer (Qwen3-30B, M = 4096).
 //
-// Fused LoRA expand (GemmParams::lora_t, issue 4): a tile of a block with an adapter
-// runs a few more K steps through the same ring and wgmmas, A = its rows of the shrink's
-// output t [entries, S * rank] and B = lora_b's rows for its columns, block-diagonal over
-// the slices (gate rows read t's gate columns, up rows the up ones; zeros elsewhere), so
-// the delta lands in the accumulators before the epilogue's routed weight and activation.
-// The producer loads both by cp.async (t's rows are consecutive entries; lora_b's rows
-// follow the weight boxes' placement). NOTE: the shrink x · Aᵀ runs as its own kernel:
-// done in this K loop (seed 003), every n-tile of a row block would repeat it, S * r /
-// kBlockN more wgmma work on every tile (GEMM1 at r = 64: +50%), where the expand's steps
-// add S * r / K.
+// Fused LoRA expand (GemmParams::lora_t, issue 4): on the segmented alignment (plain
+// expert blocks whose entries run adapter by adapter), a tile runs a few more K steps
+// through the same ring and wgmmas: each adapter of its block owns S * rank K columns, A =
+// the rows of the shrink's output t [entries, S * rank] whose entry has that adapter (zero
+// for the others), B = that adapter's lora_b rows for the tile's columns, block-diagonal
+// over the slices (gate rows read t's gate columns, up rows the up ones). So the delta
+// lands in the accumulators before the epilogue's routed weight and activation. The
+// producer loads both by cp.async (t's rows are consecutive entries; lora_b's rows follow
+// the weight boxes' placement). NOTE: the shrink x · Aᵀ runs as its own kernel: done in
+// this K loop (seed 003), every n-tile of a row block would repeat it, S * r / kBlockN
+// more wgmma work on every tile (GEMM1 at r = 64: +50%), where the expand's steps add
+// (adapters in the block) * S * r / K. NOTE: blocks of one (expert, adapter) each (the
+// virtual alignment) cost ~4x the base tiles at 4 adapters, mostly padding rows
+// (Mixtral M = 64: 2.9 ms against 1.0 without adapters; docs/PERF_NOTES.md, step 2).
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>

@@ -4,8 +4,9 @@
 // See LoraDeltaParams (src/common/params.h) for the contract.
 //
 // Work comes in row tiles of kTileRows slots that share one (expert, adapter): a 16-row
-// slice of a block of the virtual alignment, or a single slot in the per-slot mode
-// (small batch, straight from topk_ids). A tile whose adapter is -1 or disabled, or whose
+// slice of a block of the virtual alignment, or a single slot in the per-slot mode (small
+// batch, straight from topk_ids). On the segmented alignment (fused_experts' fused path:
+// the shrink alone, t by entry) a tile's rows may hold a few adapters, one pass each. A tile whose adapter is -1 or disabled, or whose
 // expert is -1, skips the LoRA work (a uniform branch per CTA); without add_inputs the
 // expand writes its rows' zeros.
 // 16-bit types run on the tensor cores (WMMA 16x16x16, fp32 accumulation); fp32 runs the
@@ -166,108 +167,108 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
     }
     // The rows of this pass.
     auto keep = [&](int r) { return slots[r] >= 0 && (!segmented || row_lora[r] == t.lora); };
-  const int c = blockIdx.y;
-  const int rank = int(p.rank), rank_padded = round_up16(rank);
-  const detail::LoraSliceParams& sl = p.slices[c];
-  const T* a = static_cast<const T*>(p.a);
-  const T* lora_a = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert;
-  const int warp = threadIdx.x / 32;
-  const T zero = from_float<T>(0.f);
+    const int c = blockIdx.y;
+    const int rank = int(p.rank), rank_padded = round_up16(rank);
+    const detail::LoraSliceParams& sl = p.slices[c];
+    const T* a = static_cast<const T*>(p.a);
+    const T* lora_a = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert;
+    const int warp = threadIdx.x / 32;
+    const T zero = from_float<T>(0.f);
 
-  namespace wmma = nvcuda::wmma;
-  using Acc = std::conditional_t<kTensorCores<T>, wmma::fragment<wmma::accumulator, 16, 16, 16, float>, float[8]>;
-  Acc acc;
-  if constexpr (kTensorCores<T>) {
-    wmma::fill_fragment(acc, 0.f);
-  } else {
-    for (float& v : acc) v = 0.f;
-  }
-  for (int64_t k0 = 0; k0 < p.K; k0 += BK) {
-    if constexpr (kVecLoads) {
-      // K % kVec == 0: a vector is wholly inside K or wholly past it.
-      constexpr int kVec = Vec16<T>::kSize, kVecsPerRow = BK / kVec;
-      Vec16<T> zeros;
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) zeros.v[v] = zero;
-      for (int i = threadIdx.x; i < kTileRows * kVecsPerRow; i += kShrinkThreads) {
-        const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
-        const int s = slots[r];
-        *reinterpret_cast<Vec16<T>*>(&a_tile[r][k]) =
-            keep(r) && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(a + a_row(p, t, r, s) * p.a_stride_row + k0 + k)
-                                   : zeros;
-      }
-      for (int i = threadIdx.x; i < rank_padded * kVecsPerRow; i += kShrinkThreads) {
-        const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
-        *reinterpret_cast<Vec16<T>*>(&lora_tile[r][k]) =
-            r < rank && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(lora_a + r * sl.a_stride_rank + k0 + k)
-                                     : zeros;
-      }
-    } else {
-      for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
-        const int r = i / BK, k = i % BK;
-        const int s = slots[r];
-        a_tile[r][k] = keep(r) && k0 + k < p.K ? a[a_row(p, t, r, s) * p.a_stride_row + k0 + k] : zero;
-      }
-      for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
-        const int r = i / BK, k = i % BK;
-        lora_tile[r][k] = r < rank && k0 + k < p.K ? lora_a[r * sl.a_stride_rank + k0 + k] : zero;
-      }
-    }
-    __syncthreads();
+    namespace wmma = nvcuda::wmma;
+    using Acc = std::conditional_t<kTensorCores<T>, wmma::fragment<wmma::accumulator, 16, 16, 16, float>, float[8]>;
+    Acc acc;
     if constexpr (kTensorCores<T>) {
-      if (warp * 16 < rank_padded) {
-        for (int kk = 0; kk < BK; kk += 16) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-          wmma::load_matrix_sync(fa, &a_tile[0][kk], BK + kPad);
-          wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], BK + kPad);
-          wmma::mma_sync(acc, fa, fb, acc);
+      wmma::fill_fragment(acc, 0.f);
+    } else {
+      for (float& v : acc) v = 0.f;
+    }
+    for (int64_t k0 = 0; k0 < p.K; k0 += BK) {
+      if constexpr (kVecLoads) {
+        // K % kVec == 0: a vector is wholly inside K or wholly past it.
+        constexpr int kVec = Vec16<T>::kSize, kVecsPerRow = BK / kVec;
+        Vec16<T> zeros;
+  #pragma unroll
+        for (int v = 0; v < kVec; ++v) zeros.v[v] = zero;
+        for (int i = threadIdx.x; i < kTileRows * kVecsPerRow; i += kShrinkThreads) {
+          const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
+          const int s = slots[r];
+          *reinterpret_cast<Vec16<T>*>(&a_tile[r][k]) =
+              keep(r) && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(a + a_row(p, t, r, s) * p.a_stride_row + k0 + k)
+                                     : zeros;
+        }
+        for (int i = threadIdx.x; i < rank_padded * kVecsPerRow; i += kShrinkThreads) {
+          const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
+          *reinterpret_cast<Vec16<T>*>(&lora_tile[r][k]) =
+              r < rank && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(lora_a + r * sl.a_stride_rank + k0 + k)
+                                       : zeros;
+        }
+      } else {
+        for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
+          const int r = i / BK, k = i % BK;
+          const int s = slots[r];
+          a_tile[r][k] = keep(r) && k0 + k < p.K ? a[a_row(p, t, r, s) * p.a_stride_row + k0 + k] : zero;
+        }
+        for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
+          const int r = i / BK, k = i % BK;
+          lora_tile[r][k] = r < rank && k0 + k < p.K ? lora_a[r * sl.a_stride_rank + k0 + k] : zero;
         }
       }
+      __syncthreads();
+      if constexpr (kTensorCores<T>) {
+        if (warp * 16 < rank_padded) {
+          for (int kk = 0; kk < BK; kk += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+            wmma::load_matrix_sync(fa, &a_tile[0][kk], BK + kPad);
+            wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], BK + kPad);
+            wmma::mma_sync(acc, fa, fb, acc);
+          }
+        }
+      } else {
+        // Thread o computes outputs o + j * kShrinkThreads of the [16, rank_padded] tile.
+        for (int j = 0; j < 8; ++j) {
+          const int o = threadIdx.x + j * kShrinkThreads;
+          if (o >= kTileRows * rank_padded) break;
+          const int r = o / rank_padded, i = o % rank_padded;
+          float sum = 0.f;
+          for (int k = 0; k < BK; ++k) sum += to_float(a_tile[r][k]) * to_float(lora_tile[i][k]);
+          acc[j] += sum;
+        }
+      }
+      __syncthreads();
+    }
+    if constexpr (kTensorCores<T>) {
+      if (warp * 16 < rank_padded) {
+        wmma::store_matrix_sync(&result[0][warp * 16], acc, kMaxRankPadded + 4, wmma::mem_row_major);
+      }
     } else {
-      // Thread o computes outputs o + j * kShrinkThreads of the [16, rank_padded] tile.
       for (int j = 0; j < 8; ++j) {
         const int o = threadIdx.x + j * kShrinkThreads;
         if (o >= kTileRows * rank_padded) break;
-        const int r = o / rank_padded, i = o % rank_padded;
-        float sum = 0.f;
-        for (int k = 0; k < BK; ++k) sum += to_float(a_tile[r][k]) * to_float(lora_tile[i][k]);
-        acc[j] += sum;
+        result[o / rank_padded][o % rank_padded] = acc[j];
       }
     }
     __syncthreads();
-  }
-  if constexpr (kTensorCores<T>) {
-    if (warp * 16 < rank_padded) {
-      wmma::store_matrix_sync(&result[0][warp * 16], acc, kMaxRankPadded + 4, wmma::mem_row_major);
-    }
-  } else {
-    for (int j = 0; j < 8; ++j) {
-      const int o = threadIdx.x + j * kShrinkThreads;
-      if (o >= kTileRows * rank_padded) break;
-      result[o / rank_padded][o % rank_padded] = acc[j];
-    }
-  }
-  __syncthreads();
-  T* out = static_cast<T*>(p.intermediate);
-  if (p.intermediate_by_entry) {
-    // Every row of the tile (padding rows are zeros; segmented: the pass's rows), scaled:
-    // the fused expand's A operand.
-    const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
-    for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
-      const int r = i / rank, col = i % rank;
-      if (!segmented || keep(r)) {
-        out[(t.entry0 + r) * (p.num_slices * rank) + c * rank + col] = from_float<T>(scale * result[r][col]);
+    T* out = static_cast<T*>(p.intermediate);
+    if (p.intermediate_by_entry) {
+      // Every row of the tile (padding rows are zeros; segmented: the pass's rows), scaled:
+      // the fused expand's A operand.
+      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+      for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+        const int r = i / rank, col = i % rank;
+        if (!segmented || keep(r)) {
+          out[(t.entry0 + r) * (p.num_slices * rank) + c * rank + col] = from_float<T>(scale * result[r][col]);
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+        const int r = i / rank, col = i % rank;
+        if (keep(r)) out[(int64_t(slots[r]) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
       }
     }
-  } else {
-    for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
-      const int r = i / rank, col = i % rank;
-      if (keep(r)) out[(int64_t(slots[r]) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
-    }
-  }
-  if (!segmented) break;
-  __syncthreads();  // the next pass refills the tiles
+    if (!segmented) break;
+    __syncthreads();  // the next pass refills the tiles
   }
   allow_next_kernel_launch();
 }
