@@ -93,12 +93,11 @@ struct LoraDeltaParams {
   LoraAdapterParams adapters;  // token of slot s = s / top_k
   int64_t top_k;
   int64_t num_slots;
-  void* intermediate;  // [num_slots, num_slices, rank] of dtype
-  // Shrink for the fused expand (CUDA, block mode; GemmParams::lora_t): intermediate is
-  // [max_num_tokens_padded, num_slices * rank] by entry, scaled by the adapter's scale,
-  // zero on padding entries; rows of base-only blocks are not written. a_rows_by_entry: a
-  // row = entry (GEMM2's activation in sorted order) instead of slot / a_top_k.
-  bool intermediate_by_entry = false;
+  // [num_slots, num_slices, rank] of dtype. On the segmented alignment (entry_lora_ids;
+  // the shrink alone, for GemmParams::lora_t): [max_num_tokens_padded, num_slices * rank]
+  // by entry, scaled by the adapter's scale; only entries with an enabled adapter written.
+  void* intermediate;
+  // a row = entry (GEMM2's activation in sorted order) instead of slot / a_top_k.
   bool a_rows_by_entry = false;
   // Per-slot mode (sorted_token_ids == null): expert of slot s = topk_ids (-1 or out of
   // range: none), through expert_map when given.
@@ -299,7 +298,7 @@ void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
 // Two launches (shrink, expand); base-only blocks and slots skip the LoRA work.
 void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
-// The shrink alone, by entry (LoraDeltaParams::intermediate_by_entry), for a GEMM with
+// The shrink alone, by entry (on the segmented alignment, LoraDeltaParams::entry_lora_ids), for a GEMM with
 // the fused expand (GemmParams::lora_t).
 void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
 // Whether the sm90 kernel can run GemmParams p with the fused expand of this stack:

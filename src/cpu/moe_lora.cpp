@@ -36,6 +36,14 @@ int64_t expert_of_slot(const detail::LoraDeltaParams& p, int64_t slot) {
   return local < p.num_experts ? local : -1;
 }
 
+// Σ_k v[k] · row[k] over a stack row of n unit-stride elements (loaded into scratch).
+float dot_with_row(DType dtype, const void* row, const float* v, int64_t n, float* scratch) {
+  load_row(dtype, row, 1, n, scratch);
+  float acc = 0.f;
+  for (int64_t k = 0; k < n; ++k) acc += v[k] * scratch[k];
+  return acc;
+}
+
 }  // namespace
 
 void moe_lora_delta(const detail::LoraDeltaParams& p) {
@@ -83,23 +91,18 @@ void moe_lora_delta(const detail::LoraDeltaParams& p) {
     for (int c = 0; c < p.num_slices; ++c) {
       const detail::LoraSliceParams& sl = p.slices[c];
       for (int64_t i = 0; i < p.rank; ++i) {
-        load_row(p.dtype,
-                 element_ptr(p.dtype, sl.lora_a, l * sl.a_stride_lora + e * sl.a_stride_expert + i * sl.a_stride_rank),
-                 1, p.K, lora_row.data());
-        float acc = 0.f;
-        for (int64_t k = 0; k < p.K; ++k) acc += a_row[k] * lora_row[k];
-        t[i] = acc;
+        t[i] = dot_with_row(
+            p.dtype, element_ptr(p.dtype, sl.lora_a, l * sl.a_stride_lora + e * sl.a_stride_expert + i * sl.a_stride_rank),
+            a_row.data(), p.K, lora_row.data());
       }
       // Round the intermediate as the CUDA kernels store it.
       void* t_out = element_ptr(p.dtype, p.intermediate, (s * p.num_slices + c) * p.rank);
       store_row(p.dtype, t.data(), p.rank, t_out, 1);
       load_row(p.dtype, t_out, 1, p.rank, t.data());
       for (int64_t j = 0; j < p.N_slice; ++j) {
-        load_row(p.dtype,
-                 element_ptr(p.dtype, sl.lora_b, l * sl.b_stride_lora + e * sl.b_stride_expert + j * sl.b_stride_n),
-                 1, p.rank, lora_row.data());
-        float acc = 0.f;
-        for (int64_t i = 0; i < p.rank; ++i) acc += t[i] * lora_row[i];
+        const float acc = dot_with_row(
+            p.dtype, element_ptr(p.dtype, sl.lora_b, l * sl.b_stride_lora + e * sl.b_stride_expert + j * sl.b_stride_n),
+            t.data(), p.rank, lora_row.data());
         const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
         row[col] += scale * acc;
       }

@@ -127,6 +127,22 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
 
 __host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16; }
 
+using WmmaAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+
+// acc += a[16, k_extent] · b[16, k_extent]ᵀ, both row-major in shared memory with leading
+// dimension ld (k_extent a multiple of 16).
+template <typename T>
+__device__ __forceinline__ void wmma_accumulate(WmmaAcc& acc, const T* a, const T* b, int ld, int k_extent) {
+  namespace wmma = nvcuda::wmma;
+  for (int kk = 0; kk < k_extent; kk += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
+    wmma::load_matrix_sync(fa, a + kk, ld);
+    wmma::load_matrix_sync(fb, b + kk, ld);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+}
+
 // Row of `a` for tile row r holding slot s >= 0: its entry (a_rows_by_entry), else s / a_top_k.
 __device__ __forceinline__ int64_t a_row(const LoraDeltaParams& p, const Tile& t, int r, int s) {
   return p.a_rows_by_entry ? t.entry0 + r : s / p.a_top_k;
@@ -176,7 +192,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
     const T zero = from_float<T>(0.f);
 
     namespace wmma = nvcuda::wmma;
-    using Acc = std::conditional_t<kTensorCores<T>, wmma::fragment<wmma::accumulator, 16, 16, 16, float>, float[8]>;
+    using Acc = std::conditional_t<kTensorCores<T>, WmmaAcc, float[8]>;
     Acc acc;
     if constexpr (kTensorCores<T>) {
       wmma::fill_fragment(acc, 0.f);
@@ -216,15 +232,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       }
       __syncthreads();
       if constexpr (kTensorCores<T>) {
-        if (warp * 16 < rank_padded) {
-          for (int kk = 0; kk < BK; kk += 16) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-            wmma::load_matrix_sync(fa, &a_tile[0][kk], BK + kPad);
-            wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], BK + kPad);
-            wmma::mma_sync(acc, fa, fb, acc);
-          }
-        }
+        if (warp * 16 < rank_padded) wmma_accumulate<T>(acc, &a_tile[0][0], &lora_tile[warp * 16][0], BK + kPad, BK);
       } else {
         // Thread o computes outputs o + j * kShrinkThreads of the [16, rank_padded] tile.
         for (int j = 0; j < 8; ++j) {
@@ -250,22 +258,14 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       }
     }
     __syncthreads();
+    // By slot; segmented, by entry and scaled (the fused expand's A operand).
     T* out = static_cast<T*>(p.intermediate);
-    if (p.intermediate_by_entry) {
-      // Every row of the tile (padding rows are zeros; segmented: the pass's rows), scaled:
-      // the fused expand's A operand.
-      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
-      for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
-        const int r = i / rank, col = i % rank;
-        if (!segmented || keep(r)) {
-          out[(t.entry0 + r) * (p.num_slices * rank) + c * rank + col] = from_float<T>(scale * result[r][col]);
-        }
-      }
-    } else {
-      for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
-        const int r = i / rank, col = i % rank;
-        if (keep(r)) out[(int64_t(slots[r]) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
-      }
+    const float scale = segmented && p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
+    for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
+      const int r = i / rank, col = i % rank;
+      if (!keep(r)) continue;
+      const int64_t row = segmented ? t.entry0 + r : int64_t(slots[r]);
+      out[(row * p.num_slices + c) * rank + col] = from_float<T>(scale * result[r][col]);
     }
     if (!segmented) break;
     __syncthreads();  // the next pass refills the tiles
@@ -317,15 +317,9 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
   const int warp = threadIdx.x / 32;
   if constexpr (kTensorCores<T>) {
     namespace wmma = nvcuda::wmma;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    WmmaAcc acc;
     wmma::fill_fragment(acc, 0.f);
-    for (int kk = 0; kk < rank_padded; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-      wmma::load_matrix_sync(fa, &t_tile[0][kk], kMaxRankPadded + kPad);
-      wmma::load_matrix_sync(fb, &lora_tile[warp * 16][kk], kMaxRankPadded + kPad);
-      wmma::mma_sync(acc, fa, fb, acc);
-    }
+    wmma_accumulate<T>(acc, &t_tile[0][0], &lora_tile[warp * 16][0], kMaxRankPadded + kPad, rank_padded);
     wmma::store_matrix_sync(&result[0][warp * 16], acc, kExpandColumns + 4, wmma::mem_row_major);
   } else {
     for (int o = threadIdx.x; o < kTileRows * kExpandColumns; o += kExpandThreads) {
@@ -431,6 +425,13 @@ bool shrink_gemv_loadable(const LoraDeltaParams& p) {
   return ok;
 }
 
+// The tile shrink over `tiles` row tiles and every slice.
+template <typename T>
+void launch_shrink_tiles(const LoraDeltaParams& p, int64_t tiles, cudaStream_t stream) {
+  launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
+                dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0, stream, p);
+}
+
 template <typename T>
 void launch(const LoraDeltaParams& p, cudaStream_t stream) {
   const int64_t tiles = num_tiles(p);
@@ -454,8 +455,7 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
                   dim3(kGemvThreads), 0, stream, p);
     return;
   }
-  launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
-                dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0, stream, p);
+  launch_shrink_tiles<T>(p, tiles, stream);
   launch_kernel(moe_lora_expand_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices), unsigned(column_chunks)),
                 dim3(kExpandThreads), 0, stream, p);
 }
@@ -463,20 +463,16 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
 }  // namespace
 
 void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
-  if (p.sorted_token_ids == nullptr || !p.intermediate_by_entry || p.block_size % kTileRows != 0 ||
+  if (p.sorted_token_ids == nullptr || p.entry_lora_ids == nullptr || p.block_size % kTileRows != 0 ||
       p.rank > kMaxRankPadded) {
-    throw std::logic_error("moelora.moe_lora_shrink: needs block mode, an intermediate by entry, block_size % 16 == 0 "
+    throw std::logic_error("moelora.moe_lora_shrink: needs the segmented alignment, block_size % 16 == 0 "
                            "and rank <= 128");
   }
   const int64_t tiles = num_tiles(p);
   if (tiles <= 0) return;
   if (tiles > INT32_MAX) throw Error("moelora.fused_experts: too many LoRA row tiles (" + std::to_string(tiles) + ")");
-  dispatch_float(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
-                  dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0,
-                  static_cast<cudaStream_t>(stream), p);
-  });
+  dispatch_float(p.dtype,
+                 [&](auto tag) { launch_shrink_tiles<decltype(tag)>(p, tiles, static_cast<cudaStream_t>(stream)); });
 }
 
 void moe_lora_delta(const LoraDeltaParams& p, Stream stream) {
