@@ -682,6 +682,11 @@ namespace {
 
 // GEMM1's and GEMM2's ordered-tile counters (GemmParams::tile_counter).
 constexpr int kNumTileCounters = 2;
+// The segmented shrink's split-K scratch: up to 32 splits (the CUDA kernel's limit) of
+// fp32 partial sums, at most 8 MB (a shrink over more padded entries splits less).
+constexpr int64_t kLoraShrinkMaxSplits = 32;
+constexpr int64_t kLoraShrinkPartialBytes = int64_t(8) << 20;
+
 // Chunks of at least this many slots get room for the activation in sorted order
 // (GemmParams::out_rows_sorted: padded entries, not slots); smaller ones keep it by slot.
 constexpr int64_t kSortedActivationMinSlots = 512;
@@ -691,7 +696,9 @@ constexpr int64_t kSortedActivationMinSlots = 512;
 // GEMM2 writes cache3 ([slots, H]): the two share one region, and so does the sorted input.
 struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
-      block_lora_ids, entry_lora_ids, block_lora_masks, lora_intermediate, total;
+      block_lora_ids, entry_lora_ids, block_lora_masks, lora_intermediate, lora_shrink_partials, lora_shrink_counters,
+      total;
+  int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
   AlignCapacity capacity;
@@ -763,6 +770,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     // entry for the fused expand ([padded entries, slices * rank]). GEMM2's shrink runs
     // after GEMM1 has read GEMM1's, so they share it.
     l.lora_intermediate = take(std::max(slots, l.capacity.max_num_tokens_padded) * 2 * s.lora_rank * elem);
+    // The fused path's shrink splits K when few blocks hold the entries (small M): fp32
+    // partial sums by split and entry, and arrival counters.
+    l.lora_shrink_partial_rows = std::min(kLoraShrinkMaxSplits * l.capacity.max_num_tokens_padded,
+                                          kLoraShrinkPartialBytes / (2 * s.lora_rank * 4));
+    l.lora_shrink_partials = take(l.lora_shrink_partial_rows * 2 * s.lora_rank * 4);
+    // One per 16 entries of the blocks: blocks end at most 255 entries past the padded ones.
+    l.lora_shrink_counters = take((l.capacity.max_num_tokens_padded / 16 + 16) * 4);
   }
   l.total = at;
   return l;
@@ -949,6 +963,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
   int32_t* block_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.block_lora_ids)) : nullptr;
   int32_t* entry_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.entry_lora_ids)) : nullptr;
   uint64_t* block_lora_masks = args.lora ? static_cast<uint64_t*>(byte_offset(ws, layout.block_lora_masks)) : nullptr;
+  int32_t* lora_shrink_counters =
+      args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.lora_shrink_counters)) : nullptr;
   int32_t* tile_counters =
       on_cuda(x) && options.ordered_tiles ? static_cast<int32_t*>(byte_offset(ws, layout.tile_counters)) : nullptr;
 
@@ -1050,6 +1066,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                          static_cast<const int32_t*>(expert_chunk.data), nullptr, cap.max_num_blocks,
                          static_cast<const int32_t*>(ntpp.data), block_size);
       shrink.p.entry_lora_ids = entry_lora_ids;
+      shrink.p.block_lora_masks = block_lora_masks;
+      shrink.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
+      shrink.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
+      shrink.p.shrink_counters = lora_shrink_counters;
       shrink.p.a_rows_by_entry = a_rows_by_entry;
 #ifdef MOELORA_WITH_CUDA
       cuda::moe_lora_shrink(shrink.p, stream);
@@ -1104,6 +1124,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         // runs, so the base GEMM tiles are those without adapters (no per-adapter padding).
         align.entry_lora_ids = entry_lora_ids;
         align.block_lora_masks = block_lora_masks;
+        align.lora_shrink_counters = lora_shrink_counters;
       } else {
         align.block_lora_ids = block_lora_ids;
       }

@@ -47,6 +47,9 @@ struct AlignParams {
   // block_lora_masks each block's set of adapters (bit l).
   int32_t* entry_lora_ids = nullptr;     // [max_num_tokens_padded]
   uint64_t* block_lora_masks = nullptr;  // [max_num_blocks]
+  // Segmented: the LoRA shrink's arrival counters, one per 16 entries of the blocks
+  // [max_num_blocks * block_size / 16], zeroed here (LoraDeltaParams::shrink_counters).
+  int32_t* lora_shrink_counters = nullptr;
 };
 
 // The adapter of token m: token_lora_ids[m] when in [0, max_loras) and enabled, else -1.
@@ -111,6 +114,13 @@ struct LoraDeltaParams {
   const int32_t* expert_ids;
   const int32_t* block_lora_ids;
   const int32_t* entry_lora_ids = nullptr;  // segmented alignment (with block_lora_ids null): per entry
+  const uint64_t* block_lora_masks = nullptr;  // segmented: each block's adapters (bit l)
+  // The segmented shrink's split-K scratch: fp32 partial sums [shrink_partial_rows,
+  // num_slices * rank] and arrival counters (one per 16 entries), zero on entry (the
+  // alignment zeroes them; the last split of a row group resets its own). Null: no split.
+  float* shrink_partials = nullptr;
+  int64_t shrink_partial_rows = 0;
+  int32_t* shrink_counters = nullptr;
   const int32_t* num_tokens_post_padded;
   int64_t max_num_tokens_padded;
   int64_t max_num_blocks;

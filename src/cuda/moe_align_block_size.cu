@@ -135,10 +135,15 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     p.sorted_token_ids[i] = sentinel;
     if (segmented) p.entry_lora_ids[i] = -1;
   }
-  // The adapter masks are OR-ed in by every CTA after the cluster barrier below.
+  // The adapter masks are OR-ed in by every CTA after the cluster barrier below. The
+  // shrink's counters start at zero (the kernels before this one are done with them).
   for (int b = ctas.rank * kAlignThreads + threadIdx.x; segmented && b < int(p.max_num_blocks);
        b += ctas.count * kAlignThreads) {
     p.block_lora_masks[b] = 0;
+  }
+  for (int i = ctas.rank * kAlignThreads + threadIdx.x;
+       segmented && p.lora_shrink_counters && i < int(p.max_num_blocks * p.block_size / 16); i += ctas.count * kAlignThreads) {
+    p.lora_shrink_counters[i] = 0;
   }
   __syncthreads();
   // NOTE: kAlignBatch independent loads in flight per thread before their atomics: a

@@ -5,15 +5,17 @@
 //
 // Work comes in row tiles of kTileRows slots that share one (expert, adapter): a 16-row
 // slice of a block of the virtual alignment, or a single slot in the per-slot mode (small
-// batch, straight from topk_ids). On the segmented alignment (fused_experts' fused path:
-// the shrink alone, t by entry) a tile's rows may hold a few adapters, one pass each. A tile whose adapter is -1 or disabled, or whose
+// batch, straight from topk_ids). A tile whose adapter is -1 or disabled, or whose
 // expert is -1, skips the LoRA work (a uniform branch per CTA); without add_inputs the
 // expand writes its rows' zeros.
+// On the segmented alignment (fused_experts' fused path) only the shrink runs here, t by
+// entry, split over K (moe_lora_shrink_segmented_kernel); the expand is in the GEMM.
 // 16-bit types run on the tensor cores (WMMA 16x16x16, fp32 accumulation); fp32 runs the
 // same tiles on CUDA cores. Ranks are padded to 16 inside the kernels (zero rows of
 // lora_a and zero columns of lora_b in shared memory); callers never pad.
 // NOTE: a first, separate-kernel path (fused_experts with adapters adds the delta after
 // each GEMM). Seed 003's fusion into the expert GEMM is the next step (docs/PERF_NOTES.md).
+#include <cute/arch/copy_sm80.hpp>
 #include <mma.h>
 
 #include <algorithm>
@@ -23,6 +25,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 
@@ -51,7 +54,6 @@ struct Tile {
   int expert = -1;
   int lora = -1;
   bool active = false;  // expert and adapter valid, adapter enabled
-  int64_t entry0 = -1;  // block mode: the tile's first entry
 };
 
 __device__ __forceinline__ int64_t load_topk_id(const LoraDeltaParams& p, int64_t slot) {
@@ -109,9 +111,8 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
     const int64_t entry0 = block * p.block_size + (tile - block * tiles_per_block) * kTileRows;
     const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
     if (entry0 >= used) return false;
-    t.entry0 = entry0;
     t.expert = p.expert_ids[block];
-    t.lora = p.block_lora_ids ? p.block_lora_ids[block] : -1;  // segmented: per row
+    t.lora = p.block_lora_ids[block];
     t.active = tile_active(p, t);
     if (threadIdx.x < kTileRows) {
       const int64_t entry = entry0 + threadIdx.x;
@@ -143,11 +144,6 @@ __device__ __forceinline__ void wmma_accumulate(WmmaAcc& acc, const T* a, const 
   }
 }
 
-// Row of `a` for tile row r holding slot s >= 0: its entry (a_rows_by_entry), else s / a_top_k.
-__device__ __forceinline__ int64_t a_row(const LoraDeltaParams& p, const Tile& t, int r, int s) {
-  return p.a_rows_by_entry ? t.entry0 + r : s / p.a_top_k;
-}
-
 // ---- shrink -----------------------------------------------------------------------------
 // Grid (tiles, slices). intermediate[s, c, i] = Σ_k a[s / a_top_k, k] · lora_a[c][l, e, i, k].
 // kVecLoads: 16-byte loads of a and lora_a (K % 8 == 0, aligned rows).
@@ -159,30 +155,11 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
   __shared__ alignas(32) T lora_tile[kMaxRankPadded][BK + kPad];
   __shared__ alignas(32) float result[kTileRows][kMaxRankPadded + 4];
 
-  __shared__ int row_lora[kTileRows];  // segmented alignment: each row's adapter
-
   wait_for_previous_kernel();
   Tile t;
   if (!load_tile(p, blockIdx.x, slots, t)) return;
-  const bool segmented = p.entry_lora_ids != nullptr;
-  if (segmented && threadIdx.x < kTileRows) {
-    row_lora[threadIdx.x] = slots[threadIdx.x] >= 0 ? p.entry_lora_ids[t.entry0 + threadIdx.x] : -1;
-  }
   __syncthreads();
-  // Segmented: the tile's rows hold runs of a few adapters; one pass per adapter, in order.
-  for (int previous = -1;;) {
-    if (segmented) {
-      int next = INT_MAX;
-      for (int r = 0; r < kTileRows; ++r) next = row_lora[r] > previous && row_lora[r] < next ? row_lora[r] : next;
-      if (next == INT_MAX) break;
-      previous = t.lora = next;
-      t.active = tile_active(p, t);
-      if (!t.active) continue;
-    } else if (!t.active) {
-      break;
-    }
-    // The rows of this pass.
-    auto keep = [&](int r) { return slots[r] >= 0 && (!segmented || row_lora[r] == t.lora); };
+  if (t.active) {
     const int c = blockIdx.y;
     const int rank = int(p.rank), rank_padded = round_up16(rank);
     const detail::LoraSliceParams& sl = p.slices[c];
@@ -210,7 +187,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
           const int r = i / kVecsPerRow, k = (i % kVecsPerRow) * kVec;
           const int s = slots[r];
           *reinterpret_cast<Vec16<T>*>(&a_tile[r][k]) =
-              keep(r) && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(a + a_row(p, t, r, s) * p.a_stride_row + k0 + k)
+              s >= 0 && k0 + k < p.K ? *reinterpret_cast<const Vec16<T>*>(a + (s / p.a_top_k) * p.a_stride_row + k0 + k)
                                      : zeros;
         }
         for (int i = threadIdx.x; i < rank_padded * kVecsPerRow; i += kShrinkThreads) {
@@ -223,7 +200,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
         for (int i = threadIdx.x; i < kTileRows * BK; i += kShrinkThreads) {
           const int r = i / BK, k = i % BK;
           const int s = slots[r];
-          a_tile[r][k] = keep(r) && k0 + k < p.K ? a[a_row(p, t, r, s) * p.a_stride_row + k0 + k] : zero;
+          a_tile[r][k] = s >= 0 && k0 + k < p.K ? a[(s / p.a_top_k) * p.a_stride_row + k0 + k] : zero;
         }
         for (int i = threadIdx.x; i < rank_padded * BK; i += kShrinkThreads) {
           const int r = i / BK, k = i % BK;
@@ -258,17 +235,244 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       }
     }
     __syncthreads();
-    // By slot; segmented, by entry and scaled (the fused expand's A operand).
     T* out = static_cast<T*>(p.intermediate);
-    const float scale = segmented && p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
     for (int i = threadIdx.x; i < kTileRows * rank; i += kShrinkThreads) {
       const int r = i / rank, col = i % rank;
-      if (!keep(r)) continue;
-      const int64_t row = segmented ? t.entry0 + r : int64_t(slots[r]);
-      out[(row * p.num_slices + c) * rank + col] = from_float<T>(scale * result[r][col]);
+      if (slots[r] >= 0) out[(int64_t(slots[r]) * p.num_slices + c) * rank + col] = from_float<T>(result[r][col]);
     }
-    if (!segmented) break;
-    __syncthreads();  // the next pass refills the tiles
+  }
+  allow_next_kernel_launch();
+}
+
+// ---- shrink on the segmented alignment (fused_experts' fused path) ------------------------
+// t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i]ᵀ for each entry of
+// an enabled adapter l (row = the entry with a_rows_by_entry, else slot / a_top_k).
+//
+// Grid (blocks, K splits, row groups of kSegGroupRows): a CTA takes up to 64 rows of one
+// block of the alignment and a K range, and each adapter run among its rows in turn:
+// [run rows, slices * rank_padded] = rows · lora_aᵀ on WMMA, both operands through a
+// kSegStages-deep cp.async ring (the adapter's lora_a rows of every slice in one pass).
+// With several splits each CTA writes fp32 partial sums, and the group's last CTA to
+// arrive adds them in split order (the result does not depend on arrival order), scales
+// and writes t.
+// NOTE: measured on H100 (docs/PERF_NOTES.md, issue 4 step 3): one CTA per 16 entries and
+// slice walking K in 64-element steps was latency-bound (Mixtral M = 64, r = 16: 2.97 ms
+// layer against 1.06 base); whole 128-row blocks per CTA with per-chunk address math
+// were instruction-bound (0.3 issues/cycle, 168 registers, 1 CTA/SM; Mixtral M = 4096
+// GEMM2 shrink 482 us for 240 MB). Hence 64-row groups, source rows resolved once per
+// pass, and splits that fill the SMs.
+constexpr int kSegThreads = 256;          // 8 warps, up to kSegFragsPerWarp accumulators each
+constexpr int kSegBK = 64;                // K elements a ring slot holds: 128 bytes of bf16
+constexpr int kSegLd = kSegBK + kPad;     // smem row pitch (elements)
+constexpr int kSegStages = 4;
+constexpr int kSegGroupRows = 64;         // rows a CTA takes: a pass is [64, 128] at most
+constexpr int kSegPassCols = 128;
+constexpr int kSegFragsPerWarp = kSegGroupRows / 16 * kSegPassCols / 16 / (kSegThreads / 32);
+constexpr int kSegChunkRounds = (kSegGroupRows + kSegPassCols) / (kSegThreads / 8);  // 16-byte chunks per thread
+constexpr int kSegMaxBlockSize = 256;     // kMaxBlockSize
+constexpr int kSegMaxSplits = 32;
+constexpr int kSegMinSplitK = 256;        // K a split covers at least (amortises the group's setup)
+constexpr int kSegMaxAdapters = 64;       // kMaxLoraAdapters: bits of block_lora_masks
+
+struct SegmentedShrinkSplit {
+  int splits;       // CTAs per row group along K
+  int64_t k_chunk;  // K a split covers, a multiple of kSegBK
+  int group_rows;   // min(block_size, kSegGroupRows)
+  int pass_cols;    // min(slices * rank_padded, kSegPassCols)
+};
+
+// Dynamic shared memory: the ring; the fp32 result tile of a pass takes its place once the
+// K loop is done.
+template <typename T>
+size_t segmented_shrink_smem(const SegmentedShrinkSplit& s) {
+  const size_t ring = size_t(kSegStages) * size_t(s.group_rows + s.pass_cols) * kSegLd * sizeof(T);
+  const size_t result = size_t(s.group_rows) * size_t(s.pass_cols + 4) * sizeof(float);
+  return std::max(ring, result);
+}
+
+template <typename T, bool kAsync>
+__global__ void __launch_bounds__(kSegThreads) moe_lora_shrink_segmented_kernel(const LoraDeltaParams p,
+                                                                               const SegmentedShrinkSplit split) {
+  static_assert(kTensorCores<T>, "the fused path runs 16-bit types");
+  constexpr int kVec = Vec16<T>::kSize, kChunksPerRow = kSegBK / kVec;
+  extern __shared__ __align__(128) unsigned char seg_smem[];
+  __shared__ int row_lora[kSegGroupRows];  // each group row's adapter, -1: none or padding
+  __shared__ int row_a[kSegGroupRows];     // its row of a
+  __shared__ int run_begin[kSegMaxAdapters], run_end[kSegMaxAdapters];
+  __shared__ uint64_t group_mask;
+  __shared__ bool last_split;
+
+  wait_for_previous_kernel();
+  const int64_t block = blockIdx.x;
+  const int rows_in_group = split.group_rows;
+  const int64_t entry0 = block * p.block_size + int64_t(blockIdx.z) * rows_in_group;  // the group's first entry
+  const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+  const int expert = entry0 < used ? p.expert_ids[block] : -1;
+  const uint64_t block_mask = expert >= 0 && expert < p.num_experts ? p.block_lora_masks[block] : 0;
+  if (block_mask == 0) return;  // the same in every split of the group: none counts
+  if (threadIdx.x == 0) group_mask = 0;
+  for (int l = threadIdx.x; l < kSegMaxAdapters; l += kSegThreads) run_begin[l] = INT_MAX, run_end[l] = -1;
+  __syncthreads();
+  if (int(threadIdx.x) < rows_in_group) {
+    const int r = threadIdx.x;
+    const int64_t entry = entry0 + r;
+    const int slot = entry < used ? p.sorted_token_ids[entry] : -1;
+    int l = slot >= 0 && slot < p.num_slots ? p.entry_lora_ids[entry] : -1;
+    l = l >= 0 && l < kSegMaxAdapters && (block_mask >> l & 1) ? l : -1;
+    row_lora[r] = l;
+    row_a[r] = l < 0 ? -1 : p.a_rows_by_entry ? int(entry) : slot / int(p.a_top_k);
+    if (l >= 0) {
+      atomicMin(&run_begin[l], r);
+      atomicMax(&run_end[l], r + 1);
+      atomicOr(reinterpret_cast<unsigned long long*>(&group_mask), 1ull << l);
+    }
+  }
+  __syncthreads();
+  const uint64_t mask = group_mask;
+  if (mask == 0) return;  // the same in every split of the group
+
+  const int rank = int(p.rank), rank_padded = round_up16(rank);
+  const int cols = p.num_slices * rank_padded;  // t's columns, each slice padded to 16
+  const int t_cols = p.num_slices * rank;
+  const int64_t k_begin = int64_t(blockIdx.y) * split.k_chunk;
+  const int64_t k_end = min(p.K, k_begin + split.k_chunk);
+  const int num_k_tiles = int((k_end - k_begin + kSegBK - 1) / kSegBK);
+  const T* a = static_cast<const T*>(p.a);
+  T* t = static_cast<T*>(p.intermediate);
+  T* ring = reinterpret_cast<T*>(seg_smem);
+  float* result = reinterpret_cast<float*>(seg_smem);
+  const int stage_elems = (rows_in_group + split.pass_cols) * kSegLd;
+  const int result_ld = split.pass_cols + 4;
+  const int warp = threadIdx.x / 32;
+  // A thread copies the chunks at one K column of rows threadIdx.x / 8 + 32 j.
+  const int k_col = (threadIdx.x % kChunksPerRow) * kVec;
+  const int row_base = threadIdx.x / kChunksPerRow;
+  constexpr int kRowsPerRound = kSegThreads / kChunksPerRow;
+
+  for (uint64_t pending = mask; pending != 0; pending &= pending - 1) {
+    const int l = __ffsll(static_cast<long long>(pending)) - 1;
+    // The run: consecutive rows in the segmented alignment (rows of other adapters inside
+    // it would load as zeros).
+    const int r0 = run_begin[l], rows = run_end[l] - r0, rows_padded = round_up16(rows);
+    for (int c0 = 0; c0 < cols; c0 += split.pass_cols) {
+      const int pass_cols = min(split.pass_cols, cols - c0);
+      const int frag_cols = pass_cols / 16, num_frags = rows_padded / 16 * frag_cols;
+      // Each chunk row's source (null: zeros) and ring row, resolved once for the pass.
+      const T* src[kSegChunkRounds];
+      int ring_row[kSegChunkRounds];
+#pragma unroll
+      for (int j = 0; j < kSegChunkRounds; ++j) {
+        const int row = row_base + j * kRowsPerRound;
+        src[j] = nullptr;
+        ring_row[j] = -1;
+        if (row < rows_padded) {
+          ring_row[j] = row;
+          if (row < rows && row_lora[r0 + row] == l) src[j] = a + int64_t(row_a[r0 + row]) * p.a_stride_row;
+        } else if (row < rows_padded + pass_cols) {
+          const int n = c0 + row - rows_padded, c = n / rank_padded, i_rank = n - c * rank_padded;
+          ring_row[j] = rows_in_group + row - rows_padded;
+          const detail::LoraSliceParams& sl = p.slices[c];
+          if (i_rank < rank) {
+            src[j] = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
+                     i_rank * sl.a_stride_rank;
+          }
+        }
+      }
+      auto load_stage = [&](int stage, int k_tile) {
+        T* stage_base = ring + stage * stage_elems + k_col;
+        const int64_t k = k_begin + int64_t(k_tile) * kSegBK + k_col;
+#pragma unroll
+        for (int j = 0; j < kSegChunkRounds; ++j) {
+          if (ring_row[j] < 0) continue;
+          T* dst = stage_base + ring_row[j] * kSegLd;
+          const bool ok = src[j] != nullptr && k < k_end;
+          if constexpr (kAsync) {
+            using CpAsync = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+            CpAsync::copy(*reinterpret_cast<const cute::uint128_t*>(ok ? src[j] + k : a),
+                          *reinterpret_cast<cute::uint128_t*>(dst), ok);
+          } else {
+#pragma unroll
+            for (int v = 0; v < kVec; ++v) dst[v] = ok && k + v < k_end ? src[j][k + v] : from_float<T>(0.f);
+          }
+        }
+      };
+
+      WmmaAcc acc[kSegFragsPerWarp];
+#pragma unroll
+      for (int j = 0; j < kSegFragsPerWarp; ++j) nvcuda::wmma::fill_fragment(acc[j], 0.f);
+#pragma unroll
+      for (int stage = 0; stage < kSegStages - 1; ++stage) {
+        if (stage < num_k_tiles) load_stage(stage, stage);
+        cute::cp_async_fence();
+      }
+      for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+        cute::cp_async_wait<kSegStages - 2>();
+        __syncthreads();  // k_tile's slot is full; every warp is done with the slot refilled below
+        if (k_tile + kSegStages - 1 < num_k_tiles) {
+          load_stage((k_tile + kSegStages - 1) % kSegStages, k_tile + kSegStages - 1);
+        }
+        cute::cp_async_fence();
+        const T* x_tile = ring + (k_tile % kSegStages) * stage_elems;
+        const T* w_tile = x_tile + rows_in_group * kSegLd;
+#pragma unroll
+        for (int j = 0; j < kSegFragsPerWarp; ++j) {
+          const int f = warp + 8 * j;
+          if (f < num_frags) {
+            wmma_accumulate<T>(acc[j], x_tile + (f / frag_cols) * 16 * kSegLd, w_tile + (f % frag_cols) * 16 * kSegLd,
+                               kSegLd, kSegBK);
+          }
+        }
+      }
+      cute::cp_async_wait<0>();
+      __syncthreads();  // the ring is idle: the result tile takes its place
+#pragma unroll
+      for (int j = 0; j < kSegFragsPerWarp; ++j) {
+        const int f = warp + 8 * j;
+        if (f < num_frags) {
+          nvcuda::wmma::store_matrix_sync(result + (f / frag_cols) * 16 * result_ld + (f % frag_cols) * 16, acc[j],
+                                          result_ld, nvcuda::wmma::mem_row_major);
+        }
+      }
+      __syncthreads();
+      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
+      for (int i = threadIdx.x; i < rows * pass_cols; i += kSegThreads) {
+        const int row = i / pass_cols, n = i - row * pass_cols;
+        const int c = (c0 + n) / rank_padded, i_rank = (c0 + n) - c * rank_padded;
+        if (row_lora[r0 + row] != l || i_rank >= rank) continue;
+        const int64_t at = (entry0 + r0 + row) * t_cols + c * rank + i_rank;
+        const float v = result[row * result_ld + n];
+        if (split.splits == 1) {
+          t[at] = from_float<T>(scale * v);
+        } else {
+          p.shrink_partials[int64_t(blockIdx.y) * p.max_num_tokens_padded * t_cols + at] = v;
+        }
+      }
+      __syncthreads();  // the next pass refills the ring
+    }
+  }
+  if (split.splits > 1) {
+    // The last CTA of the group: partial sums visible device-wide before the arrival.
+    int32_t& arrivals = p.shrink_counters[entry0 / 16];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last_split = atomicAdd(&arrivals, 1) == split.splits - 1;
+      if (last_split) arrivals = 0;  // zero for the next shrink
+    }
+    __syncthreads();
+    if (last_split) {
+      __threadfence();
+      const int64_t split_stride = p.max_num_tokens_padded * t_cols;
+      for (int i = threadIdx.x; i < rows_in_group * t_cols; i += kSegThreads) {
+        const int r = i / t_cols;
+        const int l = row_lora[r];
+        if (l < 0) continue;
+        const int64_t at = (entry0 + r) * t_cols + (i - r * t_cols);
+        float sum = 0.f;
+        for (int s = 0; s < split.splits; ++s) sum += __ldcg(p.shrink_partials + s * split_stride + at);
+        t[at] = from_float<T>((p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f) * sum);
+      }
+    }
   }
   allow_next_kernel_launch();
 }
@@ -425,13 +629,6 @@ bool shrink_gemv_loadable(const LoraDeltaParams& p) {
   return ok;
 }
 
-// The tile shrink over `tiles` row tiles and every slice.
-template <typename T>
-void launch_shrink_tiles(const LoraDeltaParams& p, int64_t tiles, cudaStream_t stream) {
-  launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
-                dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0, stream, p);
-}
-
 template <typename T>
 void launch(const LoraDeltaParams& p, cudaStream_t stream) {
   const int64_t tiles = num_tiles(p);
@@ -455,24 +652,56 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
                   dim3(kGemvThreads), 0, stream, p);
     return;
   }
-  launch_shrink_tiles<T>(p, tiles, stream);
+  launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_kernel<T, true> : moe_lora_shrink_kernel<T, false>,
+                dim3(unsigned(tiles), unsigned(p.num_slices)), dim3(kShrinkThreads), 0, stream, p);
   launch_kernel(moe_lora_expand_kernel<T>, dim3(unsigned(tiles), unsigned(p.num_slices), unsigned(column_chunks)),
                 dim3(kExpandThreads), 0, stream, p);
+}
+
+// K splits so that the row groups with work fill the SMs about twice over (at small M a
+// handful of blocks hold every entry: Mixtral M = 16 has at most 9), each split at least
+// kSegMinSplitK long and all of them within the partial-sum scratch.
+SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  SegmentedShrinkSplit s{};
+  s.group_rows = int(std::min<int64_t>(p.block_size, kSegGroupRows));
+  s.pass_cols = std::min(p.num_slices * round_up16(int(p.rank)), kSegPassCols);
+  // Groups holding entries: the full ones, plus at most one partial group per expert.
+  const int64_t busy_groups = ceil_div(p.num_slots, s.group_rows) + std::min(p.num_slots, p.num_experts);
+  int64_t splits = std::clamp<int64_t>(ceil_div(2 * current_device_info().num_sms, busy_groups), 1, kSegMaxSplits);
+  splits = std::min(splits, ceil_div(p.K, kSegMinSplitK));
+  splits = p.shrink_partials && p.shrink_counters ? std::min(splits, p.shrink_partial_rows / p.max_num_tokens_padded) : 1;
+  s.k_chunk = ceil_div(ceil_div(p.K, std::max<int64_t>(splits, 1)), kSegBK) * kSegBK;
+  s.splits = int(ceil_div(p.K, s.k_chunk));
+  return s;
 }
 
 }  // namespace
 
 void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
-  if (p.sorted_token_ids == nullptr || p.entry_lora_ids == nullptr || p.block_size % kTileRows != 0 ||
-      p.rank > kMaxRankPadded) {
-    throw std::logic_error("moelora.moe_lora_shrink: needs the segmented alignment, block_size % 16 == 0 "
-                           "and rank <= 128");
+  if (p.sorted_token_ids == nullptr || p.entry_lora_ids == nullptr || p.block_lora_masks == nullptr ||
+      p.block_size % kTileRows != 0 || p.block_size > kSegMaxBlockSize || p.rank > kMaxRankPadded ||
+      p.dtype == DType::kFloat32) {
+    throw std::logic_error("moelora.moe_lora_shrink: needs the segmented alignment, block_size % 16 == 0 (at most " +
+                           std::to_string(kSegMaxBlockSize) + "), rank <= 128 and a 16-bit type");
   }
-  const int64_t tiles = num_tiles(p);
-  if (tiles <= 0) return;
-  if (tiles > INT32_MAX) throw Error("moelora.fused_experts: too many LoRA row tiles (" + std::to_string(tiles) + ")");
-  dispatch_float(p.dtype,
-                 [&](auto tag) { launch_shrink_tiles<decltype(tag)>(p, tiles, static_cast<cudaStream_t>(stream)); });
+  if (p.max_num_blocks <= 0) return;
+  if (p.max_num_blocks > INT32_MAX) {
+    throw Error("moelora.fused_experts: too many LoRA blocks (" + std::to_string(p.max_num_blocks) + ")");
+  }
+  const SegmentedShrinkSplit split = segmented_shrink_split(p);
+  dispatch_float(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (kTensorCores<T>) {
+      const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>
+                                                     : moe_lora_shrink_segmented_kernel<T, false>;
+      const size_t smem = segmented_shrink_smem<T>(split);
+      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      const unsigned groups = unsigned((p.block_size + split.group_rows - 1) / split.group_rows);
+      launch_kernel(kernel, dim3(unsigned(p.max_num_blocks), unsigned(split.splits), groups), dim3(kSegThreads), smem,
+                    static_cast<cudaStream_t>(stream), p, split);
+    }
+  });
 }
 
 void moe_lora_delta(const LoraDeltaParams& p, Stream stream) {

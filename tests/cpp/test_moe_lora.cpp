@@ -543,6 +543,14 @@ std::vector<LayerLoraCase> layer_cases() {
       LayerLoraCase on_input{.name = tag + "weight_on_input_top1", .backend = backend, .M = 60, .top_k = 1};
       on_input.options.apply_router_weight_on_input = true;
       fused.push_back(on_input);
+      // K of 1032 and 528 (tails in K): the shrink splits K over 3-5 CTAs a block; rank 128
+      // with 2 slices takes two column passes; the last one with the sorted activation.
+      for (int64_t rank : {16, 128}) {
+        fused.push_back({.name = tag + "split_k_rank" + std::to_string(rank), .backend = backend, .M = 24,
+                         .H = 1032, .I = 528, .rank = rank});
+      }
+      fused.push_back({.name = tag + "split_k_sorted_activation_share50", .backend = backend, .M = 200, .top_k = 4,
+                       .H = 1032, .I = 528, .L = 16, .share = 0.5, .disable_some = true});
       LayerLoraCase no_combine{.name = tag + "no_combine_chunked", .backend = backend, .M = 70, .share = 0.5};
       no_combine.options.no_combine = true;
       no_combine.options.chunk_size = 32;
