@@ -996,38 +996,38 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     expert_chunk.shape[0] = cap.max_num_blocks;
     const TensorView x_chunk = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H,
                                       x.strides[0], 1, device);
-    // Both GEMMs on the sm90 kernel open two paths:
-    // - the sorted activation: GEMM1 writes the activation in sorted order (row = entry),
-    //   and GEMM2 loads each tile's rows as one TMA box instead of gathering them by slot.
-    //   NOTE: gathered 16-byte cp.async rows cost ~35% of Mixtral's layer at M = 4096
-    //   (H100; docs/PERF_NOTES.md, issue 3 step 6). Both GEMMs must run on the tensor
-    //   cores (16-byte rows; e.g. I % 8 == 0): the CUDA-core fallback reads and writes rows
-    //   by slot.
+    // Both GEMMs on the tensor-core kernels (16-byte rows; e.g. I % 8 == 0) open two paths:
     // - with adapters, the fused LoRA: each GEMM takes its expand as extra K steps
     //   (GemmParams::lora_t) after a shrink kernel, on the segmented alignment, and the
     //   activation stays fused. Otherwise the aligned path runs on the virtual alignment,
     //   the activation as its own kernel and the delta kernels after each GEMM (the w13
     //   delta before the activation). The small-batch kernels take per-slot deltas.
-    const bool both_sm90 = on_cuda(x) && options.fuse_activation && config.gemm1.kernel == GemmKernel::kSm90 &&
-                           config.gemm2.kernel == GemmKernel::kSm90;
-    bool tensor_core_rows = false, fused_lora = false;
+    // - both on the sm90 kernel, the sorted activation: GEMM1 writes the activation in
+    //   sorted order (row = entry), and GEMM2 loads each tile's rows as one TMA box instead
+    //   of gathering them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of
+    //   Mixtral's layer at M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
+    auto tensor_core_kernel = [](const GemmTile& t) { return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90; };
+    const bool tensor_core_gemms = on_cuda(x) && options.fuse_activation && tensor_core_kernel(config.gemm1) &&
+                                   tensor_core_kernel(config.gemm2);
+    bool sm90_rows = false, fused_lora = false;
 #ifdef MOELORA_WITH_CUDA
-    if (both_sm90) {
+    if (tensor_core_gemms) {
       const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
       const detail::GemmParams gemm1_probe = gemm_params(x_chunk, args.w13, by_slot, sorted_chunk, expert_chunk, ntpp,
                                                          nullptr, top_k, block_size, config.gemm1);
       const detail::GemmParams gemm2_probe = gemm_params(by_slot, args.w2, by_slot, sorted_chunk, expert_chunk, ntpp,
                                                          nullptr, 1, block_size, config.gemm2);
-      tensor_core_rows =
+      const bool loadable =
           cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
-      fused_lora = args.lora && tensor_core_rows &&
+      sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
+      fused_lora = args.lora && loadable &&
                    cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&
                    cuda::fused_moe_lora_expand_supported(gemm2_probe, lora2.rank, lora2.num_slices, lora2.slices);
     }
 #endif
     if (args.lora && !fused_lora) config.sorted_input = false;  // the delta kernels read x by slot
     const bool sorted_activation =
-        tensor_core_rows && (!args.lora || fused_lora) && cap.max_num_tokens_padded <= layout.cache2_rows;
+        sm90_rows && (!args.lora || fused_lora) && cap.max_num_tokens_padded <= layout.cache2_rows;
     // GEMM1 reads x in sorted order too (a copy by moe_gather_sorted_rows): one TMA box
     // per tile instead of gathered rows. NOTE: a table choice: on H100 it cut Mixtral's
     // layer 24% at M = 4096 and made DeepSeek's (I = 256) 24% slower (PERF_NOTES step 7).
@@ -1069,6 +1069,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       shrink.p.block_lora_masks = block_lora_masks;
       shrink.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
       shrink.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
+      shrink.p.segmented_entries = moe_align_block_size_capacity(slots, block_size, E_global).max_num_tokens_padded;
       shrink.p.shrink_counters = lora_shrink_counters;
       shrink.p.a_rows_by_entry = a_rows_by_entry;
 #ifdef MOELORA_WITH_CUDA

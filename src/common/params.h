@@ -120,6 +120,9 @@ struct LoraDeltaParams {
   // alignment zeroes them; the last split of a row group resets its own). Null: no split.
   float* shrink_partials = nullptr;
   int64_t shrink_partial_rows = 0;
+  // Entries the segmented alignment can fill (padded per expert, not per adapter group as
+  // max_num_tokens_padded allows): each split's share of the partial sums.
+  int64_t segmented_entries = 0;
   int32_t* shrink_counters = nullptr;
   const int32_t* num_tokens_post_padded;
   int64_t max_num_tokens_padded;
@@ -311,8 +314,8 @@ void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The shrink alone, by entry (on the segmented alignment, LoraDeltaParams::entry_lora_ids), for a GEMM with
 // the fused expand (GemmParams::lora_t).
 void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
-// Whether the sm90 kernel can run GemmParams p with the fused expand of this stack:
-// 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned, the sm90 kernel available.
+// Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
+// this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,
                                      const detail::LoraSliceParams* slices);
 // The small-batch kernels run these parameters (slot count, dtype, alignment).

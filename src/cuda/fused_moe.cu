@@ -69,8 +69,10 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p) {
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,
                                      const detail::LoraSliceParams* slices) {
   constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type: t's and lora_b's chunks
-  bool ok = fused_moe_tensor_core_loadable(p) && rank % kElems == 0 && (num_slices == 1 || num_slices == 2) &&
-            sm90_kernels_available(current_device_info());
+  // Both tensor-core kernels take the expand's K steps; the tile must name one.
+  const bool kernel = p.tile.kernel == GemmKernel::kSm80 ||
+                      (p.tile.kernel == GemmKernel::kSm90 && sm90_kernels_available(current_device_info()));
+  bool ok = kernel && fused_moe_tensor_core_loadable(p) && rank % kElems == 0 && (num_slices == 1 || num_slices == 2);
   for (int c = 0; c < num_slices; ++c) {
     ok = ok && aligned16(slices[c].lora_b) && slices[c].b_stride_lora % kElems == 0 &&
          slices[c].b_stride_expert % kElems == 0 && slices[c].b_stride_n % kElems == 0;
@@ -110,7 +112,7 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
   const bool loadable = fused_moe_tensor_core_loadable(p);
   if ((sorted_rows || p.lora_t != nullptr) && !loadable) {
-    throw std::logic_error("moelora.fused_moe: sorted A or output rows need the tensor-core (sm90) kernel");
+    throw std::logic_error("moelora.fused_moe: sorted A or output rows and the fused LoRA expand need a tensor-core kernel");
   }
   if (!loadable) {
     dispatch_float(p.dtype, [&](auto t) { launch_fused_moe_simt<decltype(t)>(p, s); });
@@ -122,9 +124,6 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
   const bool bf16 = p.dtype == DType::kBFloat16;
   if (sorted_rows && tile.kernel != GemmKernel::kSm90) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows need the sm90 kernel");
-  }
-  if (p.lora_t != nullptr && tile.kernel != GemmKernel::kSm90) {
-    throw std::logic_error("moelora.fused_moe: the fused LoRA expand needs the sm90 kernel");
   }
   if (tile.kernel == GemmKernel::kSm90) {
     if (!sm90) {

@@ -11,6 +11,11 @@
 // On Hopper it remains the decode kernel: with 16-row tiles the MMA shape wastes little
 // when a handful of tokens meet an expert, and small tiles (kBlockN = 64) put more CTAs
 // on the weight stream; fused_moe_sm90.cuh takes the tiles of 64 rows and more.
+//
+// Fused LoRA expand (GemmParams::lora_t): as in fused_moe_sm90.cuh, a tile of a block
+// with adapters runs popc(mask) * S * rank / kBlockK more K tiles through the same ring:
+// A = the tile's rows of t whose entry has the column's adapter, B = that adapter's
+// lora_b rows for the tile's columns, block-diagonal over the slices.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -19,6 +24,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/fused_moe_lora_steps.cuh"
 #include "cuda/fused_moe_tile.cuh"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
@@ -131,7 +137,42 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
 
   const int64_t num_k_tiles = has_expert ? (p.K + kBlockK - 1) / kBlockK : 0;
+  // The block's adapters (fused LoRA expand) and their K tiles after the base ones.
+  const uint64_t lora_mask = has_expert && p.lora_t != nullptr ? p.block_lora_masks[entry0 / p.block_size] : 0;
+  const int64_t num_all_k_tiles = num_k_tiles + lora_k_steps<kBlockK>(p, lora_mask);
+  auto load_lora_stage = [&](int stage, int64_t lora_tile) {
+    const LoraKColumn col(p, lora_mask, int(lora_tile) * kBlockK + k_col);
+    const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + col.t_col;
+#pragma unroll
+    for (int i = 0; i < Config::kChunksA; ++i) {
+      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      const bool ok = col.lora >= 0 && p.entry_lora_ids[entry0 + r] == col.lora;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? t_rows + r * p.lora_t_cols : a_base),
+                    *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
+    }
+    const T* b_base = col.lora_b<T>(p, expert);
+#pragma unroll
+    for (int i = 0; i < Config::kChunksB; ++i) {
+      const int c = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      int64_t out_col = n0 + c;
+      bool up = false;
+      if (p.gated) {
+        const GatedTileColumn<kBlockN> gated_col(c);
+        out_col = n0 + gated_col.out_col;
+        up = gated_col.up;
+      }
+      const LoraBRow b(p, out_col, up);
+      const bool ok = col.lora >= 0 && b.slice == col.slice && out_col < p.N;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b.row * p.lora[b.slice].b_stride_n : a_base),
+                    *reinterpret_cast<uint128_t*>(&sB(c, k_col, stage)), ok);
+    }
+    cp_async_fence();
+  };
   auto load_stage = [&](int stage, int64_t k_tile) {
+    if (k_tile >= num_k_tiles) {
+      load_lora_stage(stage, k_tile - num_k_tiles);
+      return;
+    }
     const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
 #pragma unroll
     for (int i = 0; i < Config::kChunksA; ++i) {
@@ -170,15 +211,15 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   // ---- mainloop: kStages-1 tiles in flight while one is multiplied --------------
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_k_tiles) load_stage(s, s); else cp_async_fence();
+    if (s < num_all_k_tiles) load_stage(s, s); else cp_async_fence();
   }
-  for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+  for (int64_t k_tile = 0; k_tile < num_all_k_tiles; ++k_tile) {
     cp_async_wait<kStages - 2>();
     // NOTE: this barrier also retires the reads of the stage refilled just below,
     // which was consumed in the previous iteration.
     __syncthreads();
     const int64_t next = k_tile + kStages - 1;
-    if (next < num_k_tiles) load_stage(int(next % kStages), next); else cp_async_fence();
+    if (next < num_all_k_tiles) load_stage(int(next % kStages), next); else cp_async_fence();
     const int stage = int(k_tile % kStages);
 #pragma unroll
     for (int kk = 0; kk < size<2>(tCrA); ++kk) {

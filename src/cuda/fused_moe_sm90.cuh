@@ -91,6 +91,7 @@
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
+#include "cuda/fused_moe_lora_steps.cuh"
 #include "cuda/fused_moe_tile.cuh"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
@@ -347,19 +348,6 @@ __device__ __forceinline__ uint64_t sm90_tile_lora_mask(const detail::GemmParams
   // Warp-uniform (see sm90_cluster_tile).
   const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(mask), 0), hi = __shfl_sync(0xffffffffu, uint32_t(mask >> 32), 0);
   return uint64_t(hi) << 32 | lo;
-}
-
-// The fused LoRA expand's K steps for a block with these adapters.
-template <int kBlockK>
-__device__ __forceinline__ int sm90_lora_k_steps(const detail::GemmParams& p, uint64_t mask) {
-  return int((__popcll(mask) * p.lora_t_cols + kBlockK - 1) / kBlockK);
-}
-
-// Bit position of the (j + 1)-th set bit of mask (j < popcount).
-__device__ __forceinline__ int nth_set_bit(uint64_t mask, int j) {
-  const uint32_t lo = uint32_t(mask), hi = uint32_t(mask >> 32);
-  const int in_lo = __popc(lo);
-  return j < in_lo ? int(__fns(lo, 0, j + 1)) : 32 + int(__fns(hi, 0, j - in_lo + 1));
 }
 
 // Lane q of each quad holds word w[j] for column group j of a 4-group block (its own
@@ -672,40 +660,34 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         // the column's adapter; B = that adapter's lora_b, block-diagonal over the slices
         // (slice s at [s * rank, +rank)). Every chunk by cp.async, zero filled elsewhere.
         const uint64_t mask = sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile);
-        const int lora_steps = sm90_lora_k_steps<kBlockK>(p, mask);
+        const int lora_steps = lora_k_steps<kBlockK>(p, mask);
         for (int kt = 0; kt < lora_steps; ++kt) {
           Barrier::wait(&empty_bar[stage], phase);
           if (threadIdx.x == 0) Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
-          const int c = kt * kBlockK + k_col;  // this thread's K column
-          const int adapter_index = c / int(p.lora_t_cols), tc = c - adapter_index * int(p.lora_t_cols);
-          const bool in_t = adapter_index < __popcll(mask);
-          const int lora = in_t ? nth_set_bit(mask, adapter_index) : -1;
-          const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + tc;
+          const LoraKColumn col(p, mask, kt * kBlockK + k_col);  // this thread's K column
+          const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + col.t_col;
 #pragma unroll
           for (int i = 0; i < Config::kChunksA; ++i) {
             const int row = row0 + i * Config::kRowsPerPass;
-            const bool ok = in_t && p.entry_lora_ids[entry0 + row] == lora;
+            const bool ok = col.lora >= 0 && p.entry_lora_ids[entry0 + row] == col.lora;
             CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? t_rows + row * p.lora_t_cols : a_base),
                           *reinterpret_cast<uint128_t*>(&sA(row, k_col, stage)), ok);
           }
-          const int col_slice = tc / int(p.lora_rank);
-          const detail::LoraSliceParams& sl = p.lora[col_slice < p.lora_slices ? col_slice : 0];
-          const T* b_base = static_cast<const T*>(sl.lora_b) + (in_t ? lora : 0) * sl.b_stride_lora +
-                            tile.expert * sl.b_stride_expert + (tc - col_slice * p.lora_rank);
+          const T* b_base = col.lora_b<T>(p, tile.expert);
 #pragma unroll 1
           for (int i = 0; i < kBlockN / Config::kRowsPerPass; ++i) {
             const int row = row0 + i * Config::kRowsPerPass;
-            // The slice and lora_b row of tile row `row` (the base weight boxes' placement).
-            int slice = 0;
-            int64_t b_row = n0 + row, out_col = b_row;
+            // The output column of tile row `row` (the base weight boxes' placement).
+            int64_t out_col = n0 + row;
+            bool up = false;
             if (p.gated) {
-              const int box = row / Config::kBoxRows, half = box % 2;
+              const int box = row / Config::kBoxRows;
               out_col = n0 + (box / 2) * Config::kBoxRows + row % Config::kBoxRows;
-              slice = p.lora_slices == 2 ? half : 0;
-              b_row = p.lora_slices == 2 ? out_col : interleaved ? 2 * out_col + half : half * p.N + out_col;
+              up = box % 2 == 1;
             }
-            const bool ok = in_t && slice == col_slice && out_col < p.N;
-            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b_row * sl.b_stride_n : a_base),
+            const LoraBRow b(p, out_col, up);
+            const bool ok = col.lora >= 0 && b.slice == col.slice && out_col < p.N;
+            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b.row * p.lora[b.slice].b_stride_n : a_base),
                           *reinterpret_cast<uint128_t*>(&sB(row, k_col, stage)), ok);
           }
           cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
@@ -771,7 +753,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
     if (tile.active) {
       // K steps of this tile: the base ones, then the fused LoRA expand's.
-      const int64_t k_steps = num_k_tiles + sm90_lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile));
+      const int64_t k_steps = num_k_tiles + lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile));
       int release_stage = stage;
       int64_t released = 0;
       auto release = [&] {

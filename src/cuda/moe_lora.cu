@@ -291,7 +291,7 @@ size_t segmented_shrink_smem(const SegmentedShrinkSplit& s) {
 }
 
 template <typename T, bool kAsync>
-__global__ void __launch_bounds__(kSegThreads) moe_lora_shrink_segmented_kernel(const LoraDeltaParams p,
+__global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kernel(const LoraDeltaParams p,
                                                                                const SegmentedShrinkSplit split) {
   static_assert(kTensorCores<T>, "the fused path runs 16-bit types");
   constexpr int kVec = Vec16<T>::kSize, kChunksPerRow = kSegBK / kVec;
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(kSegThreads) moe_lora_shrink_segmented_kernel(
         if (split.splits == 1) {
           t[at] = from_float<T>(scale * v);
         } else {
-          p.shrink_partials[int64_t(blockIdx.y) * p.max_num_tokens_padded * t_cols + at] = v;
+          p.shrink_partials[int64_t(blockIdx.y) * p.segmented_entries * t_cols + at] = v;
         }
       }
       __syncthreads();  // the next pass refills the ring
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kSegThreads) moe_lora_shrink_segmented_kernel(
     __syncthreads();
     if (last_split) {
       __threadfence();
-      const int64_t split_stride = p.max_num_tokens_padded * t_cols;
+      const int64_t split_stride = p.segmented_entries * t_cols;
       for (int i = threadIdx.x; i < rows_in_group * t_cols; i += kSegThreads) {
         const int r = i / t_cols;
         const int l = row_lora[r];
@@ -658,7 +658,8 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
                 dim3(kExpandThreads), 0, stream, p);
 }
 
-// K splits so that the row groups with work fill the SMs about twice over (at small M a
+// K splits so that the row groups with work fill the SMs three times over (two CTAs fit
+// an SM) (at small M a
 // handful of blocks hold every entry: Mixtral M = 16 has at most 9), each split at least
 // kSegMinSplitK long and all of them within the partial-sum scratch.
 SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
@@ -668,9 +669,11 @@ SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
   s.pass_cols = std::min(p.num_slices * round_up16(int(p.rank)), kSegPassCols);
   // Groups holding entries: the full ones, plus at most one partial group per expert.
   const int64_t busy_groups = ceil_div(p.num_slots, s.group_rows) + std::min(p.num_slots, p.num_experts);
-  int64_t splits = std::clamp<int64_t>(ceil_div(2 * current_device_info().num_sms, busy_groups), 1, kSegMaxSplits);
+  int64_t splits = std::clamp<int64_t>(ceil_div(3 * current_device_info().num_sms, busy_groups), 1, kSegMaxSplits);
   splits = std::min(splits, ceil_div(p.K, kSegMinSplitK));
-  splits = p.shrink_partials && p.shrink_counters ? std::min(splits, p.shrink_partial_rows / p.max_num_tokens_padded) : 1;
+  splits = p.shrink_partials && p.shrink_counters && p.segmented_entries > 0
+               ? std::min(splits, p.shrink_partial_rows / p.segmented_entries)
+               : 1;
   s.k_chunk = ceil_div(ceil_div(p.K, std::max<int64_t>(splits, 1)), kSegBK) * kSegBK;
   s.splits = int(ceil_div(p.K, s.k_chunk));
   return s;
@@ -695,8 +698,12 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
     if constexpr (kTensorCores<T>) {
       const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>
                                                      : moe_lora_shrink_segmented_kernel<T, false>;
+      // The limit covers the largest launch, so no launch (eager, replayed in a graph or by
+      // a profiler) depends on which size set the attribute last.
+      const SegmentedShrinkSplit largest{.group_rows = kSegGroupRows, .pass_cols = kSegPassCols};
+      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              int(segmented_shrink_smem<T>(largest))));
       const size_t smem = segmented_shrink_smem<T>(split);
-      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       const unsigned groups = unsigned((p.block_size + split.group_rows - 1) / split.group_rows);
       launch_kernel(kernel, dim3(unsigned(p.max_num_blocks), unsigned(split.splits), groups), dim3(kSegThreads), smem,
                     static_cast<cudaStream_t>(stream), p, split);

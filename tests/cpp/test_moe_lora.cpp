@@ -516,9 +516,10 @@ std::vector<LayerLoraCase> layer_cases() {
     small_on_input.options.apply_router_weight_on_input = true;
     cases.push_back(small_on_input);
     if (backend != Backend::kCUDA) continue;
-    // CUDA: both GEMMs on the sm90 kernel, the LoRA expand fused into their K loops
-    // (rank % 8 == 0; rank 1 falls back to the delta kernels). Tails in N (I = 48, H = 136),
-    // up to 4 extra K steps (2 slices x rank 128), 2-CTA cluster tiles run as 1-CTA.
+    // CUDA: both GEMMs on the tensor-core kernels, the LoRA expand fused into their K
+    // loops (rank % 8 == 0; rank 1 falls back to the delta kernels). Tails in N (I = 48,
+    // H = 136), up to 4 extra K steps (2 slices x rank 128), 2-CTA cluster tiles run as
+    // 1-CTA; sm90 on both, sm80 on both (16-row blocks), and one of each.
     static const MoeKernelConfig fused_m128{.block_size = 128,
                                             .gemm1 = {GemmKernel::kSm90, 128, 256, 2, true},
                                             .gemm2 = {GemmKernel::kSm90, 128, 128, 1, false}};
@@ -526,8 +527,17 @@ std::vector<LayerLoraCase> layer_cases() {
                                            .gemm1 = {GemmKernel::kSm90, 64, 128, 1, false},
                                            .gemm2 = {GemmKernel::kSm90, 64, 256, 2, true},
                                            .sorted_input = true};
-    for (const MoeKernelConfig* config : {&fused_m128, &fused_m64}) {
-      const std::string tag = config == &fused_m128 ? "sm90_m128_" : "sm90_m64_";
+    static const MoeKernelConfig fused_sm80{.block_size = 16,
+                                            .gemm1 = {GemmKernel::kSm80, 16, 64},
+                                            .gemm2 = {GemmKernel::kSm80, 16, 128}};
+    static const MoeKernelConfig fused_mixed{.block_size = 64,
+                                             .gemm1 = {GemmKernel::kSm90, 64, 128, 1, false},
+                                             .gemm2 = {GemmKernel::kSm80, 32, 64}};
+    for (const MoeKernelConfig* config : {&fused_m128, &fused_m64, &fused_sm80, &fused_mixed}) {
+      const std::string tag = config == &fused_m128  ? "sm90_m128_"
+                              : config == &fused_m64 ? "sm90_m64_"
+                              : config == &fused_sm80 ? "sm80_m16_"
+                                                      : "mixed_m64_";
       std::vector<LayerLoraCase> fused;
       for (int64_t rank : {1, 8, 16, 64, 128}) {
         fused.push_back({.name = tag + "rank" + std::to_string(rank), .backend = backend, .M = 60, .top_k = 4,
@@ -569,7 +579,8 @@ INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_ca
 // ---- one captured CUDA graph serves every adapter mix -------------------------------------
 
 #ifdef MOELORA_WITH_CUDA
-// The default config, and both GEMMs on the sm90 kernel with the fused expand.
+// The default config; both GEMMs on the sm90 kernel with the fused expand; both on the
+// sm80 kernel with the fused expand and a shrink split over K (arrival counters).
 class FusedExpertsLoraCudaGraph : public ::testing::TestWithParam<int> {};
 
 TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
@@ -579,7 +590,15 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   static const MoeKernelConfig fused{.block_size = 64,
                                      .gemm1 = {GemmKernel::kSm90, 64, 256, 1, true},
                                      .gemm2 = {GemmKernel::kSm90, 64, 128, 1, true}};
+  static const MoeKernelConfig fused_sm80{.block_size = 16,
+                                          .gemm1 = {GemmKernel::kSm80, 16, 64},
+                                          .gemm2 = {GemmKernel::kSm80, 16, 64}};
   if (GetParam() == 1) c.options.config = &fused;
+  if (GetParam() == 2) {
+    c.options.config = &fused_sm80;
+    c.H = 1032;
+    c.I = 528;
+  }
   std::mt19937 rng(4242);
   LoraLayer layer(c, rng);
   TestStream stream(Backend::kCUDA);
@@ -606,7 +625,7 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
 }
-INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1));
+INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2));
 #endif
 
 // ---- bad arguments --------------------------------------------------------------------
