@@ -659,9 +659,8 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
 }
 
 // K splits so that the row groups with work fill the SMs three times over (two CTAs fit
-// an SM) (at small M a
-// handful of blocks hold every entry: Mixtral M = 16 has at most 9), each split at least
-// kSegMinSplitK long and all of them within the partial-sum scratch.
+// an SM; at small M a handful of blocks hold every entry: Mixtral M = 16 has at most 9),
+// each split at least kSegMinSplitK long and all of them within the partial-sum scratch.
 SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
   auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   SegmentedShrinkSplit s{};
