@@ -209,6 +209,15 @@ def _activation_call(op, x, out, launch_args):
     return out
 
 
+def _alignment_outputs(topk_ids, capacity):
+    """sorted_token_ids, expert_ids and num_tokens_post_padded (int32, on topk_ids' device)
+    for capacity = (max_num_tokens_padded, max_num_blocks)."""
+    max_num_tokens_padded, max_num_blocks = capacity
+    return (_empty(topk_ids, (max(max_num_tokens_padded, 0),), "int32"),
+            _empty(topk_ids, (max(max_num_blocks, 0),), "int32"),
+            _empty(topk_ids, (1,), "int32"))
+
+
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
     """Group the routed slots by expert, padded to blocks of block_size.
 
@@ -222,11 +231,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None):
     ids_view = _view(op, "topk_ids", topk_ids)
     map_view = _optional_view(op, "expert_map", expert_map)
     num_slots = int(np.prod(ids_view.shape, dtype=np.int64))
-    max_num_tokens_padded, max_num_blocks = _ext.moe_align_block_size_capacity(
-        num_slots, int(block_size), int(num_experts))
-    sorted_token_ids = _empty(topk_ids, (max(max_num_tokens_padded, 0),), "int32")
-    expert_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
-    num_tokens_post_padded = _empty(topk_ids, (1,), "int32")
+    sorted_token_ids, expert_ids, num_tokens_post_padded = _alignment_outputs(
+        topk_ids, _ext.moe_align_block_size_capacity(num_slots, int(block_size), int(num_experts)))
     stream, guard = _launch(topk_ids)
     with guard:
         _ext.moe_align_block_size(
@@ -265,12 +271,9 @@ def moe_lora_align_block_size(topk_ids, token_lora_ids, max_loras, block_size, n
     enabled_view = _optional_view(op, "adapter_enabled", adapter_enabled)
     map_view = _optional_view(op, "expert_map", expert_map)
     num_slots = int(np.prod(ids_view.shape, dtype=np.int64))
-    max_num_tokens_padded, max_num_blocks = _ext.moe_lora_align_block_size_capacity(
-        num_slots, int(block_size), int(num_experts), max_loras)
-    sorted_token_ids = _empty(topk_ids, (max(max_num_tokens_padded, 0),), "int32")
-    expert_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
-    block_lora_ids = _empty(topk_ids, (max(max_num_blocks, 0),), "int32")
-    num_tokens_post_padded = _empty(topk_ids, (1,), "int32")
+    capacity = _ext.moe_lora_align_block_size_capacity(num_slots, int(block_size), int(num_experts), max_loras)
+    sorted_token_ids, expert_ids, num_tokens_post_padded = _alignment_outputs(topk_ids, capacity)
+    block_lora_ids = _empty(topk_ids, (max(capacity[1], 0),), "int32")
     stream, guard = _launch(topk_ids)
     with guard:
         _ext.moe_lora_align_block_size(

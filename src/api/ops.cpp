@@ -1006,7 +1006,9 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     //   sorted order (row = entry), and GEMM2 loads each tile's rows as one TMA box instead
     //   of gathering them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of
     //   Mixtral's layer at M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
-    auto tensor_core_kernel = [](const GemmTile& t) { return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90; };
+    auto tensor_core_kernel = [](const GemmTile& t) {
+      return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90;
+    };
     const bool tensor_core_gemms = on_cuda(x) && options.fuse_activation && tensor_core_kernel(config.gemm1) &&
                                    tensor_core_kernel(config.gemm2);
     bool sm90_rows = false, fused_lora = false;
