@@ -16,6 +16,7 @@
 // NOTE: a first, separate-kernel path (fused_experts with adapters adds the delta after
 // each GEMM). Seed 003's fusion into the expert GEMM is the next step (docs/PERF_NOTES.md).
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
 #include <mma.h>
 
 #include <algorithm>
@@ -251,7 +252,8 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
 // Grid (blocks, K splits, row groups of kSegGroupRows): a CTA takes up to 64 rows of one
 // block of the alignment and a K range, and each adapter run among its rows in turn:
 // [run rows, slices * rank_padded] = rows · lora_aᵀ on WMMA, both operands through a
-// kSegStages-deep cp.async ring (the adapter's lora_a rows of every slice in one pass).
+// cp.async ring (the adapter's lora_a rows of every slice in one pass), as deep as the
+// pass's rows let kSegRingBytes be.
 // With several splits each CTA writes fp32 partial sums, and the group's last CTA to
 // arrive adds them in split order (the result does not depend on arrival order), scales
 // and writes t.
@@ -264,9 +266,13 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
 constexpr int kSegThreads = 256;          // 8 warps, up to kSegFragsPerWarp accumulators each
 constexpr int kSegBK = 64;                // K elements a ring slot holds: 128 bytes of bf16
 constexpr int kSegLd = kSegBK + kPad;     // smem row pitch (elements)
-constexpr int kSegStages = 4;
 constexpr int kSegGroupRows = 64;         // rows a CTA takes: a pass is [64, 128] at most
 constexpr int kSegPassCols = 128;
+// The ring: 4 slots of the largest pass ([64 + 128 rows, kSegLd] of 16-bit), so two CTAs
+// fit an SM. A pass cuts it into as many slots as its rows allow (kSegMaxStages at most):
+// a run of a few rows and rank 16 has slots of 48 rows, 16 of them.
+constexpr size_t kSegRingBytes = size_t(4) * (kSegGroupRows + kSegPassCols) * kSegLd * 2;
+constexpr int kSegMaxStages = 16;
 constexpr int kSegFragsPerWarp = kSegGroupRows / 16 * kSegPassCols / 16 / (kSegThreads / 32);
 constexpr int kSegChunkRounds = (kSegGroupRows + kSegPassCols) / (kSegThreads / 8);  // 16-byte chunks per thread
 constexpr int kSegMaxBlockSize = 256;     // kMaxBlockSize
@@ -281,13 +287,57 @@ struct SegmentedShrinkSplit {
   int pass_cols;    // min(slices * rank_padded, kSegPassCols)
 };
 
-// Dynamic shared memory: the ring; the fp32 result tile of a pass takes its place once the
-// K loop is done.
-template <typename T>
-size_t segmented_shrink_smem(const SegmentedShrinkSplit& s) {
-  const size_t ring = size_t(kSegStages) * size_t(s.group_rows + s.pass_cols) * kSegLd * sizeof(T);
-  const size_t result = size_t(s.group_rows) * size_t(s.pass_cols + 4) * sizeof(float);
-  return std::max(ring, result);
+// The fp32 result tile of a pass takes the ring's place once the pass's K loop is done.
+static_assert(size_t(kSegGroupRows) * (kSegPassCols + 4) * sizeof(float) <= kSegRingBytes);
+
+// cp.async.wait_group takes an immediate: the ring's depth is chosen per pass.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (pending) {
+#define MOELORA_WAIT_CASE(n) \
+  case n:                    \
+    cute::cp_async_wait<n>(); \
+    break;
+    MOELORA_WAIT_CASE(1) MOELORA_WAIT_CASE(2) MOELORA_WAIT_CASE(3) MOELORA_WAIT_CASE(4) MOELORA_WAIT_CASE(5)
+    MOELORA_WAIT_CASE(6) MOELORA_WAIT_CASE(7) MOELORA_WAIT_CASE(8) MOELORA_WAIT_CASE(9) MOELORA_WAIT_CASE(10)
+    MOELORA_WAIT_CASE(11) MOELORA_WAIT_CASE(12) MOELORA_WAIT_CASE(13) MOELORA_WAIT_CASE(14)
+#undef MOELORA_WAIT_CASE
+    default:
+      cute::cp_async_wait<0>();
+  }
+}
+
+// 16 bytes global -> shared by cp.async, zeros when !ok (src then is not read). Shared
+// addresses as 32-bit offsets, computed once a kernel (see ldmatrix_x4).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(ok ? 16 : 0));
+}
+
+// ldmatrix.x4 at this lane's 16-byte row address (a 32-bit shared offset: converting a
+// generic pointer per call cost 3 instructions, a third of the copy's).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                            uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_addr));
+}
+
+// acc (two mma.m16n8k16 C fragments: n 0-7, n 8-15) += a[16, kK] · b[16, kK]ᵀ, rows of
+// both in shared memory at pitch kSegLd; a and b are this lane's ldmatrix.x4 addresses.
+// NOTE: WMMA's load_matrix_sync compiled to 32 generic 2-byte loads a fragment here, the
+// kernel's largest instruction cost (ncu, DeepSeek M = 512: 177 M instructions at 2.25 IPC
+// for 460 MB of lora_a in 343 us).
+template <typename T, int kK>
+__device__ __forceinline__ void mma_16x16_accumulate(float (&acc)[8], uint32_t a, uint32_t b) {
+  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
+#pragma unroll
+  for (int kk = 0; kk < kK; kk += 16) {
+    uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+    ldmatrix_x4(a + kk * sizeof(T), a0, a1, a2, a3);
+    ldmatrix_x4(b + kk * sizeof(T), b0, b1, b2, b3);
+    Mma::fma(acc[0], acc[1], acc[2], acc[3], a0, a1, a2, a3, b0, b1, acc[0], acc[1], acc[2], acc[3]);
+    Mma::fma(acc[4], acc[5], acc[6], acc[7], a0, a1, a2, a3, b2, b3, acc[4], acc[5], acc[6], acc[7]);
+  }
 }
 
 template <typename T, bool kAsync>
@@ -340,8 +390,9 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
   const T* a = static_cast<const T*>(p.a);
   T* t = static_cast<T*>(p.intermediate);
   T* ring = reinterpret_cast<T*>(seg_smem);
+  uint32_t ring_addr = cute::cast_smem_ptr_to_uint(seg_smem);
+  asm volatile("" : "+r"(ring_addr));  // opaque, so ptxas keeps it rather than rebuilding it at every copy
   float* result = reinterpret_cast<float*>(seg_smem);
-  const int stage_elems = (rows_in_group + split.pass_cols) * kSegLd;
   const int result_ld = split.pass_cols + 4;
   const int warp = threadIdx.x / 32;
   // A thread copies the chunks at one K column of rows threadIdx.x / 8 + 32 j.
@@ -357,69 +408,87 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
     for (int c0 = 0; c0 < cols; c0 += split.pass_cols) {
       const int pass_cols = min(split.pass_cols, cols - c0);
       const int frag_cols = pass_cols / 16, num_frags = rows_padded / 16 * frag_cols;
-      // Each chunk row's source (null: zeros) and ring row, resolved once for the pass.
+      // A slot holds the run's rows of a, then the pass's lora_a rows.
+      const int stage_rows = rows_padded + pass_cols, stage_elems = stage_rows * kSegLd;
+      const int stages = min(kSegMaxStages, int(kSegRingBytes / (size_t(stage_elems) * sizeof(T))));
+      // Each chunk's source at k_begin and offset in a slot, resolved once for the pass, so
+      // a k-tile's copy is a pointer step, an add and the cp.async. has_src bit j: chunk j
+      // has a source (else zeros: src[j] is then row 0 of a, a valid address never read).
       const T* src[kSegChunkRounds];
-      int ring_row[kSegChunkRounds];
+      int dst[kSegChunkRounds];  // element offset in the slot, -1: no chunk
+      uint32_t has_src = 0;
 #pragma unroll
       for (int j = 0; j < kSegChunkRounds; ++j) {
         const int row = row_base + j * kRowsPerRound;
-        src[j] = nullptr;
-        ring_row[j] = -1;
+        src[j] = a;
+        dst[j] = row < stage_rows ? row * kSegLd + k_col : -1;
         if (row < rows_padded) {
-          ring_row[j] = row;
-          if (row < rows && row_lora[r0 + row] == l) src[j] = a + int64_t(row_a[r0 + row]) * p.a_stride_row;
-        } else if (row < rows_padded + pass_cols) {
+          if (row < rows && row_lora[r0 + row] == l) {
+            src[j] = a + int64_t(row_a[r0 + row]) * p.a_stride_row + k_begin + k_col;
+            has_src |= 1u << j;
+          }
+        } else if (row < stage_rows) {
           const int n = c0 + row - rows_padded, c = n / rank_padded, i_rank = n - c * rank_padded;
-          ring_row[j] = rows_in_group + row - rows_padded;
           const detail::LoraSliceParams& sl = p.slices[c];
           if (i_rank < rank) {
             src[j] = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
-                     i_rank * sl.a_stride_rank;
+                     i_rank * sl.a_stride_rank + k_begin + k_col;
+            has_src |= 1u << j;
           }
         }
       }
-      auto load_stage = [&](int stage, int k_tile) {
-        T* stage_base = ring + stage * stage_elems + k_col;
-        const int64_t k = k_begin + int64_t(k_tile) * kSegBK + k_col;
+      const int k_left = int(k_end - k_begin) - k_col;  // K this thread's chunks have from k_begin + k_col
+      auto load_stage = [&](int slot, int k_tile) {
+        const int k = k_tile * kSegBK;
+        const bool k_in = k < k_left;  // K % 8 == 0: a chunk is all in or out
+        // The step is 0 past the end, so every address stays inside its row (never read then).
+        const int k_step = k_in ? k : 0;
+        const uint32_t slot_addr = ring_addr + uint32_t(slot * stage_elems * sizeof(T));
 #pragma unroll
         for (int j = 0; j < kSegChunkRounds; ++j) {
-          if (ring_row[j] < 0) continue;
-          T* dst = stage_base + ring_row[j] * kSegLd;
-          const bool ok = src[j] != nullptr && k < k_end;
+          if (dst[j] < 0) continue;
           if constexpr (kAsync) {
-            using CpAsync = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
-            CpAsync::copy(*reinterpret_cast<const cute::uint128_t*>(ok ? src[j] + k : a),
-                          *reinterpret_cast<cute::uint128_t*>(dst), ok);
+            cp_async_16_zfill(slot_addr + uint32_t(dst[j] * sizeof(T)), src[j] + k_step, (has_src >> j & 1) && k_in);
           } else {
+            const int chunk_left = (has_src >> j & 1) ? k_left - k : 0;
 #pragma unroll
-            for (int v = 0; v < kVec; ++v) dst[v] = ok && k + v < k_end ? src[j][k + v] : from_float<T>(0.f);
+            for (int v = 0; v < kVec; ++v) {
+              ring[slot * stage_elems + dst[j] + v] = v < chunk_left ? src[j][k + v] : from_float<T>(0.f);
+            }
           }
         }
       };
+      // This warp's fragments: 16 x 16 tiles f = warp + 8 j of the pass's [rows_padded,
+      // pass_cols] result, each two mma.m16n8k16 (n halves) fed by ldmatrix.x4. Lane
+      // offsets: A's matrices are rows 0-7 / 8-15 at k 0 / 8, B's n 0-7 at k 0 / 8, then n 8-15.
+      const int lane = threadIdx.x % 32;
+      const int a_lane = (lane % 16) * kSegLd + (lane / 16) * 8;
+      const int b_lane = rows_padded * kSegLd + (lane % 8 + (lane / 16) * 8) * kSegLd + (lane / 8 % 2) * 8;
+      int a_off[kSegFragsPerWarp], b_off[kSegFragsPerWarp];
+      float acc[kSegFragsPerWarp][8];
+#pragma unroll
+      for (int j = 0; j < kSegFragsPerWarp; ++j) {
+        const int f = warp + 8 * j;
+        a_off[j] = (f / max(frag_cols, 1)) * 16 * kSegLd + a_lane;
+        b_off[j] = (f % max(frag_cols, 1)) * 16 * kSegLd + b_lane;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+      }
 
-      WmmaAcc acc[kSegFragsPerWarp];
-#pragma unroll
-      for (int j = 0; j < kSegFragsPerWarp; ++j) nvcuda::wmma::fill_fragment(acc[j], 0.f);
-#pragma unroll
-      for (int stage = 0; stage < kSegStages - 1; ++stage) {
+      for (int stage = 0; stage < stages - 1; ++stage) {
         if (stage < num_k_tiles) load_stage(stage, stage);
         cute::cp_async_fence();
       }
-      for (int k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
-        cute::cp_async_wait<kSegStages - 2>();
+      for (int k_tile = 0, slot = 0; k_tile < num_k_tiles; ++k_tile, slot = slot + 1 == stages ? 0 : slot + 1) {
+        cp_async_wait_pending(stages - 2);
         __syncthreads();  // k_tile's slot is full; every warp is done with the slot refilled below
-        if (k_tile + kSegStages - 1 < num_k_tiles) {
-          load_stage((k_tile + kSegStages - 1) % kSegStages, k_tile + kSegStages - 1);
-        }
+        if (k_tile + stages - 1 < num_k_tiles) load_stage(slot == 0 ? stages - 1 : slot - 1, k_tile + stages - 1);
         cute::cp_async_fence();
-        const T* x_tile = ring + (k_tile % kSegStages) * stage_elems;
-        const T* w_tile = x_tile + rows_in_group * kSegLd;
+        const uint32_t slot_addr = ring_addr + uint32_t(slot * stage_elems * sizeof(T));
 #pragma unroll
         for (int j = 0; j < kSegFragsPerWarp; ++j) {
-          const int f = warp + 8 * j;
-          if (f < num_frags) {
-            wmma_accumulate<T>(acc[j], x_tile + (f / frag_cols) * 16 * kSegLd, w_tile + (f % frag_cols) * 16 * kSegLd,
-                               kSegLd, kSegBK);
+          if (warp + 8 * j < num_frags) {
+            mma_16x16_accumulate<T, kSegBK>(acc[j], slot_addr + a_off[j] * sizeof(T), slot_addr + b_off[j] * sizeof(T));
           }
         }
       }
@@ -429,8 +498,15 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       for (int j = 0; j < kSegFragsPerWarp; ++j) {
         const int f = warp + 8 * j;
         if (f < num_frags) {
-          nvcuda::wmma::store_matrix_sync(result + (f / frag_cols) * 16 * result_ld + (f % frag_cols) * 16, acc[j],
-                                          result_ld, nvcuda::wmma::mem_row_major);
+          // mma.m16n8k16's C: lane holds rows lane / 4 (+8), columns 2 (lane % 4) (+1), per n half.
+          float* out = result + ((f / frag_cols) * 16 + lane / 4) * result_ld + (f % frag_cols) * 16 + (lane % 4) * 2;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            out[h * 8] = acc[j][4 * h];
+            out[h * 8 + 1] = acc[j][4 * h + 1];
+            out[8 * result_ld + h * 8] = acc[j][4 * h + 2];
+            out[8 * result_ld + h * 8 + 1] = acc[j][4 * h + 3];
+          }
         }
       }
       __syncthreads();
@@ -697,15 +773,11 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
     if constexpr (kTensorCores<T>) {
       const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>
                                                      : moe_lora_shrink_segmented_kernel<T, false>;
-      // The limit covers the largest launch, so no launch (eager, replayed in a graph or by
-      // a profiler) depends on which size set the attribute last.
-      const SegmentedShrinkSplit largest{.group_rows = kSegGroupRows, .pass_cols = kSegPassCols};
-      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              int(segmented_shrink_smem<T>(largest))));
-      const size_t smem = segmented_shrink_smem<T>(split);
+      MOELORA_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSegRingBytes)));
       const unsigned groups = unsigned((p.block_size + split.group_rows - 1) / split.group_rows);
-      launch_kernel(kernel, dim3(unsigned(p.max_num_blocks), unsigned(split.splits), groups), dim3(kSegThreads), smem,
-                    static_cast<cudaStream_t>(stream), p, split);
+      launch_kernel(kernel, dim3(unsigned(p.max_num_blocks), unsigned(split.splits), groups), dim3(kSegThreads),
+                    kSegRingBytes, static_cast<cudaStream_t>(stream), p, split);
     }
   });
 }
