@@ -150,7 +150,9 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
       CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? t_rows + r * p.lora_t_cols : a_base),
                     *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
     }
+    // Rows of the column's slice read lora_b, the others are zeros: its stride is the one.
     const T* b_base = col.lora_b<T>(p, expert);
+    const int64_t b_stride = p.lora[col.slice].b_stride_n;
 #pragma unroll
     for (int i = 0; i < Config::kChunksB; ++i) {
       const int c = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
@@ -163,7 +165,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
       }
       const LoraBRow b(p, out_col, up);
       const bool ok = col.lora >= 0 && b.slice == col.slice && out_col < p.N;
-      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b.row * p.lora[b.slice].b_stride_n : a_base),
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_base + b.row * b_stride : a_base),
                     *reinterpret_cast<uint128_t*>(&sB(c, k_col, stage)), ok);
     }
     cp_async_fence();
