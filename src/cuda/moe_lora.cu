@@ -10,14 +10,13 @@
 // expand writes its rows' zeros.
 // On the segmented alignment (fused_experts' fused path) only the shrink runs here, t by
 // entry, split over K (moe_lora_shrink_segmented_kernel); the expand is in the GEMM.
-// 16-bit types run on the tensor cores (WMMA 16x16x16, fp32 accumulation); fp32 runs the
+// 16-bit types run on the tensor cores (mma.sync 16x8x16, fp32 accumulation); fp32 runs the
 // same tiles on CUDA cores. Ranks are padded to 16 inside the kernels (zero rows of
 // lora_a and zero columns of lora_b in shared memory); callers never pad.
 // NOTE: a first, separate-kernel path (fused_experts with adapters adds the delta after
 // each GEMM). Seed 003's fusion into the expert GEMM is the next step (docs/PERF_NOTES.md).
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
-#include <mma.h>
 
 #include <algorithm>
 #include <climits>
@@ -35,7 +34,7 @@ namespace {
 
 using detail::LoraDeltaParams;
 
-constexpr int kTileRows = 16;                 // slots per tile: the WMMA M
+constexpr int kTileRows = 16;                 // slots per tile: the mma M
 constexpr int kMaxRankPadded = 128;           // kMaxLoraRank, padded to 16
 constexpr int kShrinkThreads = 256;           // 8 warps: one 16-column rank fragment each
 constexpr int kExpandColumns = 64;            // output columns per expand CTA
@@ -46,8 +45,8 @@ constexpr bool kTensorCores = sizeof(T) == 2;
 // K elements a shrink stage holds: 128 bytes a row.
 template <typename T>
 constexpr int kShrinkK = 128 / int(sizeof(T));
-// Row pitch padding (elements) against shared-memory bank conflicts; keeps WMMA's
-// leading dimension a multiple of 8 (16-bit) / 4 (fp32).
+// Row pitch padding (elements) against shared-memory bank conflicts; keeps rows 16-byte
+// aligned for ldmatrix and the 16-byte copies.
 constexpr int kPad = 8;
 
 // The expert and adapter of one tile (its slots sit in shared memory; -1 marks an empty row).
@@ -129,20 +128,63 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
 
 __host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16; }
 
-using WmmaAcc = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float>;
+// Tensor-core tiles: acc (two mma.m16n8k16 C fragments, n 0-7 and n 8-15; lane holds rows
+// lane / 4 (+8) at columns 2 (lane % 4) (+1) of each) += a[16, k_extent] · b[16, k_extent]ᵀ,
+// both row-major in shared memory; a and b are this lane's ldmatrix.x4 row addresses
+// (mma_lane_a / mma_lane_b) as 32-bit shared offsets, k_extent a multiple of 16.
+// NOTE: WMMA's load_matrix_sync compiled to 32 generic 2-byte loads a fragment, and a
+// generic pointer converted per call costs 3 instructions; in the segmented shrink that
+// was its largest instruction cost (ncu, DeepSeek M = 512: 177 M instructions at 2.25 IPC
+// for 460 MB of lora_a in 343 us).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                            uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_addr));
+}
 
-// acc += a[16, k_extent] · b[16, k_extent]ᵀ, both row-major in shared memory with leading
-// dimension ld (k_extent a multiple of 16).
 template <typename T>
-__device__ __forceinline__ void wmma_accumulate(WmmaAcc& acc, const T* a, const T* b, int ld, int k_extent) {
-  namespace wmma = nvcuda::wmma;
+__device__ __forceinline__ void mma_16x16_accumulate(float (&acc)[8], uint32_t a, uint32_t b, int k_extent) {
+  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
+#pragma unroll 4
   for (int kk = 0; kk < k_extent; kk += 16) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> fb;
-    wmma::load_matrix_sync(fa, a + kk, ld);
-    wmma::load_matrix_sync(fb, b + kk, ld);
-    wmma::mma_sync(acc, fa, fb, acc);
+    uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
+    ldmatrix_x4(a + kk * sizeof(T), a0, a1, a2, a3);
+    ldmatrix_x4(b + kk * sizeof(T), b0, b1, b2, b3);
+    Mma::fma(acc[0], acc[1], acc[2], acc[3], a0, a1, a2, a3, b0, b1, acc[0], acc[1], acc[2], acc[3]);
+    Mma::fma(acc[4], acc[5], acc[6], acc[7], a0, a1, a2, a3, b2, b3, acc[4], acc[5], acc[6], acc[7]);
   }
+}
+
+// This lane's ldmatrix.x4 element offset in a 16-row tile at pitch ld: for a, rows 0-7 /
+// 8-15 at k 0 / 8; for b, rows (n) 0-7 at k 0 / 8, then 8-15.
+__device__ __forceinline__ int mma_lane_a(int ld) {
+  const int lane = threadIdx.x % 32;
+  return (lane % 16) * ld + (lane / 16) * 8;
+}
+__device__ __forceinline__ int mma_lane_b(int ld) {
+  const int lane = threadIdx.x % 32;
+  return (lane % 8 + (lane / 16) * 8) * ld + (lane / 8 % 2) * 8;
+}
+
+// acc of mma_16x16_accumulate into a row-major fp32 [16, 16] tile at pitch ld.
+__device__ __forceinline__ void store_mma_16x16(float* tile, int ld, const float (&acc)[8]) {
+  const int lane = threadIdx.x % 32;
+  float* out = tile + (lane / 4) * ld + (lane % 4) * 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    out[h * 8] = acc[4 * h];
+    out[h * 8 + 1] = acc[4 * h + 1];
+    out[8 * ld + h * 8] = acc[4 * h + 2];
+    out[8 * ld + h * 8 + 1] = acc[4 * h + 3];
+  }
+}
+
+// Shared-memory element p as mma_16x16_accumulate's 32-bit address.
+template <typename T>
+__device__ __forceinline__ uint32_t smem_addr(const T* p) {
+  return cute::cast_smem_ptr_to_uint(p);
 }
 
 // ---- shrink -----------------------------------------------------------------------------
@@ -169,14 +211,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
     const int warp = threadIdx.x / 32;
     const T zero = from_float<T>(0.f);
 
-    namespace wmma = nvcuda::wmma;
-    using Acc = std::conditional_t<kTensorCores<T>, WmmaAcc, float[8]>;
-    Acc acc;
-    if constexpr (kTensorCores<T>) {
-      wmma::fill_fragment(acc, 0.f);
-    } else {
-      for (float& v : acc) v = 0.f;
-    }
+    float acc[8] = {};  // a 16 x 16 mma tile, or (fp32) outputs threadIdx.x + j * kShrinkThreads
     for (int64_t k0 = 0; k0 < p.K; k0 += BK) {
       if constexpr (kVecLoads) {
         // K % kVec == 0: a vector is wholly inside K or wholly past it.
@@ -210,7 +245,10 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       }
       __syncthreads();
       if constexpr (kTensorCores<T>) {
-        if (warp * 16 < rank_padded) wmma_accumulate<T>(acc, &a_tile[0][0], &lora_tile[warp * 16][0], BK + kPad, BK);
+        if (warp * 16 < rank_padded) {
+          mma_16x16_accumulate<T>(acc, smem_addr(&a_tile[0][0] + mma_lane_a(BK + kPad)),
+                                  smem_addr(&lora_tile[warp * 16][0] + mma_lane_b(BK + kPad)), BK);
+        }
       } else {
         // Thread o computes outputs o + j * kShrinkThreads of the [16, rank_padded] tile.
         for (int j = 0; j < 8; ++j) {
@@ -225,9 +263,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
       __syncthreads();
     }
     if constexpr (kTensorCores<T>) {
-      if (warp * 16 < rank_padded) {
-        wmma::store_matrix_sync(&result[0][warp * 16], acc, kMaxRankPadded + 4, wmma::mem_row_major);
-      }
+      if (warp * 16 < rank_padded) store_mma_16x16(&result[0][warp * 16], kMaxRankPadded + 4, acc);
     } else {
       for (int j = 0; j < 8; ++j) {
         const int o = threadIdx.x + j * kShrinkThreads;
@@ -251,7 +287,7 @@ __global__ void __launch_bounds__(kShrinkThreads) moe_lora_shrink_kernel(const L
 //
 // Grid (blocks, K splits, row groups of kSegGroupRows): a CTA takes up to 64 rows of one
 // block of the alignment and a K range, and each adapter run among its rows in turn:
-// [run rows, slices * rank_padded] = rows · lora_aᵀ on WMMA, both operands through a
+// [run rows, slices * rank_padded] = rows · lora_aᵀ on mma.sync, both operands through a
 // cp.async ring (the adapter's lora_a rows of every slice in one pass), as deep as the
 // pass's rows let kSegRingBytes be.
 // With several splits each CTA writes fp32 partial sums, and the group's last CTA to
@@ -307,37 +343,9 @@ __device__ __forceinline__ void cp_async_wait_pending(int pending) {
 }
 
 // 16 bytes global -> shared by cp.async, zeros when !ok (src then is not read). Shared
-// addresses as 32-bit offsets, computed once a kernel (see ldmatrix_x4).
+// addresses as 32-bit offsets, computed once a kernel (see mma_16x16_accumulate).
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* src, bool ok) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(ok ? 16 : 0));
-}
-
-// ldmatrix.x4 at this lane's 16-byte row address (a 32-bit shared offset: converting a
-// generic pointer per call cost 3 instructions, a third of the copy's).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
-                                            uint32_t& d3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
-               : "r"(smem_addr));
-}
-
-// acc (two mma.m16n8k16 C fragments: n 0-7, n 8-15) += a[16, kK] · b[16, kK]ᵀ, rows of
-// both in shared memory at pitch kSegLd; a and b are this lane's ldmatrix.x4 addresses.
-// NOTE: WMMA's load_matrix_sync compiled to 32 generic 2-byte loads a fragment here, the
-// kernel's largest instruction cost (ncu, DeepSeek M = 512: 177 M instructions at 2.25 IPC
-// for 460 MB of lora_a in 343 us).
-template <typename T, int kK>
-__device__ __forceinline__ void mma_16x16_accumulate(float (&acc)[8], uint32_t a, uint32_t b) {
-  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
-                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
-#pragma unroll
-  for (int kk = 0; kk < kK; kk += 16) {
-    uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-    ldmatrix_x4(a + kk * sizeof(T), a0, a1, a2, a3);
-    ldmatrix_x4(b + kk * sizeof(T), b0, b1, b2, b3);
-    Mma::fma(acc[0], acc[1], acc[2], acc[3], a0, a1, a2, a3, b0, b1, acc[0], acc[1], acc[2], acc[3]);
-    Mma::fma(acc[4], acc[5], acc[6], acc[7], a0, a1, a2, a3, b2, b3, acc[4], acc[5], acc[6], acc[7]);
-  }
 }
 
 template <typename T, bool kAsync>
@@ -461,9 +469,7 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       // This warp's fragments: 16 x 16 tiles f = warp + 8 j of the pass's [rows_padded,
       // pass_cols] result, each two mma.m16n8k16 (n halves) fed by ldmatrix.x4. Lane
       // offsets: A's matrices are rows 0-7 / 8-15 at k 0 / 8, B's n 0-7 at k 0 / 8, then n 8-15.
-      const int lane = threadIdx.x % 32;
-      const int a_lane = (lane % 16) * kSegLd + (lane / 16) * 8;
-      const int b_lane = rows_padded * kSegLd + (lane % 8 + (lane / 16) * 8) * kSegLd + (lane / 8 % 2) * 8;
+      const int a_lane = mma_lane_a(kSegLd), b_lane = rows_padded * kSegLd + mma_lane_b(kSegLd);
       int a_off[kSegFragsPerWarp], b_off[kSegFragsPerWarp];
       float acc[kSegFragsPerWarp][8];
 #pragma unroll
@@ -488,7 +494,7 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
 #pragma unroll
         for (int j = 0; j < kSegFragsPerWarp; ++j) {
           if (warp + 8 * j < num_frags) {
-            mma_16x16_accumulate<T, kSegBK>(acc[j], slot_addr + a_off[j] * sizeof(T), slot_addr + b_off[j] * sizeof(T));
+            mma_16x16_accumulate<T>(acc[j], slot_addr + a_off[j] * sizeof(T), slot_addr + b_off[j] * sizeof(T), kSegBK);
           }
         }
       }
@@ -498,15 +504,7 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       for (int j = 0; j < kSegFragsPerWarp; ++j) {
         const int f = warp + 8 * j;
         if (f < num_frags) {
-          // mma.m16n8k16's C: lane holds rows lane / 4 (+8), columns 2 (lane % 4) (+1), per n half.
-          float* out = result + ((f / frag_cols) * 16 + lane / 4) * result_ld + (f % frag_cols) * 16 + (lane % 4) * 2;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            out[h * 8] = acc[j][4 * h];
-            out[h * 8 + 1] = acc[j][4 * h + 1];
-            out[8 * result_ld + h * 8] = acc[j][4 * h + 2];
-            out[8 * result_ld + h * 8 + 1] = acc[j][4 * h + 3];
-          }
+          store_mma_16x16(result + (f / frag_cols) * 16 * result_ld + (f % frag_cols) * 16, result_ld, acc[j]);
         }
       }
       __syncthreads();
@@ -596,11 +594,10 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
   __syncthreads();
   const int warp = threadIdx.x / 32;
   if constexpr (kTensorCores<T>) {
-    namespace wmma = nvcuda::wmma;
-    WmmaAcc acc;
-    wmma::fill_fragment(acc, 0.f);
-    wmma_accumulate<T>(acc, &t_tile[0][0], &lora_tile[warp * 16][0], kMaxRankPadded + kPad, rank_padded);
-    wmma::store_matrix_sync(&result[0][warp * 16], acc, kExpandColumns + 4, wmma::mem_row_major);
+    float acc[8] = {};
+    mma_16x16_accumulate<T>(acc, smem_addr(&t_tile[0][0] + mma_lane_a(kMaxRankPadded + kPad)),
+                            smem_addr(&lora_tile[warp * 16][0] + mma_lane_b(kMaxRankPadded + kPad)), rank_padded);
+    store_mma_16x16(&result[0][warp * 16], kExpandColumns + 4, acc);
   } else {
     for (int o = threadIdx.x; o < kTileRows * kExpandColumns; o += kExpandThreads) {
       const int r = o / kExpandColumns, n = o % kExpandColumns;
