@@ -332,6 +332,58 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
                    Stream stream = nullptr);
 
 // ---------------------------------------------------------------------------------
+// sparse_mla_decode: the sparse MLA attention of DeepSeek-V3.2-class models (seed 001;
+// FlashMLA's flash_mla_sparse_fwd semantics, with split-KV for small batches). One
+// latent KV head shared by every query head; each token attends to its own topk rows.
+//   q [T, Hq, 576] bf16: 512 latent lanes then 64 rope lanes; any token/head strides
+//   kv [S, 1, 576] bf16: the latent cache; the first 512 lanes of a row are also V
+//   indices [T, 1, topk] int32: the kv rows each token attends to; an entry < 0 or >= S
+//       is masked (so are the entries at positions >= topk_length[t])
+//   out [T, Hq, 512] bf16: Σ_i softmax(scale · q·kv[idx_i])_i · kv[idx_i, :512]
+//   lse [T, Hq] fp32 (optional): natural-log log-sum-exp of the scaled logits over the
+//       unmasked entries (without the sink); -inf for a row with none
+//   topk_length [T] int32 (optional): the valid prefix of each token's indices (values
+//       above topk count as topk, below 0 as 0)
+//   attn_sink [Hq] fp32 (optional): a per-head logit with no value row, added to the
+//       softmax's denominator: out = Σ_i e^{s_i} v_i / (Σ_i e^{s_i} + e^{sink})
+// A row with no unmasked entry gets zeros (never NaN). Duplicate indices count as many
+// times as they appear. Hq 1..128; topk >= 1 (any value; the kernels mask the tail).
+// q and kv rows must be 16-byte aligned (strides multiples of 8 elements), out's
+// strides even (4-byte aligned pairs).
+// CUDA splits each token's indices over num_splits CTAs when T and Hq alone do not fill
+// the device, and merges the parts in a second kernel; their fp32 partial outputs go in
+// `workspace` (sparse_mla_decode_workspace_size bytes, 256-byte aligned; 0 bytes, so
+// any or an empty view, when the op runs in one pass). The split count comes from T,
+// Hq, topk and the device's SM count (never from data), so one captured graph serves
+// every call of a shape.
+constexpr int64_t kMlaHeadDim = 576;   // latent 512 + rope 64
+constexpr int64_t kMlaValueDim = 512;  // the latent lanes: V
+constexpr int64_t kMlaMaxHeads = 128;
+constexpr int64_t kMlaMaxSplits = 64;
+
+struct SparseMlaDecodeArgs {
+  TensorView q;
+  TensorView kv;
+  TensorView indices;
+  TensorView out;
+  TensorView workspace;  // 1-D, any dtype; only its bytes count
+  float softmax_scale = 0.0f;
+  const TensorView* lse = nullptr;
+  const TensorView* topk_length = nullptr;
+  const TensorView* attn_sink = nullptr;
+  // 0: chosen for the device; 1: one pass; n > 1: n splits (at most kMlaMaxSplits, and
+  // fewer when topk has fewer key blocks). The CPU backend always runs one pass.
+  int num_splits = 0;
+};
+// The split count sparse_mla_decode runs with on `device` (1 on the CPU), and the
+// workspace bytes it needs for it.
+int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t topk, Device device,
+                                 int num_splits = 0);
+int64_t sparse_mla_decode_workspace_size(int64_t num_tokens, int64_t num_heads, int64_t topk, Device device,
+                                         int num_splits = 0);
+void sparse_mla_decode(const SparseMlaDecodeArgs& args, Stream stream = nullptr);
+
+// ---------------------------------------------------------------------------------
 // Build facts.
 bool cuda_available();  // built with the CUDA backend and a CUDA device is visible
 const char* version();

@@ -15,6 +15,7 @@ namespace moelora {
 
 using detail::ArgCheck;
 using detail::fail;
+using detail::require_cuda_backend;
 
 namespace {
 
@@ -26,14 +27,6 @@ ArgCheck& float_dtype(ArgCheck& c) {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool on_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }
-
-void require_cuda_backend(const char* op) {
-#ifndef MOELORA_WITH_CUDA
-  fail(op, "tensors are on a CUDA device but moelora was built without the CUDA backend");
-#else
-  (void)op;
-#endif
-}
 
 constexpr int64_t kMaxBlockSize = 256;
 

@@ -8,6 +8,14 @@ void fail(const char* op, const std::string& message) {
   throw Error(std::string("moelora.") + op + ": " + message);
 }
 
+void require_cuda_backend(const char* op) {
+#ifndef MOELORA_WITH_CUDA
+  fail(op, "tensors are on a CUDA device but moelora was built without the CUDA backend");
+#else
+  (void)op;
+#endif
+}
+
 ArgCheck::ArgCheck(const char* op, const char* name, const TensorView& t) : op_(op), name_(name), t_(t) {
   if (t.rank < 0 || t.rank > kMaxRank) {
     fail_expected("rank <= " + std::to_string(kMaxRank), "rank " + std::to_string(t.rank));
@@ -91,6 +99,23 @@ ArgCheck& ArgCheck::on(const Device& device, const char* other_name) {
 
 ArgCheck& ArgCheck::no_overlap(const TensorView& other, const char* other_name) {
   if (views_overlap(t_, other)) fail_expected(std::string("memory disjoint from '") + other_name + "'", "an overlap");
+  return *this;
+}
+
+ArgCheck& ArgCheck::rows_aligned(int64_t bytes) {
+  if (t_.numel() == 0) return *this;
+  const int64_t element = int64_t(dtype_size(t_.dtype));
+  if (reinterpret_cast<uintptr_t>(t_.data) % uint64_t(bytes) != 0) {
+    fail_expected("data " + std::to_string(bytes) + "-byte aligned", "an address offset by " +
+                  std::to_string(reinterpret_cast<uintptr_t>(t_.data) % uint64_t(bytes)) + " bytes");
+  }
+  for (int d = 0; d + 1 < t_.rank; ++d) {
+    if (t_.shape[d] > 1 && (t_.strides[d] * element) % bytes != 0) {
+      fail_expected("strides of whole " + std::to_string(bytes) + "-byte units (multiples of " +
+                        std::to_string(bytes / element) + " elements) on dim " + std::to_string(d),
+                    "stride " + std::to_string(t_.strides[d]));
+    }
+  }
   return *this;
 }
 

@@ -12,6 +12,9 @@ namespace moelora::detail {
 
 [[noreturn]] void fail(const char* op, const std::string& message);
 
+// Throws when tensors on a CUDA device reach a build without the CUDA backend.
+void require_cuda_backend(const char* op);
+
 // Fluent checks on one tensor argument. The constructor checks what holds for every
 // tensor: rank within [0, kMaxRank], non-negative shape and strides, data present when
 // the tensor has elements.
@@ -30,6 +33,9 @@ class ArgCheck {
   ArgCheck& contiguous();
   ArgCheck& on(const Device& device, const char* other_name);
   ArgCheck& no_overlap(const TensorView& other, const char* other_name);
+  // Every row (index of the last dim = 0) starts at a multiple of `bytes`: the data
+  // pointer and every stride but the last's (what 16-byte vector loads need).
+  ArgCheck& rows_aligned(int64_t bytes);
 
  private:
   [[noreturn]] void fail_expected(const std::string& expected, const std::string& given) const;

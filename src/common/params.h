@@ -273,6 +273,28 @@ struct GatherRowsParams {
   int64_t width;
 };
 
+// sparse_mla_decode. See include/moelora/ops.h for the contract. Strides in elements.
+struct SparseMlaDecodeParams {
+  const void* q;  // [num_tokens, num_heads, kMlaHeadDim] bf16
+  int64_t q_stride_token, q_stride_head;
+  const void* kv;  // [num_kv_rows, kMlaHeadDim] bf16
+  int64_t kv_stride_row;
+  const int32_t* indices;  // [num_tokens, topk]
+  int64_t indices_stride_token;
+  void* out;  // [num_tokens, num_heads, kMlaValueDim] bf16
+  int64_t out_stride_token, out_stride_head;
+  float* lse;  // [num_tokens, num_heads] or null
+  int64_t lse_stride_token, lse_stride_head;
+  const int32_t* topk_length;  // [num_tokens] or null
+  int64_t topk_length_stride;
+  const float* attn_sink;  // [num_heads] or null
+  int64_t attn_sink_stride;
+  int64_t num_tokens, num_heads, num_kv_rows, topk;
+  float softmax_scale;
+  int num_splits;   // CUDA: resolved, >= 1 (the CPU runs one pass)
+  void* workspace;  // CUDA with num_splits > 1: the partial outputs and their LSEs
+};
+
 }  // namespace moelora::detail
 
 // Backend entry points. Each has the same signature in both backends; CPU ignores the
@@ -283,6 +305,7 @@ void fused_moe(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p);
 void moe_sum_reduce(const detail::SumReduceParams& p);
 void moe_lora_delta(const detail::LoraDeltaParams& p);
+void sparse_mla_decode(const detail::SparseMlaDecodeParams& p);
 }  // namespace moelora::cpu
 
 namespace moelora::detail {
@@ -323,4 +346,10 @@ bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 // Both kernels, or one: GEMM1 + activation (stage 1), GEMM2 + the top-k sum (stage 2).
 // With LoRA the down delta is computed from GEMM1's output between the two.
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream, int stages = 3);
+// The split count for a shape on the current device (requested > 0: that, capped by the
+// key blocks of topk and kMlaMaxSplits), and the workspace bytes of a split count.
+int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t topk, int requested);
+int64_t sparse_mla_decode_workspace_bytes(int64_t num_tokens, int64_t num_heads, int num_splits);
+// One launch (one pass), or two (the splits, then their merge).
+void sparse_mla_decode(const detail::SparseMlaDecodeParams& p, Stream stream);
 }  // namespace moelora::cuda

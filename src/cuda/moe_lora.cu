@@ -27,6 +27,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_info.h"
 #include "cuda/launch.cuh"
+#include "cuda/mma_sm80.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
@@ -136,13 +137,6 @@ __host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16;
 // generic pointer converted per call costs 3 instructions; in the segmented shrink that
 // was its largest instruction cost (ncu, DeepSeek M = 512: 177 M instructions at 2.25 IPC
 // for 460 MB of lora_a in 343 us).
-__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
-                                            uint32_t& d3) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
-               : "r"(smem_addr));
-}
-
 template <typename T>
 __device__ __forceinline__ void mma_16x16_accumulate(float (&acc)[8], uint32_t a, uint32_t b, int k_extent) {
   using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
@@ -179,12 +173,6 @@ __device__ __forceinline__ void store_mma_16x16(float* tile, int ld, const float
     out[8 * ld + h * 8] = acc[4 * h + 2];
     out[8 * ld + h * 8 + 1] = acc[4 * h + 3];
   }
-}
-
-// Shared-memory element p as mma_16x16_accumulate's 32-bit address.
-template <typename T>
-__device__ __forceinline__ uint32_t smem_addr(const T* p) {
-  return cute::cast_smem_ptr_to_uint(p);
 }
 
 // ---- shrink -----------------------------------------------------------------------------
@@ -340,12 +328,6 @@ __device__ __forceinline__ void cp_async_wait_pending(int pending) {
     default:
       cute::cp_async_wait<0>();
   }
-}
-
-// 16 bytes global -> shared by cp.async, zeros when !ok (src then is not read). Shared
-// addresses as 32-bit offsets, computed once a kernel (see mma_16x16_accumulate).
-__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(ok ? 16 : 0));
 }
 
 template <typename T, bool kAsync>

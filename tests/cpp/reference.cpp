@@ -260,4 +260,41 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
   return reference_sum_reduce(h2, M, top_k, H, routed_scaling_factor);
 }
 
+std::vector<double> reference_sparse_mla_decode(const std::vector<double>& q, const std::vector<double>& kv,
+                                                const std::vector<int64_t>& indices, int64_t T, int64_t Hq,
+                                                int64_t S, int64_t topk, double scale,
+                                                const std::vector<int64_t>* topk_length,
+                                                const std::vector<double>* attn_sink, std::vector<double>* lse) {
+  constexpr int64_t D = kMlaHeadDim, DV = kMlaValueDim;
+  std::vector<double> out(size_t(T * Hq * DV), 0.0);
+  if (lse) lse->assign(size_t(T * Hq), -std::numeric_limits<double>::infinity());
+  for_each_index(T * Hq, [&](int64_t th) {
+    const int64_t t = th / Hq, h = th % Hq;
+    const int64_t length = topk_length ? std::clamp<int64_t>((*topk_length)[size_t(t)], 0, topk) : topk;
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < length; ++i) {
+      const int64_t row = indices[size_t(t * topk + i)];
+      if (row >= 0 && row < S) rows.push_back(row);
+    }
+    if (rows.empty()) return;
+    std::vector<double> logits(rows.size());
+    double max_logit = -std::numeric_limits<double>::infinity();
+    for (size_t j = 0; j < rows.size(); ++j) {
+      logits[j] = scale * dot(&q[size_t(th * D)], &kv[size_t(rows[j] * D)], D);
+      max_logit = std::max(max_logit, logits[j]);
+    }
+    double sum = 0.0;
+    double* out_row = &out[size_t(th * DV)];
+    for (size_t j = 0; j < rows.size(); ++j) {
+      const double weight = std::exp(logits[j] - max_logit);
+      sum += weight;
+      for (int64_t d = 0; d < DV; ++d) out_row[d] += weight * kv[size_t(rows[j] * D + d)];
+    }
+    const double denominator = sum + (attn_sink ? std::exp((*attn_sink)[size_t(h)] - max_logit) : 0.0);
+    for (int64_t d = 0; d < DV; ++d) out_row[d] /= denominator;
+    if (lse) (*lse)[size_t(th)] = max_logit + std::log(sum);
+  });
+  return out;
+}
+
 }  // namespace moelora::ref

@@ -112,4 +112,18 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                                             double limit, bool apply_router_weight_on_input, bool no_combine,
                                             double routed_scaling_factor, const RefLora* lora = nullptr);
 
+// Sparse MLA decode (sparse_mla_decode): q [T, Hq, 576], kv [S, 576], indices [T, topk].
+// Entry i of token t is valid when i < topk_length[t] (when given) and indices[t, i] is in
+// [0, S); duplicates count once each. For every (t, h):
+//   s_i = scale · q[t, h] · kv[idx_i]   (valid i)
+//   out[t, h] = Σ_i e^{s_i} kv[idx_i, :512] / (Σ_i e^{s_i} + e^{sink[h]})  (no sink term
+//               without sinks; 0 when no entry is valid)
+//   lse[t, h] = log Σ_i e^{s_i}  (-inf when no entry is valid)
+// Returns out [T, Hq, 512]; writes lse [T, Hq] when lse is non-null.
+std::vector<double> reference_sparse_mla_decode(const std::vector<double>& q, const std::vector<double>& kv,
+                                                const std::vector<int64_t>& indices, int64_t T, int64_t Hq,
+                                                int64_t S, int64_t topk, double scale,
+                                                const std::vector<int64_t>* topk_length,
+                                                const std::vector<double>* attn_sink, std::vector<double>* lse);
+
 }  // namespace moelora::ref

@@ -1,0 +1,50 @@
+// The sm_80 tensor-core and async-copy instructions the mma.sync kernels share, on
+// 32-bit shared-memory addresses.
+// NOTE: a generic pointer converted to a shared address per use costs 3 instructions;
+// kernels compute their 32-bit addresses once (smem_addr) and add offsets.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cute/arch/util.hpp>
+
+#include <cstdint>
+
+namespace moelora::cuda {
+
+// Shared-memory element p as a 32-bit shared address.
+template <typename T>
+__device__ __forceinline__ uint32_t smem_addr(const T* p) {
+  return cute::cast_smem_ptr_to_uint(p);
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                            uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_addr));
+}
+// The same, each matrix transposed (an mma B fragment from k-major rows).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t smem_addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                                  uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(smem_addr));
+}
+
+// c[4] += a[16x16] · b[16x8], bf16 operands, fp32 accumulation (mma.m16n8k16 fragments).
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared by cp.async, zeros when !ok (src then is not read).
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(ok ? 16 : 0));
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,508 @@
+// sparse_mla_decode on CUDA: tensor-core flash decoding over gathered KV rows (mma.sync,
+// sm_80 and later). See include/moelora/ops.h for the contract.
+//
+// A CTA takes one token, a group of 16/32/64 query heads and one split of the token's
+// indices; it walks the split in blocks of kBlockKeys rows:
+//   gather the block's KV rows (cp.async, 16 B a copy, masked rows zero-filled) into a
+//   two-stage ring while the previous block computes;
+//   S = Q·Kᵀ over 576 lanes (Q stays in shared memory for the whole split);
+//   online softmax in base 2 (running row max, rescaled accumulators);
+//   O += P·V with V = the first 512 lanes of the same rows.
+// One pass (num_splits == 1) normalises and writes out / lse; with splits each CTA writes
+// its normalised fp32 part and its log2-sum-exp to the workspace and a second kernel
+// merges the parts of every (token, head).
+// Every shared tile is in rows of 16-byte chunks with the chunk index XORed by row % 8,
+// so the 8 row addresses of every ldmatrix phase fall in distinct bank groups (rows are
+// 1152 B, a multiple of 128: unswizzled, 8 rows would hit one bank group).
+#include <cuda_bf16.h>
+#include <cute/arch/copy_sm80.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_sm80.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::SparseMlaDecodeParams;
+
+constexpr int kHeadDim = int(kMlaHeadDim);     // 576
+constexpr int kValueDim = int(kMlaValueDim);   // 512
+constexpr int kRowBytes = kHeadDim * 2;        // 1152: a q / kv row in shared memory
+constexpr int kRowChunks = kRowBytes / 16;     // 72
+constexpr int kBlockKeys = 64;                 // kv rows a pipeline stage holds
+constexpr int kStages = 2;
+constexpr int kThreads = 256;                  // 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoadersPerRow = kThreads / kBlockKeys;  // 4 threads copy one kv row
+constexpr int kKSteps = kHeadDim / 16;                 // 36 mma k-steps of Q·Kᵀ
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
+
+// The shared-memory plan of a CTA with kHeadTiles 16-head mma tiles.
+// QK: warp w scores head tile w % kHeadTiles against kWarpKeys keys (key group
+// w / kHeadTiles). PV: warp w accumulates every head of the CTA over value lanes
+// [64 w, 64 w + 64), so each V element is read from shared memory once a block.
+template <int kHeadTiles>
+struct MlaCta {
+  static constexpr int kHeads = 16 * kHeadTiles;
+  static constexpr int kKeyGroups = kWarps / kHeadTiles;
+  static constexpr int kWarpKeys = kBlockKeys / kKeyGroups;  // 8, 16 or 32
+  static constexpr int kWarpKeyTiles = kWarpKeys / 8;        // mma n-tiles of scores
+  static constexpr int kWarpValueTiles = kValueDim / kWarps / 8;  // 8 n-tiles of 8 lanes
+  static constexpr int kQBytes = kHeads * kRowBytes;
+  static constexpr int kStageBytes = kBlockKeys * kRowBytes;
+  static constexpr int kKvOffset = kQBytes;
+  static constexpr int kPOffset = kKvOffset + kStages * kStageBytes;  // P [kHeads, kBlockKeys] bf16
+  static constexpr int kReduceOffset = kPOffset + kHeads * kBlockKeys * 2;  // [kKeyGroups, kHeads] fp32
+  static constexpr int kValidOffset = kReduceOffset + kKeyGroups * kHeads * 4;  // [kStages, kBlockKeys] u8
+  static constexpr int kSmemBytes = kValidOffset + kStages * kBlockKeys;
+};
+// NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
+static_assert(MlaCta<4>::kSmemBytes <= 232448);
+
+__device__ __forceinline__ int64_t clamp_length(const SparseMlaDecodeParams& p, int64_t token) {
+  if (!p.topk_length) return p.topk;
+  const int64_t length = p.topk_length[token * p.topk_length_stride];
+  return length < 0 ? 0 : (length > p.topk ? p.topk : length);
+}
+
+// The partial outputs of the splits: [num_splits, T, Hq, 512] fp32, then their
+// log2-sum-exps [num_splits, T, Hq] fp32 at a 256-byte boundary.
+__host__ __device__ inline int64_t partial_out_bytes(int64_t num_tokens, int64_t num_heads, int num_splits) {
+  return (int64_t(num_splits) * num_tokens * num_heads * kValueDim * 4 + 255) / 256 * 256;
+}
+
+template <int kHeadTiles>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_decode_kernel(const SparseMlaDecodeParams p, int num_head_groups, int blocks_per_split) {
+  using Cta = MlaCta<kHeadTiles>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  // CTAs of one token are adjacent in launch order: they gather the same rows (L2 hits).
+  const int ctas_per_token = num_head_groups * p.num_splits;
+  const int64_t token = blockIdx.x / ctas_per_token;
+  const int split = int(blockIdx.x % ctas_per_token) / num_head_groups;
+  const int head0 = int(blockIdx.x % num_head_groups) * Cta::kHeads;
+
+  wait_for_previous_kernel();
+  const int64_t split_begin = int64_t(split) * blocks_per_split * kBlockKeys;
+  const int64_t split_end = std::min<int64_t>(split_begin + int64_t(blocks_per_split) * kBlockKeys,
+                                              clamp_length(p, token));
+  const int num_blocks = split_end > split_begin ? int((split_end - split_begin + kBlockKeys - 1) / kBlockKeys) : 0;
+
+  const uint32_t q_base = smem_addr(smem);
+  const uint32_t kv_base = q_base + Cta::kKvOffset;
+  const uint32_t p_base = q_base + Cta::kPOffset;
+  float* reduce = reinterpret_cast<float*>(smem + Cta::kReduceOffset);
+  uint8_t* key_valid = smem + Cta::kValidOffset;
+
+  // ---- the gather: 4 threads a kv row, 18 chunks each ------------------------------
+  const int load_key = tid / kLoadersPerRow, load_part = tid % kLoadersPerRow;
+  const int32_t* token_indices = p.indices + token * p.indices_stride_token;
+  const auto* kv_bytes = static_cast<const uint8_t*>(p.kv);
+  auto read_row = [&](int block) -> int32_t {  // this thread's kv row in `block`, -1 = masked
+    const int64_t pos = split_begin + int64_t(block) * kBlockKeys + load_key;
+    if (pos >= split_end) return -1;
+    const int32_t row = __ldg(token_indices + pos);
+    return (row >= 0 && row < p.num_kv_rows) ? row : -1;
+  };
+  auto issue_block = [&](int block, int32_t row) {
+    const int stage = block % kStages;
+    const uint32_t dst = kv_base + stage * Cta::kStageBytes + load_key * kRowBytes;
+    const uint8_t* src = kv_bytes + (row >= 0 ? int64_t(row) * p.kv_stride_row * 2 : 0);
+#pragma unroll
+    for (int i = 0; i < kRowChunks / kLoadersPerRow; ++i) {
+      const int c = load_part + kLoadersPerRow * i;
+      cp_async_16_zfill(dst + ((c ^ (load_key & 7)) << 4), src + c * 16, row >= 0);
+    }
+    if (load_part == 0) key_valid[stage * kBlockKeys + load_key] = row >= 0;
+  };
+
+  int32_t next_row = -1;
+  if (num_blocks > 0) {
+    const auto* q_bytes = static_cast<const uint8_t*>(p.q);
+    for (int i = tid; i < Cta::kHeads * kRowChunks; i += kThreads) {
+      const int r = i / kRowChunks, c = i % kRowChunks;
+      const bool ok = head0 + r < p.num_heads;
+      const uint8_t* src = q_bytes + (ok ? (token * p.q_stride_token + int64_t(head0 + r) * p.q_stride_head) * 2 : 0);
+      cp_async_16_zfill(q_base + r * kRowBytes + ((c ^ (r & 7)) << 4), src + c * 16, ok);
+    }
+    issue_block(0, read_row(0));
+    cute::cp_async_fence();
+    if (num_blocks > 1) next_row = read_row(1);
+  }
+
+  // ---- per-lane ldmatrix offsets -----------------------------------------------------
+  // Rows of an ldmatrix phase are 8 consecutive rows starting at a multiple of 8, so the
+  // swizzle term is lane % 8. For an operand whose lanes 16-31 take the second 8-lane
+  // chunk, chunk 2c + lane / 16 of an octet lands at ((2c) ^ (lane / 16 ^ lane % 8)) · 16.
+  const int head_tile = warp % kHeadTiles, key_group = warp / kHeadTiles;
+  uint32_t swizzled_hi[4], swizzled_mid[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    swizzled_hi[c] = uint32_t((2 * c) ^ ((lane >> 4) ^ (lane & 7))) << 4;
+    swizzled_mid[c] = uint32_t((2 * c) ^ (((lane >> 3) & 1) ^ (lane & 7))) << 4;
+  }
+  // Q·Kᵀ's A rows (this warp's head tile) and B rows (its keys).
+  const uint32_t q_lane = q_base + (head_tile * 16 + (lane & 15)) * kRowBytes;
+  const int warp_key0 = key_group * Cta::kWarpKeys;
+
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float out_acc[kHeadTiles][Cta::kWarpValueTiles][4] = {};
+  float row_max[kHeadTiles][2];  // running max (log2 units) of rows lane / 4 (+8) of each head tile
+  float row_sum[2] = {0.0f, 0.0f};  // this lane's part of its QK rows' sums
+#pragma unroll
+  for (int mt = 0; mt < kHeadTiles; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY;
+
+  for (int block = 0; block < num_blocks; ++block) {
+    const int stage = block % kStages;
+    cute::cp_async_wait<0>();
+    __syncthreads();  // block's rows landed; everyone is past the previous block's P·V
+    if (block + 1 < num_blocks) {
+      issue_block(block + 1, next_row);
+      cute::cp_async_fence();
+      if (block + 2 < num_blocks) next_row = read_row(block + 2);
+    }
+    const uint32_t kv_stage = kv_base + stage * Cta::kStageBytes;
+
+    // ---- S = Q·Kᵀ --------------------------------------------------------------------
+    float score[Cta::kWarpKeyTiles][4] = {};
+    if constexpr (Cta::kWarpKeys >= 16) {
+      const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
+#pragma unroll
+      for (int k = 0; k < kKSteps; ++k) {
+        uint32_t a0, a1, a2, a3;
+        ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
+#pragma unroll
+        for (int j = 0; j < Cta::kWarpKeys / 16; ++j) {
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4(k_lane + j * 16 * kRowBytes + (k / 4) * 128 + swizzled_mid[k % 4], b0, b1, b2, b3);
+          mma_bf16_16x8x16(score[2 * j], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16x8x16(score[2 * j + 1], a0, a1, a2, a3, b2, b3);
+        }
+      }
+    } else {
+      // 8 keys a warp: one ldmatrix.x4 holds the B fragments of two k-steps (lane / 8
+      // picks the chunk, 4 chunks = 32 lanes of the row).
+      const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7)) * kRowBytes;
+      uint32_t swizzled_quad[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) swizzled_quad[c] = uint32_t((4 * c) ^ ((lane >> 3) ^ (lane & 7))) << 4;
+#pragma unroll
+      for (int k2 = 0; k2 < kKSteps / 2; ++k2) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(k_lane + (k2 / 2) * 128 + swizzled_quad[k2 % 2], b0, b1, b2, b3);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int k = 2 * k2 + half;
+          uint32_t a0, a1, a2, a3;
+          ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
+          mma_bf16_16x8x16(score[0], a0, a1, a2, a3, half ? b2 : b0, half ? b3 : b1);
+        }
+      }
+    }
+
+    // ---- masking, row max across the key groups -------------------------------------
+    const uint8_t* valid = key_valid + stage * kBlockKeys;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = valid[warp_key0 + j * 8 + 2 * (lane & 3) + e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& s = score[j][2 * h + e];
+          s = ok ? s * scale_log2 : -INFINITY;
+          tile_max[h] = fmaxf(tile_max[h], s);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+      if ((lane & 3) == 0) reduce[key_group * Cta::kHeads + head_tile * 16 + lane / 4 + 8 * h] = tile_max[h];
+    }
+    __syncthreads();
+
+    // Every thread derives the same new max for each row it touches (its QK rows, and all
+    // head tiles for P·V) from the same values, so no second exchange is needed.
+    float rescale[kHeadTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = row_max[mt][h];
+#pragma unroll
+        for (int g = 0; g < Cta::kKeyGroups; ++g) m = fmaxf(m, reduce[g * Cta::kHeads + mt * 16 + lane / 4 + 8 * h]);
+        // A row with no valid key yet keeps max -inf; exponents then use 0 (no inf - inf).
+        rescale[mt][h] = exp2f(row_max[mt][h] - (m == -INFINITY ? 0.0f : m));
+        row_max[mt][h] = m;
+      }
+    }
+
+    // ---- P = exp2(S - max) to shared memory as bf16 ---------------------------------
+    // (this warp's head tile picked by unrolled selects: a runtime index into the
+    // register arrays would put them in local memory)
+    float own_max[2], own_rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      own_max[h] = row_max[0][h];
+      own_rescale[h] = rescale[0][h];
+#pragma unroll
+      for (int mt = 1; mt < kHeadTiles; ++mt) {
+        if (mt == head_tile) {
+          own_max[h] = row_max[mt][h];
+          own_rescale[h] = rescale[mt][h];
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m = own_max[h] == -INFINITY ? 0.0f : own_max[h];
+      const int row = head_tile * 16 + lane / 4 + 8 * h;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
+        const float p0 = exp2f(score[j][2 * h] - m), p1 = exp2f(score[j][2 * h + 1] - m);
+        sum += p0 + p1;
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
+        const int key = warp_key0 + j * 8 + 2 * (lane & 3);
+        const uint32_t addr = p_base + row * (kBlockKeys * 2) + (((key / 8) ^ (row & 7)) << 4) + (key % 8) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&pair)));
+      }
+      row_sum[h] = row_sum[h] * own_rescale[h] + sum;
+    }
+    __syncthreads();
+
+    // ---- O = O · rescale + P·V ------------------------------------------------------
+#pragma unroll
+    for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+      for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
+        out_acc[mt][n][0] *= rescale[mt][0];
+        out_acc[mt][n][1] *= rescale[mt][0];
+        out_acc[mt][n][2] *= rescale[mt][1];
+        out_acc[mt][n][3] *= rescale[mt][1];
+      }
+    }
+    // V rows (keys) for ldmatrix.trans: lanes 8-15 take keys 8-15, lanes 16-31 the next 8 lanes.
+    const uint32_t v_lane = kv_stage + ((lane & 7) + (((lane >> 3) & 1) << 3)) * kRowBytes + warp * 128;
+#pragma unroll
+    for (int ks = 0; ks < kBlockKeys / 16; ++ks) {
+      uint32_t a[kHeadTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kHeadTiles; ++mt) {
+        ldmatrix_x4(p_base + (mt * 16 + (lane & 15)) * (kBlockKeys * 2) + swizzled_hi[ks], a[mt][0], a[mt][1],
+                    a[mt][2], a[mt][3]);
+      }
+#pragma unroll
+      for (int pair = 0; pair < Cta::kWarpValueTiles / 2; ++pair) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4_trans(v_lane + ks * 16 * kRowBytes + swizzled_hi[pair], b0, b1, b2, b3);
+#pragma unroll
+        for (int mt = 0; mt < kHeadTiles; ++mt) {
+          mma_bf16_16x8x16(out_acc[mt][2 * pair], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+          mma_bf16_16x8x16(out_acc[mt][2 * pair + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+        }
+      }
+    }
+  }
+  allow_next_kernel_launch();
+
+  // ---- row sums across the key groups -------------------------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+  }
+  __syncthreads();  // the last block's maxima are read
+  if ((lane & 3) == 0) {
+    reduce[key_group * Cta::kHeads + head_tile * 16 + lane / 4] = row_sum[0];
+    reduce[key_group * Cta::kHeads + head_tile * 16 + lane / 4 + 8] = row_sum[1];
+  }
+  __syncthreads();
+
+  // ---- epilogue: warp w holds value lanes [64 w, 64 w + 64) of every head --------------
+  const int lane_col = warp * 64 + 2 * (lane & 3);
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+  if (p.num_splits > 1) {
+    partial_out = static_cast<float*>(p.workspace);
+    partial_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
+                                           partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+  }
+#pragma unroll
+  for (int mt = 0; mt < kHeadTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = mt * 16 + lane / 4 + 8 * h;
+      const int head = head0 + row;
+      if (head >= p.num_heads) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int g = 0; g < Cta::kKeyGroups; ++g) sum += reduce[g * Cta::kHeads + row];
+      const float m = row_max[mt][h] == -INFINITY ? 0.0f : row_max[mt][h];
+      // log2-sum-exp of the row's scaled logits; -inf when no key was valid.
+      const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;
+      if (p.num_splits == 1) {
+        float denominator = sum;
+        if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kLog2e - m);
+        // no valid key: the accumulator is 0 and so is the output (also under a sink)
+        const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+        auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head;
+#pragma unroll
+        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
+          *reinterpret_cast<__nv_bfloat162*>(out + lane_col + n * 8) =
+              __floats2bfloat162_rn(out_acc[mt][n][2 * h] * inv, out_acc[mt][n][2 * h + 1] * inv);
+        }
+        if (p.lse && warp == 0 && (lane & 3) == 0) {
+          p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kLn2;
+        }
+      } else {
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int64_t slot = (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
+        float* out = partial_out + slot * kValueDim;
+#pragma unroll
+        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
+          *reinterpret_cast<float2*>(out + lane_col + n * 8) =
+              make_float2(out_acc[mt][n][2 * h] * inv, out_acc[mt][n][2 * h + 1] * inv);
+        }
+        if (warp == 0 && (lane & 3) == 0) partial_lse[slot] = lse2;
+      }
+    }
+  }
+}
+
+// ---- merge of the splits: one CTA per (token, head), 4 value lanes a thread -------------
+constexpr int kMergeThreads = kValueDim / 4;
+
+__global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const SparseMlaDecodeParams p) {
+  const int64_t token = blockIdx.x / p.num_heads;
+  const int head = int(blockIdx.x % p.num_heads);
+  wait_for_previous_kernel();
+  const float* partial_out = static_cast<const float*>(p.workspace);
+  const float* partial_lse = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.workspace) +
+                                                            partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+  const int64_t split_stride = p.num_tokens * p.num_heads;
+  const int64_t slot0 = token * p.num_heads + head;
+  float m = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, partial_lse[s * split_stride + slot0]);
+  if (m == -INFINITY) m = 0.0f;  // no split saw a valid key: every weight below is 0
+  float sum = 0.0f;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s = 0; s < p.num_splits; ++s) {
+    const int64_t slot = s * split_stride + slot0;
+    const float w = exp2f(partial_lse[slot] - m);
+    if (w == 0.0f) continue;  // an empty split's part is never read
+    const float4 part = *reinterpret_cast<const float4*>(partial_out + slot * kValueDim + threadIdx.x * 4);
+    sum += w;
+    acc.x += w * part.x;
+    acc.y += w * part.y;
+    acc.z += w * part.z;
+    acc.w += w * part.w;
+  }
+  allow_next_kernel_launch();
+  float denominator = sum;
+  if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kLog2e - m);
+  const float inv = sum > 0.0f && denominator > 0.0f ? 1.0f / denominator : 0.0f;
+  auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head +
+              threadIdx.x * 4;
+  reinterpret_cast<__nv_bfloat162*>(out)[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
+  reinterpret_cast<__nv_bfloat162*>(out)[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  if (p.lse && threadIdx.x == 0) {
+    p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = sum > 0.0f ? (m + log2f(sum)) * kLn2 : -INFINITY;
+  }
+}
+
+// Head tiles a CTA takes for Hq heads: the fewest 16-head tiles that cover them, at most 4.
+int head_tiles_for(int64_t num_heads) { return num_heads <= 16 ? 1 : (num_heads <= 32 ? 2 : 4); }
+
+int smem_bytes_for(int head_tiles) {
+  switch (head_tiles) {
+    case 1: return MlaCta<1>::kSmemBytes;
+    case 2: return MlaCta<2>::kSmemBytes;
+    default: return MlaCta<4>::kSmemBytes;
+  }
+}
+
+template <int kHeadTiles>
+void launch_splits(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split, cudaStream_t stream) {
+  auto kernel = sparse_mla_decode_kernel<kHeadTiles>;
+  MOELORA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, MlaCta<kHeadTiles>::kSmemBytes));
+  const int64_t num_ctas = p.num_tokens * num_head_groups * p.num_splits;
+  launch_kernel(kernel, dim3(unsigned(num_ctas)), dim3(kThreads), MlaCta<kHeadTiles>::kSmemBytes, stream, p,
+                num_head_groups, blocks_per_split);
+}
+
+}  // namespace
+
+int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t topk, int requested) {
+  const int64_t key_blocks = (topk + kBlockKeys - 1) / kBlockKeys;
+  const int64_t max_splits = std::min<int64_t>(key_blocks, kMlaMaxSplits);
+  int64_t splits = 1;
+  if (requested > 0) {
+    splits = std::min<int64_t>(requested, max_splits);
+  } else if (num_tokens > 0) {
+    // Fill the device in whole waves: the smallest split count whose last wave keeps
+    // >= 80% of the CTA slots busy, else the one that keeps the most busy.
+    const DeviceInfo& device = current_device_info();
+    const int head_tiles = head_tiles_for(num_heads);
+    const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (smem_bytes_for(head_tiles) + 1024));
+    const int64_t slots = int64_t(device.num_sms) * ctas_per_sm;
+    const int64_t base = num_tokens * ((num_heads + 16 * head_tiles - 1) / (16 * head_tiles));
+    double best = 0.0;
+    for (int64_t s = 1; s <= max_splits; ++s) {
+      const int64_t ctas = base * s;
+      const double busy = double(ctas) / double((ctas + slots - 1) / slots * slots);
+      if (busy > best + 1e-9) {
+        best = busy;
+        splits = s;
+      }
+      if (busy >= 0.8) break;
+    }
+  }
+  // Whole key blocks per split; drop the splits that would be left empty.
+  const int64_t blocks_per_split = (key_blocks + splits - 1) / splits;
+  return int((key_blocks + blocks_per_split - 1) / blocks_per_split);
+}
+
+int64_t sparse_mla_decode_workspace_bytes(int64_t num_tokens, int64_t num_heads, int num_splits) {
+  if (num_splits <= 1) return 0;
+  return partial_out_bytes(num_tokens, num_heads, num_splits) +
+         (int64_t(num_splits) * num_tokens * num_heads * 4 + 255) / 256 * 256;
+}
+
+void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
+  if (p.num_tokens == 0) return;
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  const int head_tiles = head_tiles_for(p.num_heads);
+  const int num_head_groups = int((p.num_heads + 16 * head_tiles - 1) / (16 * head_tiles));
+  const int64_t key_blocks = (p.topk + kBlockKeys - 1) / kBlockKeys;
+  const int blocks_per_split = int((key_blocks + p.num_splits - 1) / p.num_splits);
+  if (p.num_tokens * num_head_groups * p.num_splits > INT32_MAX) {
+    throw std::runtime_error("moelora.sparse_mla_decode: too many tokens for one grid");
+  }
+  switch (head_tiles) {
+    case 1: launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+    case 2: launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+    default: launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+  }
+  if (p.num_splits > 1) {
+    launch_kernel(sparse_mla_merge_kernel, dim3(unsigned(p.num_tokens * p.num_heads)), dim3(kMergeThreads), 0,
+                  cuda_stream, p);
+  }
+}
+
+}  // namespace moelora::cuda
