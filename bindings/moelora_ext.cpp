@@ -394,6 +394,46 @@ NB_MODULE(_moelora, m) {
       },
       "input"_a, "out"_a, "routed_scaling_factor"_a = 1.0f, "stream"_a = 0);
 
+  m.attr("MLA_HEAD_DIM") = moelora::kMlaHeadDim;
+  m.attr("MLA_VALUE_DIM") = moelora::kMlaValueDim;
+  m.attr("MLA_MAX_HEADS") = moelora::kMlaMaxHeads;
+  m.attr("MLA_MAX_SPLITS") = moelora::kMlaMaxSplits;
+  m.def(
+      "sparse_mla_decode_num_splits",
+      [](int64_t num_tokens, int64_t num_heads, int64_t topk, const TensorView& like, int num_splits) {
+        return moelora::sparse_mla_decode_num_splits(num_tokens, num_heads, topk, like.device, num_splits);
+      },
+      "num_tokens"_a, "num_heads"_a, "topk"_a, "like"_a, "num_splits"_a = 0,
+      "The split count sparse_mla_decode runs with on like's device (1 on the CPU).");
+  m.def(
+      "sparse_mla_decode_workspace_size",
+      [](int64_t num_tokens, int64_t num_heads, int64_t topk, const TensorView& like, int num_splits) {
+        return moelora::sparse_mla_decode_workspace_size(num_tokens, num_heads, topk, like.device, num_splits);
+      },
+      "num_tokens"_a, "num_heads"_a, "topk"_a, "like"_a, "num_splits"_a = 0);
+  m.def(
+      "sparse_mla_decode",
+      [](const TensorView& q, const TensorView& kv, const TensorView& indices, const TensorView& out,
+         const TensorView& workspace, float softmax_scale, const std::optional<TensorView>& lse,
+         const std::optional<TensorView>& topk_length, const std::optional<TensorView>& attn_sink, int num_splits,
+         uintptr_t stream) {
+        moelora::SparseMlaDecodeArgs args;
+        args.q = q;
+        args.kv = kv;
+        args.indices = indices;
+        args.out = out;
+        args.workspace = workspace;
+        args.softmax_scale = softmax_scale;
+        args.lse = optional_ptr(lse);
+        args.topk_length = optional_ptr(topk_length);
+        args.attn_sink = optional_ptr(attn_sink);
+        args.num_splits = num_splits;
+        nb::gil_scoped_release release;
+        moelora::sparse_mla_decode(args, as_stream(stream));
+      },
+      "q"_a, "kv"_a, "indices"_a, "out"_a, "workspace"_a, "softmax_scale"_a, "lse"_a = nb::none(),
+      "topk_length"_a = nb::none(), "attn_sink"_a = nb::none(), "num_splits"_a = 0, "stream"_a = 0);
+
   m.def(
       "fused_experts_workspace_size",
       [](int64_t num_tokens, int64_t top_k, int64_t num_experts, int64_t hidden_size,

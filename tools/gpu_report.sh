@@ -5,7 +5,8 @@
 # report of DESIGN.md ("GPU reports") to ${OUT:-reports/gpu}/.
 #   MOELORA_COMMIT   sha of the code measured (the device copy has no .git)
 #   BENCH_TOKENS     token counts for the grid (default: the brief's, 1 to 8192)
-#   BENCH_MODELS     model name or "all" (default all)
+#   BENCH_MODELS     model name or "all" (default all); "none" skips the layer bench
+#   SKIP_MLA=1       skip the sparse MLA decode bench (sparse_mla_bench, the grid)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
 #   SKIP_TESTS=1     build and benchmark only; TEST_RESULTS=DIR then takes ctest.xml,
 #                    pytest.xml and sanitizer_*.log from an earlier SKIP_BENCH=1 run
@@ -71,12 +72,21 @@ LORA_ARGS=()
 [ -n "${LORA_ADAPTERS:-}" ] && LORA_ARGS+=(--adapters "$LORA_ADAPTERS")
 [ -n "${LORA_SHARE:-}" ] && LORA_ARGS+=(--lora-share "$LORA_SHARE")
 
-step bench
-"$BUILD_DIR/moelora_bench" --device cuda --model "${BENCH_MODELS:-all}" \
-  --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" --ceilings --baseline \
-  ${LORA_ARGS[@]+"${LORA_ARGS[@]}"} --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
+BENCH_JSONS=()
+if [ "${BENCH_MODELS:-all}" != none ]; then
+  step bench
+  "$BUILD_DIR/moelora_bench" --device cuda --model "${BENCH_MODELS:-all}" \
+    --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" --ceilings --baseline \
+    ${LORA_ARGS[@]+"${LORA_ARGS[@]}"} --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
+  BENCH_JSONS+=("$OUT_DIR/bench.json")
+fi
+if [ "${SKIP_MLA:-0}" != 1 ]; then
+  step sparse_mla_bench
+  "$BUILD_DIR/sparse_mla_bench" --device cuda --ceilings --json "$OUT_DIR/sparse_mla.json" 2>&1 | tee -a "$LOG"
+  BENCH_JSONS+=("$OUT_DIR/sparse_mla.json")
+fi
 
 step report
 python3 tools/make_report.py --commit "${MOELORA_COMMIT:-unknown}" --ctest "$OUT_DIR/ctest.xml" \
-  --pytest "$OUT_DIR/pytest.xml" --bench "$OUT_DIR/bench.json" \
+  --pytest "$OUT_DIR/pytest.xml" --bench "${BENCH_JSONS[@]}" \
   --sanitizer-logs "$OUT_DIR"/sanitizer_*.log --out "$OUT_DIR/report.json"

@@ -1,10 +1,12 @@
 """Assembles the GPU report of DESIGN.md from the pieces tools/gpu_report.sh writes.
 
-Usage: make_report.py --commit SHA --ctest ctest.xml --pytest pytest.xml --bench bench.json
+Usage: make_report.py --commit SHA --ctest ctest.xml --pytest pytest.xml --bench bench.json [more.json...]
                       [--sanitizer-logs LOG...] --out report.json
-Prints a short table of the layer rows last, then, when bench.json has LoRA rows
-(moelora_bench --lora-rank; "lora" not null, with "lora_tax" and "tax_floor"), the LoRA
-tax per model and M at each rank. Every row goes into report.json as the bench wrote it.
+The rows of every bench file (moelora_bench, sparse_mla_bench) go into report.json as
+the benches wrote them; the ceilings are the first file's. Prints a short table of the
+layer rows last, then, when there are LoRA rows (moelora_bench --lora-rank; "lora" not
+null, with "lora_tax" and "tax_floor"), the LoRA tax per model and M at each rank, then
+the sparse MLA rows against issue 5's targets.
 """
 import argparse
 import datetime
@@ -41,7 +43,7 @@ def main():
     ap.add_argument("--commit", required=True)
     ap.add_argument("--ctest")
     ap.add_argument("--pytest")
-    ap.add_argument("--bench", required=True)
+    ap.add_argument("--bench", required=True, nargs="+")
     ap.add_argument("--sanitizer-logs", nargs="*", default=[])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -50,8 +52,14 @@ def main():
     driver = query(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0]
     nvcc = query(["nvcc", "--version"])
     cuda = nvcc.split("release ")[-1].split(",")[0] if "release" in nvcc else "unknown"
-    with open(args.bench) as f:
-        bench = json.load(f)
+    bench = None
+    for path in args.bench:
+        with open(path) as f:
+            part = json.load(f)
+        if bench is None:
+            bench = part
+        else:
+            bench["rows"] += part["rows"]
     c_pass, c_fail, c_skip = junit_counts(args.ctest)
     p_pass, p_fail, p_skip = junit_counts(args.pytest)
     sanitizer = {}
@@ -84,7 +92,8 @@ def main():
     print(f"tests: ctest {c_pass} passed {c_fail} failed {c_skip} skipped | pytest {p_pass} passed {p_fail} failed {p_skip} skipped")
     for name, line in sanitizer.items():
         print(f"{name}: {line}")
-    base_rows = [r for r in bench["rows"] if r.get("lora") is None]
+    layer_rows = [r for r in bench["rows"] if r.get("op", "fused_experts") == "fused_experts"]
+    base_rows = [r for r in layer_rows if r.get("lora") is None]
     print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} "
           f"{'rel_err':>9} {'base_us':>10} {'speedup':>7}")
     speedups = []
@@ -109,7 +118,34 @@ def main():
     if large:
         print(f"M >= 4096: min {min(r['pct_floor'] for r in large):.1f}% of floor "
               f"({sum(r['pct_floor'] >= 75 for r in large)}/{len(large)} cells >= 75%)")
-    print_lora_tax(bench["rows"])
+    print_lora_tax(layer_rows)
+    print_sparse_mla([r for r in bench["rows"] if r.get("op") == "sparse_mla_decode"])
+
+
+def print_sparse_mla(rows):
+    """The sparse MLA rows, then issue 5's targets: memory-bound cells (Hq = 16, T >= 64)
+    at >= 75% of the floor, compute-bound ones (Hq = 128, T >= 64) at >= 450 TFLOP/s, and
+    T = 1 in <= 10 us."""
+    if not rows:
+        return
+    print(f"{'Hq':>4} {'topk':>5} {'S':>7} {'T':>4} {'splits':>6} {'time_us':>9} {'floor_us':>9} {'%floor':>7} "
+          f"{'TB/s':>6} {'TFLOP/s':>8} {'rel_err':>9}")
+    for r in rows:
+        err = "-" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        print(f"{r['Hq']:>4} {r['topk']:>5} {r['S']:>7} {r['T']:>4} {r.get('num_splits', '-'):>6} {r['time_us']:>9.1f} "
+              f"{r['floor_us']:>9.1f} {r['pct_floor']:>7.1f} {r['tbps']:>6.2f} {r['tflops']:>8.1f} {err:>9}")
+    targets = [
+        ("memory-bound (Hq 16, T >= 64) >= 75% of floor", [r for r in rows if r["Hq"] == 16 and r["T"] >= 64],
+         lambda r: r["pct_floor"] >= 75, lambda r: f"{r['pct_floor']:.1f}%"),
+        ("compute-bound (Hq 128, T >= 64) >= 450 TFLOP/s", [r for r in rows if r["Hq"] == 128 and r["T"] >= 64],
+         lambda r: r["tflops"] >= 450, lambda r: f"{r['tflops']:.0f} TFLOP/s"),
+        ("T = 1 <= 10 us", [r for r in rows if r["T"] == 1], lambda r: r["time_us"] <= 10, lambda r: f"{r['time_us']:.1f} us"),
+    ]
+    for name, cells, ok, show in targets:
+        if cells:
+            worst = ", ".join(f"Hq {r['Hq']} topk {r['topk']} S {r['S']} T {r['T']}: {show(r)}"
+                              for r in cells if not ok(r))
+            print(f"sparse MLA {name}: {sum(ok(r) for r in cells)}/{len(cells)} cells" + (f"; missed: {worst}" if worst else ""))
 
 
 def print_lora_tax(rows):

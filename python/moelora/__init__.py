@@ -71,6 +71,7 @@ from .ops import (  # noqa: E402  (the extension must be loaded first)
     moe_align_block_size,
     moe_lora_align_block_size,
     moe_sum_reduce,
+    sparse_mla_decode,
     silu_and_mul,
     swiglu_oai_and_mul,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "moe_lora_align_block_size",
     "moe_lora_align_block_size_capacity",
     "moe_sum_reduce",
+    "sparse_mla_decode",
     "silu_and_mul",
     "swiglu_oai_and_mul",
     "version",

@@ -29,6 +29,7 @@ __all__ = [
     "moe_lora_align_block_size",
     "moe_sum_reduce",
     "silu_and_mul",
+    "sparse_mla_decode",
     "swiglu_oai_and_mul",
 ]
 
@@ -41,11 +42,15 @@ _ACTIVATIONS = {
     "swiglu_oai": _ext.Activation.swiglu_oai,
 }
 
-_NUMPY_DTYPES = {"int32": np.int32}
+_NUMPY_DTYPES = {"int32": np.int32, "float32": np.float32}
 
 # Multi-LoRA limits of the library (include/moelora/ops.h).
 MAX_LORA_RANK = _ext.MAX_LORA_RANK
 MAX_LORA_ADAPTERS = _ext.MAX_LORA_ADAPTERS
+
+# Sparse MLA decode (include/moelora/ops.h): q/kv rows of 576 lanes, out rows of 512.
+MLA_HEAD_DIM = _ext.MLA_HEAD_DIM
+MLA_VALUE_DIM = _ext.MLA_VALUE_DIM
 
 
 def align_capacity(num_slots, block_size, num_experts, min_fn=min):
@@ -422,6 +427,45 @@ def moe_sum_reduce(x, out=None, routed_scaling_factor=1.0):
         _ext.moe_sum_reduce(input_view, _view(op, "out", out), float(routed_scaling_factor),
                             stream=stream)
     return out
+
+
+def sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink=None, num_splits=0, out=None,
+                      lse=None, return_lse=False):
+    """Sparse MLA decode attention (DeepSeek-V3.2 class; FlashMLA's sparse semantics).
+
+    q [T, Hq, 576] bf16 (512 latent + 64 rope lanes), kv [S, 1, 576] bf16 (V = the first
+    512 lanes), indices [T, 1, topk] int32 (entries < 0 or >= S are masked);
+    topk_length [T] int32 (optional valid prefix of each token's indices), attn_sink [Hq]
+    float32 (optional per-head logit in the softmax denominator only).
+    Returns out [T, Hq, 512] bf16, and with return_lse (or lse given) also lse [T, Hq]
+    float32: the natural-log sum of exp of the scaled logits, -inf for a row with no
+    valid index (whose output is zeros). num_splits: 0 = chosen for the device.
+    """
+    op = "sparse_mla_decode"
+    q_view = _view(op, "q", q)
+    kv_view = _view(op, "kv", kv)
+    indices_view = _view(op, "indices", indices)
+    num_tokens, num_heads, topk = _dim(q_view, 0), _dim(q_view, 1), _dim(indices_view, -1)
+    if out is None:
+        out = _empty(q, (num_tokens, num_heads, MLA_VALUE_DIM))
+    else:
+        _check_writable(op, "out", out)
+    if lse is None and return_lse:
+        lse = _empty(q, (num_tokens, num_heads), "float32")
+    elif lse is not None:
+        _check_writable(op, "lse", lse)
+    # Bad sizes are reported by the op; the clamps keep the workspace query sane until then.
+    workspace_bytes = _ext.sparse_mla_decode_workspace_size(
+        max(num_tokens, 0), min(max(num_heads, 1), _ext.MLA_MAX_HEADS), max(topk, 1), q_view,
+        min(max(int(num_splits), 0), _ext.MLA_MAX_SPLITS))
+    workspace = _aligned_workspace(q, max(workspace_bytes, 0))
+    stream, guard = _launch(q)
+    with guard:
+        _ext.sparse_mla_decode(q_view, kv_view, indices_view, _view(op, "out", out), _view(op, "workspace", workspace),
+                               float(softmax_scale), _optional_view(op, "lse", lse),
+                               _optional_view(op, "topk_length", topk_length),
+                               _optional_view(op, "attn_sink", attn_sink), int(num_splits), stream=stream)
+    return (out, lse) if (return_lse or lse is not None) else out
 
 
 @dataclasses.dataclass

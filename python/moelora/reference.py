@@ -311,3 +311,35 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     if no_combine:
         return per_slot
     return routed_scaling_factor * per_slot.sum(axis=1)
+
+
+def sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink=None):
+    """Sparse MLA decode in float64: (out [T, Hq, 512], lse [T, Hq]).
+
+    Entry i of token t is valid when i < topk_length[t] (clamped to [0, topk]) and
+    indices[t, 0, i] is in [0, S); duplicates count each time. out = softmax over the
+    valid entries (with e^sink in the denominator when attn_sink is given) times the first
+    512 lanes of their kv rows; rows with no valid entry give zeros and lse -inf.
+    """
+    q = _f64(q)
+    kv = _f64(kv)[:, 0, :]
+    indices = np.asarray(indices).astype(np.int64)[:, 0, :]
+    num_tokens, num_heads, _ = q.shape
+    topk = indices.shape[1]
+    value_dim = 512
+    out = np.zeros((num_tokens, num_heads, value_dim))
+    lse = np.full((num_tokens, num_heads), -np.inf)
+    for t in range(num_tokens):
+        length = topk if topk_length is None else min(max(int(topk_length[t]), 0), topk)
+        rows = [int(r) for r in indices[t, :length] if 0 <= r < kv.shape[0]]
+        if not rows:
+            continue
+        keys = kv[rows]                                  # [n, 576]
+        logits = softmax_scale * (q[t] @ keys.T)         # [Hq, n]
+        peak = logits.max(axis=1, keepdims=True)
+        weights = np.exp(logits - peak)
+        total = weights.sum(axis=1, keepdims=True)
+        denominator = total if attn_sink is None else total + np.exp(_f64(attn_sink)[:, None] - peak)
+        out[t] = (weights @ keys[:, :value_dim]) / denominator
+        lse[t] = (peak + np.log(total))[:, 0]
+    return out, lse

@@ -13,6 +13,9 @@ required tensors first, then the options of fused_experts); fused_moe_lora adds 
 delta of one expert GEMM into `out` (vLLM's fused_moe_lora); moe_lora_align_block_size
 aligns over (expert, adapter) pairs. The adapter state (token_lora_ids, adapter_enabled,
 adapter_scale) stays on the device, so one captured CUDA graph serves any mix of adapters.
+
+sparse_mla_decode returns (out, lse) (FlashMLA's sparse decode: q [T, Hq, 576], kv
+[S, 1, 576], indices [T, 1, topk]).
 """
 
 import torch
@@ -64,6 +67,9 @@ _SCHEMAS = {
         f"{_LORA_ARGS}, str activation='silu', bool apply_router_weight_on_input=False, "
         "float routed_scaling_factor=1.0, Tensor? expert_map=None, int chunk_size=65536, "
         "float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False) -> Tensor",
+    "sparse_mla_decode":
+        "sparse_mla_decode(Tensor q, Tensor kv, Tensor indices, float softmax_scale, Tensor? topk_length=None, "
+        "Tensor? attn_sink=None, int num_splits=0) -> (Tensor, Tensor)",
 }
 
 
@@ -209,6 +215,16 @@ def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, tok
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
+def _sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink=None, num_splits=0):
+    return _ops.sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=topk_length, attn_sink=attn_sink,
+                                  num_splits=num_splits, return_lse=True)
+
+
+def _sparse_mla_decode_fake(q, kv, indices, softmax_scale, topk_length=None, attn_sink=None, num_splits=0):
+    return (q.new_empty((q.shape[0], q.shape[1], _ops.MLA_VALUE_DIM)),
+            q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32))
+
+
 _IMPLEMENTATIONS = {
     "moe_align_block_size": (_moe_align_block_size, _moe_align_block_size_fake),
     "fused_moe": (_fused_moe, _fused_moe_fake),
@@ -221,6 +237,7 @@ _IMPLEMENTATIONS = {
     "moe_lora_align_block_size": (_moe_lora_align_block_size, _moe_lora_align_block_size_fake),
     "fused_moe_lora": (_fused_moe_lora, _fused_moe_lora_fake),
     "fused_experts_lora": (_fused_experts_lora, _fused_experts_lora_fake),
+    "sparse_mla_decode": (_sparse_mla_decode, _sparse_mla_decode_fake),
 }
 
 for _name, _schema in _SCHEMAS.items():
