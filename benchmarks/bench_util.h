@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "common/host_numeric.h"
+#include "moelora/ops.h"
 #include "moelora/tensor.h"
 
 #ifdef MOELORA_WITH_CUDA
@@ -163,6 +165,47 @@ inline std::string json_fraction(double v) {
   std::string out = buf;
   if (out.find_first_of(".en") == std::string::npos) out += ".0";
   return out;
+}
+
+// --device auto|cpu|cuda: whether to run on the CUDA backend; *error names what is wrong
+// with the choice (empty when it is usable).
+inline bool choose_cuda(const std::string& device, std::string* error) {
+  error->clear();
+  if (device == "cuda") {
+    if (!moelora::cuda_available()) *error = "--device cuda but no CUDA device (or built without CUDA)";
+    return true;
+  }
+  if (device == "auto") return moelora::cuda_available();
+  if (device != "cpu") *error = "--device takes auto, cpu or cuda";
+  return false;
+}
+
+inline moelora::TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                                moelora::Device device) {
+  return moelora::TensorView::contiguous(data, dtype, shape, device);
+}
+
+// printf into a std::string (one JSON row of a bench).
+inline std::string format(const char* fmt, ...) {
+  va_list args, copy;
+  va_start(args, fmt);
+  va_copy(copy, args);
+  std::string out(size_t(std::max(0, std::vsnprintf(nullptr, 0, fmt, copy))), '\0');
+  va_end(copy);
+  std::vsnprintf(out.data(), out.size() + 1, fmt, args);
+  va_end(args);
+  return out;
+}
+
+// {"ceilings": {...}, "rows": [...]} at path, one row object a line.
+inline void write_bench_json(const std::string& path, const Ceilings& c, const std::vector<std::string>& rows) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) throw std::runtime_error("cannot write " + path);
+  std::fprintf(f, "{\"ceilings\": {\"copy_tbps\": %.4f, \"bf16_tflops\": %.2f, \"measured\": %s},\n \"rows\": [\n",
+               c.copy_tbps, c.bf16_tflops, c.measured ? "true" : "false");
+  for (size_t i = 0; i < rows.size(); ++i) std::fprintf(f, "  %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+  std::fprintf(f, " ]}\n");
+  std::fclose(f);
 }
 
 }  // namespace moelora::bench

@@ -466,10 +466,6 @@ struct Row {
   double lora_tax = 0, tax_floor = 0, base_us = 0;
 };
 
-TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape, moelora::Device device) {
-  return TensorView::contiguous(data, dtype, shape, device);
-}
-
 // The workspace query's shape; max_loras = lora_rank = 0 without LoRA.
 moelora::FusedExpertsShape layer_shape(const Model& m, int64_t M, DType dtype, int64_t max_loras,
                                        int64_t lora_rank) {
@@ -983,15 +979,9 @@ void print_row(const Row& row) {
 
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
-  bool use_cuda = false;
-  if (o.device == "cuda") {
-    if (!moelora::cuda_available()) usage("--device cuda but no CUDA device (or built without CUDA)");
-    use_cuda = true;
-  } else if (o.device == "auto") {
-    use_cuda = moelora::cuda_available();
-  } else if (o.device != "cpu") {
-    usage("--device takes auto, cpu or cuda");
-  }
+  std::string device_error;
+  const bool use_cuda = choose_cuda(o.device, &device_error);
+  if (!device_error.empty()) usage(device_error);
 
   Ceilings ceilings;
   try {
@@ -1101,33 +1091,26 @@ int main(int argc, char** argv) {
     bool ok = true;
     for (const Row& r : rows) ok = ok && (r.check.tokens == 0 || r.check.rel_err <= 1e-2);
     if (!o.json_path.empty()) {
-      FILE* f = std::fopen(o.json_path.c_str(), "w");
-      if (!f) throw std::runtime_error("cannot write " + o.json_path);
-      std::fprintf(f, "{\"ceilings\": {\"copy_tbps\": %.4f, \"bf16_tflops\": %.2f, \"measured\": %s},\n \"rows\": [\n",
-                   ceilings.copy_tbps, ceilings.bf16_tflops, ceilings.measured ? "true" : "false");
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        char lora[160] = "null", lora_keys[200] = "";
+      std::vector<std::string> json_rows;
+      for (const Row& r : rows) {
+        std::string lora = "null", lora_keys;
         if (r.lora_rank > 0) {
-          std::snprintf(lora, sizeof lora, "{\"rank\": %lld, \"adapters\": %lld, \"share\": %s}",
-                        (long long)r.lora_rank, (long long)o.lora_adapters, json_fraction(o.lora_share).c_str());
-          std::snprintf(lora_keys, sizeof lora_keys, ", \"lora_tax\": %.4f, \"tax_floor\": %.4f, \"base_us\": %.3f%s",
-                        r.lora_tax, r.tax_floor, r.base_us,
-                        r.check.tokens ? (", \"lora_delta\": " + std::to_string(r.check.lora_delta)).c_str() : "");
+          lora = format("{\"rank\": %lld, \"adapters\": %lld, \"share\": %s}", (long long)r.lora_rank,
+                        (long long)o.lora_adapters, json_fraction(o.lora_share).c_str());
+          lora_keys = format(", \"lora_tax\": %.4f, \"tax_floor\": %.4f, \"base_us\": %.3f%s", r.lora_tax, r.tax_floor,
+                             r.base_us,
+                             r.check.tokens ? (", \"lora_delta\": " + std::to_string(r.check.lora_delta)).c_str() : "");
         }
-        std::fprintf(f,
-                     "  {\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"%s\", \"lora\": %s, "
-                     "\"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, "
-                     "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld, \"baseline_us\": %s%s}%s\n",
-                     r.model->name, (long long)r.M, model_dtype(o.dtype), lora, r.device.c_str(), r.time_us, r.floor_us,
-                     100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e-6) / 1e12,
-                     r.flops / (r.time_us * 1e-6) / 1e12,
-                     r.check.tokens ? std::to_string(r.check.rel_err).c_str() : "null", (long long)r.check.tokens,
-                     r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null", lora_keys,
-                     i + 1 < rows.size() ? "," : "");
+        json_rows.push_back(format(
+            "{\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"%s\", \"lora\": %s, "
+            "\"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, "
+            "\"tflops\": %.3f, \"rel_err\": %s, \"checked_tokens\": %lld, \"baseline_us\": %s%s}",
+            r.model->name, (long long)r.M, model_dtype(o.dtype), lora.c_str(), r.device.c_str(), r.time_us, r.floor_us,
+            100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e-6) / 1e12, r.flops / (r.time_us * 1e-6) / 1e12,
+            r.check.tokens ? std::to_string(r.check.rel_err).c_str() : "null", (long long)r.check.tokens,
+            r.baseline_us > 0 ? std::to_string(r.baseline_us).c_str() : "null", lora_keys.c_str()));
       }
-      std::fprintf(f, " ]}\n");
-      std::fclose(f);
+      write_bench_json(o.json_path, ceilings, json_rows);
     }
     if (!ok) {
       std::printf("FAILED: a checked cell is above 1e-2 relative error\n");

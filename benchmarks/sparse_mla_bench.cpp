@@ -178,10 +178,6 @@ struct Row {
   double time_us, floor_us, bytes, flops, rel_err;  // rel_err < 0: not checked
 };
 
-TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape, moelora::Device device) {
-  return TensorView::contiguous(data, dtype, shape, device);
-}
-
 moelora::SparseMlaDecodeArgs make_args(void* q, void* kv, void* indices, void* out, void* workspace,
                                        int64_t workspace_bytes, int64_t T, int64_t Hq, int64_t S, int64_t topk,
                                        int splits, moelora::Device device) {
@@ -285,15 +281,9 @@ Row run_cuda(int64_t Hq, int64_t T, int64_t topk, int64_t S, const Options& o, i
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
-  bool use_cuda = false;
-  if (o.device == "cuda") {
-    if (!moelora::cuda_available()) usage("--device cuda but no CUDA device (or built without CUDA)");
-    use_cuda = true;
-  } else if (o.device == "auto") {
-    use_cuda = moelora::cuda_available();
-  } else if (o.device != "cpu") {
-    usage("--device takes auto, cpu or cuda");
-  }
+  std::string device_error;
+  const bool use_cuda = choose_cuda(o.device, &device_error);
+  if (!device_error.empty()) usage(device_error);
   auto or_default = [](std::vector<int64_t>& v, std::vector<int64_t> cuda, std::vector<int64_t> cpu, bool gpu) {
     if (v.empty()) v = gpu ? cuda : cpu;
   };
@@ -344,23 +334,17 @@ int main(int argc, char** argv) {
     bool ok = true;
     for (const Row& r : rows) ok = ok && r.rel_err <= 1e-2;
     if (!o.json_path.empty()) {
-      FILE* f = std::fopen(o.json_path.c_str(), "w");
-      if (!f) throw std::runtime_error("cannot write " + o.json_path);
-      std::fprintf(f, "{\"ceilings\": {\"copy_tbps\": %.4f, \"bf16_tflops\": %.2f, \"measured\": %s},\n \"rows\": [\n",
-                   ceilings.copy_tbps, ceilings.bf16_tflops, ceilings.measured ? "true" : "false");
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        std::fprintf(f,
-                     "  {\"op\": \"sparse_mla_decode\", \"Hq\": %lld, \"T\": %lld, \"topk\": %lld, \"S\": %lld, "
-                     "\"dtype\": \"bf16\", \"lora\": null, \"device\": \"%s\", \"num_splits\": %d, \"time_us\": %.3f, "
-                     "\"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, \"tflops\": %.3f, \"rel_err\": %s}%s\n",
-                     (long long)r.Hq, (long long)r.T, (long long)r.topk, (long long)r.S, use_cuda ? "cuda" : "cpu",
-                     r.splits, r.time_us, r.floor_us, 100 * r.floor_us / r.time_us,
-                     r.bytes / (r.time_us * 1e-6) / 1e12, r.flops / (r.time_us * 1e-6) / 1e12,
-                     r.rel_err >= 0 ? std::to_string(r.rel_err).c_str() : "null", i + 1 < rows.size() ? "," : "");
+      std::vector<std::string> json_rows;
+      for (const Row& r : rows) {
+        json_rows.push_back(format(
+            "{\"op\": \"sparse_mla_decode\", \"Hq\": %lld, \"T\": %lld, \"topk\": %lld, \"S\": %lld, "
+            "\"dtype\": \"bf16\", \"lora\": null, \"device\": \"%s\", \"num_splits\": %d, \"time_us\": %.3f, "
+            "\"floor_us\": %.3f, \"pct_floor\": %.2f, \"tbps\": %.4f, \"tflops\": %.3f, \"rel_err\": %s}",
+            (long long)r.Hq, (long long)r.T, (long long)r.topk, (long long)r.S, use_cuda ? "cuda" : "cpu", r.splits,
+            r.time_us, r.floor_us, 100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e-6) / 1e12,
+            r.flops / (r.time_us * 1e-6) / 1e12, r.rel_err >= 0 ? std::to_string(r.rel_err).c_str() : "null"));
       }
-      std::fprintf(f, " ]}\n");
-      std::fclose(f);
+      write_bench_json(o.json_path, ceilings, json_rows);
     }
     if (!ok) {
       std::printf("FAILED: a checked cell is above 1e-2 relative error\n");

@@ -28,6 +28,16 @@ void check_shape_numbers(int64_t num_tokens, int64_t num_heads, int64_t topk, in
   }
 }
 
+// The workspace bytes of a resolved split count: the splits' fp32 parts on CUDA.
+int64_t workspace_bytes_for(int64_t num_tokens, int64_t num_heads, Device device, int num_splits) {
+  if (device.type == DeviceType::kCPU || num_splits == 1) return 0;
+#ifdef MOELORA_WITH_CUDA
+  return cuda::sparse_mla_decode_workspace_bytes(num_tokens, num_heads, num_splits);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t topk, Device device,
@@ -44,13 +54,8 @@ int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t 
 
 int64_t sparse_mla_decode_workspace_size(int64_t num_tokens, int64_t num_heads, int64_t topk, Device device,
                                          int num_splits) {
-  const int splits = sparse_mla_decode_num_splits(num_tokens, num_heads, topk, device, num_splits);
-  if (device.type == DeviceType::kCPU || splits == 1) return 0;
-#ifdef MOELORA_WITH_CUDA
-  return cuda::sparse_mla_decode_workspace_bytes(num_tokens, num_heads, splits);
-#else
-  return 0;
-#endif
+  return workspace_bytes_for(num_tokens, num_heads, device,
+                             sparse_mla_decode_num_splits(num_tokens, num_heads, topk, device, num_splits));
 }
 
 void sparse_mla_decode(const SparseMlaDecodeArgs& args, Stream stream) {
@@ -93,7 +98,7 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& args, Stream stream) {
   }
   if (device.type == DeviceType::kCUDA) detail::require_cuda_backend(kOp);
   const int num_splits = sparse_mla_decode_num_splits(num_tokens, num_heads, topk, device, args.num_splits);
-  const int64_t workspace_bytes = sparse_mla_decode_workspace_size(num_tokens, num_heads, topk, device, args.num_splits);
+  const int64_t workspace_bytes = workspace_bytes_for(num_tokens, num_heads, device, num_splits);
   if (workspace_bytes > 0) {
     ArgCheck(kOp, "workspace", args.workspace).rank(1).on(device, "q").contiguous().rows_aligned(256);
     const int64_t given = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));

@@ -155,13 +155,17 @@ def test_lora_align_capacity_formula_matches_the_library(block_size, num_experts
 
 # ---- fused_moe_lora ------------------------------------------------------------------
 
+def mixed_ranks(rank, num_loras):
+    """Adapters of several ranks up to the stacks' rank (zero-padded past their own)."""
+    return [max(1, rank >> (lora % 3)) for lora in range(num_loras)]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("num_loras", NUM_ADAPTERS)
 def test_fused_moe_lora_ranks_and_adapter_counts(backend, rank, num_loras):
     dtype = "float32"
-    # Adapters of several ranks up to the stacks' rank (zero-padded past their own).
-    ranks = [max(1, rank >> (lora % 3)) for lora in range(num_loras)]
+    ranks = mixed_ranks(rank, num_loras)
     p = DeltaProblem(_seed("ranks", backend, rank, num_loras), backend, dtype, num_tokens=13, num_experts=3, K=24,
                      N=16, num_loras=num_loras, rank=rank, fraction=0.75, ranks=ranks)
     expected = p.reference()
@@ -288,7 +292,7 @@ def test_fused_experts_lora_matches_reference(backend, dtype, activation, w13_sl
 @pytest.mark.parametrize("num_loras", NUM_ADAPTERS)
 def test_fused_experts_lora_ranks_and_adapter_counts(backend, rank, num_loras):
     dtype = "float32"
-    ranks = [max(1, rank >> (lora % 3)) for lora in range(num_loras)]
+    ranks = mixed_ranks(rank, num_loras)
     p = LoraMoeProblem(_seed("experts-ranks", backend, rank, num_loras), num_loras=num_loras, rank=rank,
                        ranks=ranks, fraction=0.8, num_tokens=10, num_experts=3, top_k=2, hidden_size=24,
                        intermediate_size=16, dtype=dtype, backend=backend)
