@@ -27,24 +27,25 @@
 #include "cuda/device_info.h"
 #include "cuda/launch.cuh"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/sparse_mla_decode.cuh"
 
 namespace moelora::cuda {
 namespace {
 
 using detail::SparseMlaDecodeParams;
 
-constexpr int kHeadDim = int(kMlaHeadDim);     // 576
-constexpr int kValueDim = int(kMlaValueDim);   // 512
+constexpr int kHeadDim = kMlaHeadLanes;
+constexpr int kValueDim = kMlaValueLanes;
 constexpr int kRowBytes = kHeadDim * 2;        // 1152: a q / kv row in shared memory
 constexpr int kRowChunks = kRowBytes / 16;     // 72
-constexpr int kBlockKeys = 64;                 // kv rows a pipeline stage holds
+constexpr int kBlockKeys = kMlaBlockKeys;
 constexpr int kStages = 2;
 constexpr int kThreads = 256;                  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadersPerRow = kThreads / kBlockKeys;  // 4 threads copy one kv row
 constexpr int kKSteps = kHeadDim / 16;                 // 36 mma k-steps of Q·Kᵀ
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = kMlaLog2e;
+constexpr float kLn2 = kMlaLn2;
 static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 
 // The shared-memory plan of a CTA with kHeadTiles 16-head mma tiles.
@@ -69,19 +70,6 @@ struct MlaCta {
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
 
-__device__ __forceinline__ int64_t clamp_length(const SparseMlaDecodeParams& p, int64_t token) {
-  if (!p.topk_length) return p.topk;
-  const int64_t length = p.topk_length[token * p.topk_length_stride];
-  return length < 0 ? 0 : (length > p.topk ? p.topk : length);
-}
-
-// The partial outputs of the splits: [num_splits, T, Hq, 512] fp32, then their
-// log2-sum-exps [num_splits, T, Hq] fp32 at a 256-byte boundary. Every split writes both
-// for every head, zeros and -inf when it saw no valid key: the merge reads them all.
-__host__ __device__ inline int64_t partial_out_bytes(int64_t num_tokens, int64_t num_heads, int num_splits) {
-  return (int64_t(num_splits) * num_tokens * num_heads * kValueDim * 4 + 255) / 256 * 256;
-}
-
 template <int kHeadTiles>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_decode_kernel(const SparseMlaDecodeParams p, int num_head_groups, int blocks_per_split) {
@@ -97,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_for_previous_kernel();
   const int64_t split_begin = int64_t(split) * blocks_per_split * kBlockKeys;
   const int64_t split_end = std::min<int64_t>(split_begin + int64_t(blocks_per_split) * kBlockKeys,
-                                              clamp_length(p, token));
+                                              mla_clamped_length(p, token));
   const int num_blocks = split_end > split_begin ? int((split_end - split_begin + kBlockKeys - 1) / kBlockKeys) : 0;
 
   const uint32_t q_base = smem_addr(smem);
@@ -341,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.num_splits > 1) {
     partial_out = static_cast<float*>(p.workspace);
     partial_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
-                                           partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+                                           mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
   }
 #pragma unroll
   for (int mt = 0; mt < kHeadTiles; ++mt) {
@@ -402,7 +390,7 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
   wait_for_previous_kernel();
   const float* partial_out = static_cast<const float*>(p.workspace);
   const float* partial_lse = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.workspace) +
-                                                            partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+                                                            mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
   const int64_t split_stride = p.num_tokens * p.num_heads;
   const int64_t slot0 = token * p.num_heads + head;
   // Thread s holds split s's log2-sum-exp; block max, then weights 2^(lse_s - max).
@@ -518,7 +506,7 @@ int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t 
 
 int64_t sparse_mla_decode_workspace_bytes(int64_t num_tokens, int64_t num_heads, int num_splits) {
   if (num_splits <= 1) return 0;
-  return partial_out_bytes(num_tokens, num_heads, num_splits) +
+  return mla_partial_out_bytes(num_tokens, num_heads, num_splits) +
          (int64_t(num_splits) * num_tokens * num_heads * 4 + 255) / 256 * 256;
 }
 
@@ -532,10 +520,14 @@ void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
   if (p.num_tokens * num_head_groups * p.num_splits > INT32_MAX) {
     throw std::runtime_error("moelora.sparse_mla_decode: too many tokens for one grid");
   }
-  switch (head_tiles) {
-    case 1: launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream); break;
-    case 2: launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream); break;
-    default: launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+  if (head_tiles * 16 == kMlaSm90Heads && sm90_kernels_available(current_device_info())) {
+    sparse_mla_decode_sm90(p, num_head_groups, blocks_per_split, cuda_stream);
+  } else {
+    switch (head_tiles) {
+      case 1: launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+      case 2: launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+      default: launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+    }
   }
   if (p.num_splits > 1) {
     launch_kernel(sparse_mla_merge_kernel, dim3(unsigned(p.num_tokens * p.num_heads)), dim3(kMergeThreads), 0,

@@ -196,6 +196,15 @@ std::vector<MlaCase> mla_cases() {
            .pattern = Indices::kMasked, .with_sink = true});
       add({.name = "T40_Hq64_topk192_duplicates_padded", .T = 40, .Hq = 64, .S = 100, .topk = 192,
            .pattern = Indices::kDuplicates, .padded = true});
+      // Enough CTAs for 64-head groups (the wgmma kernel on sm_90a): many block pairs in
+      // one split, a partial head group (Hq 96) with odd and empty splits, and one-pass
+      // epilogues with sinks and all-masked rows.
+      add({.name = "T34_Hq128_topk1024_split1_lse", .T = 34, .Hq = 128, .S = 30000, .topk = 1024, .num_splits = 1,
+           .with_lse = true});
+      add({.name = "T70_Hq96_topk640_split3_masked_length_sink_lse", .T = 70, .Hq = 96, .S = 900, .topk = 640,
+           .pattern = Indices::kMasked, .num_splits = 3, .with_lse = true, .with_length = true, .with_sink = true});
+      add({.name = "T66_Hq64_topk256_split1_allmasked_sink_lse", .T = 66, .Hq = 64, .S = 500, .topk = 256,
+           .pattern = Indices::kAllMaskedRows, .num_splits = 1, .with_lse = true, .with_sink = true});
     }
   }
   return cases;

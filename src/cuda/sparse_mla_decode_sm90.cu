@@ -1,0 +1,501 @@
+// sparse_mla_decode on Hopper tensor cores (sm_90a): wgmma, one producer warpgroup that
+// gathers the kv rows and two math warpgroups that take the key blocks in pairs.
+//
+// A CTA takes one token, 64 query heads and one split of the token's indices, in the
+// grid order, workspace format and merge of the mma.sync kernel (sparse_mla_decode.cu).
+// Shared memory holds Q [64 heads, 576 lanes] (72 KB) for the whole split and two kv
+// buffers of 64 gathered rows [64, 576] (72 KB each). Each is stored as 64-lane tiles
+// of 64 rows x 128 B in the 128-byte swizzle wgmma reads (tile t = lanes [64t, 64t+64),
+// chunk c of row r at ((c ^ r % 8) · 16)), so the same bytes serve Q·Kᵀ (K-major B) and
+// P·V (V = tiles 0-7 as an MN-major B).
+//
+// Blocks go in pairs: buffer b holds block 2i + b, and math warpgroup w
+//   1. scores its own block: S_w = Q·K_wᵀ [64 heads, 64 keys] (m64n64k16, 36 k-steps,
+//      both operands from shared memory);
+//   2. exchanges row maxima with the other warpgroup; both derive the same new max, so
+//      P_w = exp2(S_w - max) is final at once and no P is rescaled later;
+//   3. accumulates half of O: value lanes [256w, 256w + 256) (128 fp32 registers a
+//      thread), O_w += P_w · V_w with P from registers (the m64n64 accumulator layout is
+//      the A-fragment layout, so no shuffle) and O_w += P_{1-w} · V_{1-w} with the
+//      other warpgroup's P from shared memory.
+// Every block is scored once and every V tile is read by one warpgroup. P_0 lives in
+// buffer 0's tile 8 (its rope lanes: dead once S_0 is scored), P_1 in its own 8 KB:
+// with Q and two buffers that is all of the 227 KB a CTA may have.
+//
+// Buffer halves: half h = the tiles warpgroup h reads for P·V (h = 0: tiles 0-3; h = 1:
+// tiles 4-8, with P_0 in buffer 0). Each half of each buffer has a `ready` barrier (the
+// producer's cp.async completions, and its key-valid flags for the owner's first half)
+// and a `free` one (warpgroup h's P·V wgmmas on it retired). The producer refills, per
+// pair, buffer 0 half 0 and buffer 1 half 1 first (each freed by its owner's
+// register-operand P·V, the earlier one), then buffer 0 half 1 and buffer 1 half 0 (freed
+// after the other warpgroup's shared-operand P·V); warpgroup w scores its own half's
+// tiles first, so the late half's copies overlap the first part of Q·Kᵀ.
+// An odd last block pairs with a block of masked rows (zero-filled, no global reads).
+#include <cuda_bf16.h>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/sparse_mla_decode.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::SparseMlaDecodeParams;
+
+constexpr int kHeads = kMlaSm90Heads;  // 64: the wgmma M of one warpgroup
+constexpr int kBlockKeys = kMlaBlockKeys;
+constexpr int kMathThreads = 256;  // warpgroups 0 and 1
+constexpr int kThreads = kMathThreads + 128;  // warpgroup 2: the producer
+constexpr int kTileBytes = 64 * 128;  // 64 rows x 64 bf16 lanes
+constexpr int kTiles = kMlaHeadLanes / 64;  // 9
+constexpr int kBufferBytes = kTiles * kTileBytes;  // 73,728
+constexpr int kQOffset = 0;
+constexpr int kKvOffset = kQOffset + kBufferBytes;
+constexpr int kP1Offset = kKvOffset + 2 * kBufferBytes;
+constexpr int kMaxOffset = kP1Offset + kTileBytes;         // float [2 warpgroups][64 rows]
+constexpr int kSumOffset = kMaxOffset + 2 * kHeads * 4;    // float [2][64]
+constexpr int kValidOffset = kSumOffset + 2 * kHeads * 4;  // u8 [2 buffers][64 keys]
+constexpr int kBarrierOffset = kValidOffset + 2 * kBlockKeys;
+constexpr int kNumBarriers = 1 + 4 + 4;  // q_full, ready[buffer][half], free[buffer][half]
+// 1024 bytes of slack: the swizzle pattern repeats every 1024 bytes, tiles start on one.
+constexpr int kSmemBytes = 1024 + kBarrierOffset + kNumBarriers * 8;
+static_assert(kSmemBytes <= 232448, "the sm_90 opt-in limit of a CTA");
+static_assert(kBarrierOffset % 8 == 0);
+
+// Registers a thread (setmaxnreg). The warpgroups trade within the CTA's own pool, the
+// 168 registers x 384 threads it launched with: a request beyond what the others gave
+// back spins forever (NOTE: 232 + 48 hung on the H100). 216 + 72 spill nowhere (ptxas;
+// the producer spilled at 56 once it held the next pair's rows).
+constexpr int kMathRegisters = 216;
+constexpr int kProducerRegisters = 72;
+static_assert(kMathThreads * kMathRegisters + 128 * kProducerRegisters <= kThreads * 168);
+
+// Named barriers of the two math warpgroups (0 is __syncthreads).
+constexpr uint32_t kBarrierRowMax = 1, kBarrierP = 2, kBarrierRowSum = 3;
+
+// Tiles of buffer half h: [4h, 4h + 4 + h).
+__host__ __device__ constexpr int half_first_tile(int h) { return 4 * h; }
+__host__ __device__ constexpr int half_num_tiles(int h) { return 4 + h; }
+
+// wgmma shared-memory descriptors, 128-byte swizzle (layout type 1 in bits 62-63).
+__device__ __forceinline__ uint64_t sw128_descriptor(uint32_t addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return (uint64_t(1) << 62) | (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) |
+         (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) | uint64_t((addr >> 4) & 0x3FFF);
+}
+// K-major operand (Q, K, P): rows of 128 B, 8-row groups 1024 B apart; a k-step of 16
+// lanes is +32 B within the row.
+__device__ __forceinline__ uint64_t k_major(uint32_t addr) { return sw128_descriptor(addr, 16, 1024); }
+// MN-major B (V): 64-lane tiles kTileBytes apart along N, 8-key groups 1024 B apart
+// along K; a k-step of 16 keys is +2048 B.
+__device__ __forceinline__ uint64_t mn_major(uint32_t addr) { return sw128_descriptor(addr, kTileBytes, 1024); }
+
+using QkWgmma =
+    cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+using PvWgmmaRegs =
+    cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+using PvWgmmaSmem =
+    cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void wgmma_smem(uint64_t a, uint64_t b, float (&acc)[sizeof...(I)], bool accumulate,
+                                           std::index_sequence<I...>) {
+  Op::fma(a, b, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+template <class Op, size_t... I>
+__device__ __forceinline__ void wgmma_regs(const uint32_t* a, uint64_t b, float (&acc)[sizeof...(I)],
+                                           std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, acc[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
+}
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
+}
+
+struct Sm90Barriers {
+  uint64_t* base;
+  __device__ uint64_t* q_full() const { return base; }
+  __device__ uint64_t* ready(int buffer, int half) const { return base + 1 + 2 * buffer + half; }
+  __device__ uint64_t* free(int buffer, int half) const { return base + 5 + 2 * buffer + half; }
+};
+
+// The split's key range and block count for this CTA.
+struct SplitRange {
+  int64_t begin, end;
+  int num_blocks;
+};
+__device__ __forceinline__ SplitRange split_range(const SparseMlaDecodeParams& p, int64_t token, int split,
+                                                  int blocks_per_split) {
+  SplitRange r;
+  r.begin = int64_t(split) * blocks_per_split * kBlockKeys;
+  r.end = min(r.begin + int64_t(blocks_per_split) * kBlockKeys, mla_clamped_length(p, token));
+  r.num_blocks = r.end > r.begin ? int((r.end - r.begin + kBlockKeys - 1) / kBlockKeys) : 0;
+  return r;
+}
+
+// ---- producer: 16 groups of 8 threads; group g copies rows g, g+16, g+32, g+48 of a
+// tile, thread c of the group the row's 16-byte chunk c (one 128-byte line a group) -----
+__device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const SplitRange& range, int64_t token,
+                                        int head0, uint32_t smem_base, uint8_t* key_valid, const Sm90Barriers& bar) {
+  const int thread = threadIdx.x - kMathThreads;
+  const int group = thread / 8, chunk = thread % 8;
+  const uint32_t q_base = smem_base + kQOffset;
+  const uint32_t kv_base = smem_base + kKvOffset;
+  const int num_pairs = (range.num_blocks + 1) / 2;
+  if (num_pairs == 0) return;  // an empty split: the math warpgroups write zeros
+
+  {
+    const auto* q_bytes = static_cast<const uint8_t*>(p.q);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = group + 16 * r;
+      const bool ok = head0 + row < p.num_heads;
+      const uint8_t* src =
+          q_bytes + (ok ? (token * p.q_stride_token + int64_t(head0 + row) * p.q_stride_head) * 2 : 0) + chunk * 16;
+      const uint32_t dst = q_base + row * 128 + ((chunk ^ (row & 7)) << 4);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, ok);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(bar.q_full());
+  }
+
+  const int32_t* token_indices = p.indices + token * p.indices_stride_token;
+  const auto* kv_bytes = static_cast<const uint8_t*>(p.kv);
+  // This thread's kv rows of a pair's two blocks, -1 = masked: read one pair ahead, so
+  // the index loads' latency is not in front of every copy.
+  auto read_rows = [&](int pair, int32_t (&rows)[2][4]) {
+#pragma unroll
+    for (int buffer = 0; buffer < 2; ++buffer) {
+      const int block = 2 * pair + buffer;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int64_t pos = range.begin + int64_t(block) * kBlockKeys + group + 16 * r;
+        int32_t row = -1;
+        if (block < range.num_blocks && pos < range.end) {
+          row = __ldg(token_indices + pos);
+          if (row < 0 || row >= p.num_kv_rows) row = -1;
+        }
+        rows[buffer][r] = row;
+      }
+    }
+  };
+  int32_t rows[2][4], next_rows[2][4];
+  read_rows(0, next_rows);
+  for (int pair = 0; pair < num_pairs; ++pair) {
+#pragma unroll
+    for (int buffer = 0; buffer < 2; ++buffer) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) rows[buffer][r] = next_rows[buffer][r];
+    }
+    if (pair + 1 < num_pairs) read_rows(pair + 1, next_rows);
+    // buffer 0 half 0, buffer 1 half 1, buffer 0 half 1, buffer 1 half 0: the order the
+    // math warpgroups free them.
+#pragma unroll
+    for (int step = 0; step < 4; ++step) {
+      const int buffer = step & 1, half = buffer ^ (step >> 1);
+      if (pair > 0) cutlass::arch::ClusterBarrier::wait(bar.free(buffer, half), uint32_t((pair - 1) & 1));
+      if (half == buffer && chunk == 0) {
+        // The block's key flags: the owner reads them after this half's `ready` and is
+        // done with them before it frees this half.
+#pragma unroll
+        for (int r = 0; r < 4; ++r) key_valid[buffer * kBlockKeys + group + 16 * r] = rows[buffer][r] >= 0;
+      }
+      const uint32_t dst_buffer = kv_base + buffer * kBufferBytes + half_first_tile(half) * kTileBytes;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int key = group + 16 * r;
+        const int32_t row = rows[buffer][r];
+        const uint8_t* src = kv_bytes + (row >= 0 ? int64_t(row) * p.kv_stride_row * 2 : 0) +
+                             half_first_tile(half) * 128 + chunk * 16;
+        const uint32_t dst = dst_buffer + key * 128 + ((chunk ^ (key & 7)) << 4);
+#pragma unroll
+        for (int t = 0; t < half_num_tiles(half); ++t) cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, row >= 0);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(bar.ready(buffer, half));
+      cutlass::arch::ClusterBarrier::arrive(bar.ready(buffer, half));  // releases the flag writes
+    }
+  }
+  // Copies still in flight write this CTA's shared memory: wait before the thread exits.
+  cute::cp_async_wait<0>();
+}
+
+// ---- math warpgroup kW ---------------------------------------------------------------
+template <int kW>
+__device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const SplitRange& range, int64_t token,
+                                        int split, int head0, uint32_t smem_base, uint8_t* smem,
+                                        const Sm90Barriers& bar) {
+  constexpr int kOther = 1 - kW;
+  const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
+  // Accumulator layout (m64nN): value v = pair + 2 · row_half + 4 · n_tile holds row
+  // 16 · warp + lane / 4 + 8 · row_half, column 8 · n_tile + 2 · (lane % 4) + pair.
+  const int row0 = 16 * warp + lane / 4;
+  const int col0 = 2 * (lane % 4);
+  const uint32_t q_base = smem_base + kQOffset;
+  const uint32_t own_buffer = smem_base + kKvOffset + kW * kBufferBytes;
+  const uint32_t other_buffer = smem_base + kKvOffset + kOther * kBufferBytes;
+  const uint32_t p0_addr = smem_base + kKvOffset + (kTiles - 1) * kTileBytes;  // buffer 0, tile 8
+  const uint32_t p1_addr = smem_base + kP1Offset;
+  const uint32_t own_p = kW == 0 ? p0_addr : p1_addr;
+  const uint32_t other_p = kW == 0 ? p1_addr : p0_addr;
+  float* shared_max = reinterpret_cast<float*>(smem + kMaxOffset);
+  float* shared_sum = reinterpret_cast<float*>(smem + kSumOffset);
+  const uint8_t* own_valid = smem + kValidOffset + kW * kBlockKeys;
+
+  const float scale_log2 = p.softmax_scale * kMlaLog2e;
+  float out_acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) out_acc[i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
+  float row_sum[2] = {0.0f, 0.0f};            // this thread's columns of its warpgroup's blocks
+  const int num_pairs = (range.num_blocks + 1) / 2;
+  if (num_pairs > 0) cutlass::arch::ClusterBarrier::wait(bar.q_full(), 0);
+
+  for (int pair = 0; pair < num_pairs; ++pair) {
+    const uint32_t phase = uint32_t(pair & 1);
+    // ---- S = Q·Kᵀ of the own block, own half's tiles first -------------------------
+    float score[32];
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int part = 0; part < 2; ++part) {
+      const int half = part == 0 ? kW : kOther;
+      cutlass::arch::ClusterBarrier::wait(bar.ready(kW, half), phase);
+      // cp.async wrote the tiles through the generic proxy; wgmma reads the async one.
+      cutlass::arch::fence_view_async_shared();
+#pragma unroll
+      for (int t = half_first_tile(half); t < half_first_tile(half) + half_num_tiles(half); ++t) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          wgmma_smem<QkWgmma>(k_major(q_base + t * kTileBytes + k * 32), k_major(own_buffer + t * kTileBytes + k * 32),
+                              score, !(part == 0 && t == half_first_tile(half) && k == 0),
+                              std::make_index_sequence<32>{});
+        }
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_registers(score);
+
+    // ---- masking, the row max of both blocks -----------------------------------------
+    float block_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = own_valid[8 * j + col0 + e];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& s = score[4 * j + 2 * h + e];
+          s = ok ? s * scale_log2 : -INFINITY;
+          block_max[h] = fmaxf(block_max[h], s);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 1));
+      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 2));
+      if ((lane & 3) == 0) shared_max[kW * kHeads + row0 + 8 * h] = block_max[h];
+    }
+    cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowMax);
+    // Both warpgroups derive the same max from the same values. The other's entries are
+    // rewritten only after it passes kBarrierP, which this warpgroup reaches after reading.
+    float max_safe[2], rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m = fmaxf(row_max[h], fmaxf(block_max[h], shared_max[kOther * kHeads + row0 + 8 * h]));
+      // A row with no valid key yet keeps max -inf; exponents then use 0 (no inf - inf).
+      max_safe[h] = m == -INFINITY ? 0.0f : m;
+      rescale[h] = exp2f(row_max[h] - max_safe[h]);
+      row_max[h] = m;
+    }
+
+    // ---- P = exp2(S - max): bf16 A fragments, and a copy for the other warpgroup -----
+    // A fragment of k-step s (keys 16s..16s+15) = p_frag[4s .. 4s+3]: (row, keys 8·2s),
+    // (row + 8, keys 8·2s), (row, keys 8·(2s+1)), (row + 8, keys 8·(2s+1)).
+    uint32_t p_frag[16];
+    float block_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = exp2f(score[4 * j + 2 * h] - max_safe[h]);
+        const float p1 = exp2f(score[4 * j + 2 * h + 1] - max_safe[h]);
+        block_sum[h] += p0 + p1;
+        const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
+        p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + block_sum[h];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) out_acc[i] *= rescale[(i >> 1) & 1];
+
+    // P for the other warpgroup. NOTE: before the register-operand wgmma below, not
+    // while it runs: reading its A registers before the wgmma retires is undefined (PTX).
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(own_p + row * 128 + ((j ^ (row & 7)) << 4) + col0 * 2),
+                     "r"(p_frag[2 * j + h]));
+      }
+    }
+    // P was written through the generic proxy; the other warpgroup's wgmma reads it.
+    cutlass::arch::fence_view_async_shared();
+
+    // ---- O_w += P_w · V_w (P from registers) ------------------------------------------
+    fence_registers(p_frag);
+    fence_registers(out_acc);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
+                              std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+
+    // ---- O_w += P_other · V_other (the other's P from shared memory) -----------------
+    cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierP);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      wgmma_smem<PvWgmmaSmem>(k_major(other_p + s * 32), mn_major(other_buffer + 4 * kW * kTileBytes + s * 2048),
+                              out_acc, true, std::make_index_sequence<128>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
+    fence_registers(p_frag);
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kW, kW));
+    cute::warpgroup_wait<0>();
+    fence_registers(out_acc);
+    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kOther, kW));
+  }
+  allow_next_kernel_launch();
+
+  // ---- row sums of both warpgroups --------------------------------------------------
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+    if ((lane & 3) == 0) shared_sum[kW * kHeads + row0 + 8 * h] = row_sum[h];
+  }
+  cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowSum);
+
+  // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads -------------------
+  const int lane_col = 256 * kW + col0;
+  float* partial_out = nullptr;
+  float* partial_lse = nullptr;
+  if (p.num_splits > 1) {
+    partial_out = static_cast<float*>(p.workspace);
+    partial_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
+                                           mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    const int head = head0 + row;
+    if (head >= p.num_heads) continue;
+    const float sum = shared_sum[row] + shared_sum[kHeads + row];
+    const float m = row_max[h] == -INFINITY ? 0.0f : row_max[h];
+    // log2-sum-exp of the row's scaled logits; -inf when no key was valid.
+    const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;
+    if (p.num_splits == 1) {
+      float denominator = sum;
+      if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kMlaLog2e - m);
+      // no valid key: the accumulator is 0 and so is the output (also under a sink)
+      const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
+      auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        *reinterpret_cast<__nv_bfloat162*>(out + lane_col + n * 8) =
+            __floats2bfloat162_rn(out_acc[4 * n + 2 * h] * inv, out_acc[4 * n + 2 * h + 1] * inv);
+      }
+      if (p.lse && kW == 0 && (lane & 3) == 0) {
+        p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kMlaLn2;
+      }
+    } else {
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      const int64_t slot = (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
+      float* out = partial_out + slot * kMlaValueLanes;
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        *reinterpret_cast<float2*>(out + lane_col + n * 8) =
+            make_float2(out_acc[4 * n + 2 * h] * inv, out_acc[4 * n + 2 * h + 1] * inv);
+      }
+      if (kW == 0 && (lane & 3) == 0) partial_lse[slot] = lse2;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_decode_sm90_kernel(const SparseMlaDecodeParams p, int num_head_groups, int blocks_per_split) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t smem_base = smem_addr(smem);
+  const Sm90Barriers bar{reinterpret_cast<uint64_t*>(smem + kBarrierOffset)};
+  // CTAs of one token are adjacent in launch order: they gather the same rows (L2 hits).
+  const int ctas_per_token = num_head_groups * p.num_splits;
+  const int64_t token = blockIdx.x / ctas_per_token;
+  const int split = int(blockIdx.x % ctas_per_token) / num_head_groups;
+  const int head0 = int(blockIdx.x % num_head_groups) * kHeads;
+
+  if (threadIdx.x == 0) {
+    cutlass::arch::ClusterBarrier::init(bar.q_full(), 128);
+    for (int b = 0; b < 2; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        // 128 cp.async completions + 128 plain arrivals (after the flag writes)
+        cutlass::arch::ClusterBarrier::init(bar.ready(b, h), 256);
+        cutlass::arch::ClusterBarrier::init(bar.free(b, h), 4);  // the 4 warps of warpgroup h
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  wait_for_previous_kernel();
+  const SplitRange range = split_range(p, token, split, blocks_per_split);
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    produce(p, range, token, head0, smem_base, smem + kValidOffset, bar);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    if (warpgroup == 0) {
+      compute<0>(p, range, token, split, head0, smem_base, smem, bar);
+    } else {
+      compute<1>(p, range, token, split, head0, smem_base, smem, bar);
+    }
+  }
+#endif
+}
+
+}  // namespace
+
+void sparse_mla_decode_sm90(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split,
+                            cudaStream_t stream) {
+  MOELORA_CUDA_CHECK(
+      cudaFuncSetAttribute(sparse_mla_decode_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const int64_t num_ctas = p.num_tokens * num_head_groups * p.num_splits;
+  launch_kernel(sparse_mla_decode_sm90_kernel, dim3(unsigned(num_ctas)), dim3(kThreads), kSmemBytes, stream, p,
+                num_head_groups, blocks_per_split);
+}
+
+}  // namespace moelora::cuda
