@@ -84,6 +84,9 @@ static_assert(kMathThreads * kMathRegisters + 128 * kProducerRegisters <= kThrea
 // Named barriers of the two math warpgroups (0 is __syncthreads).
 constexpr uint32_t kBarrierRowMax = 1, kBarrierP = 2, kBarrierRowSum = 3;
 
+// Log2 units a pair's max may exceed the reference max before O is rescaled (compute()).
+constexpr float kMaxSlack = 8.0f;
+
 // Tiles of buffer half h: [4h, 4h + 4 + h).
 __host__ __device__ constexpr int half_first_tile(int h) { return 4 * h; }
 __host__ __device__ constexpr int half_num_tiles(int h) { return 4 + h; }
@@ -315,61 +318,67 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
     cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowMax);
     // Both warpgroups derive the same max from the same values. The other's entries are
     // rewritten only after it passes kBarrierP, which this warpgroup reaches after reading.
+    // Lazy max: the exponents keep the row's reference max until a pair's max exceeds it
+    // by more than kMaxSlack (log2 units), so P <= 2^kMaxSlack (exact in bf16's range,
+    // summed in fp32) and O is rescaled only when the max jumps; the result is the same
+    // because out and lse use the same reference. NOTE: the 128 multiplies of a rescale
+    // cost two warps of a scheduler ~0.2 us a pair while the tensor pipe waits.
     float max_safe[2], rescale[2];
+    bool any_rescale = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m = fmaxf(row_max[h], fmaxf(block_max[h], shared_max[kOther * kHeads + row0 + 8 * h]));
+      const float pair_max = fmaxf(block_max[h], shared_max[kOther * kHeads + row0 + 8 * h]);
+      const float m = pair_max > row_max[h] + kMaxSlack ? pair_max : row_max[h];
       // A row with no valid key yet keeps max -inf; exponents then use 0 (no inf - inf).
       max_safe[h] = m == -INFINITY ? 0.0f : m;
       rescale[h] = exp2f(row_max[h] - max_safe[h]);
+      any_rescale |= rescale[h] != 1.0f;
       row_max[h] = m;
     }
+    if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+      for (int i = 0; i < 128; ++i) out_acc[i] *= rescale[(i >> 1) & 1];
+    }
 
-    // ---- P = exp2(S - max): bf16 A fragments, and a copy for the other warpgroup -----
+    // ---- P = exp2(S - max) and O_w += P_w · V_w (P from registers) ------------------
     // A fragment of k-step s (keys 16s..16s+15) = p_frag[4s .. 4s+3]: (row, keys 8·2s),
-    // (row + 8, keys 8·2s), (row, keys 8·(2s+1)), (row + 8, keys 8·(2s+1)).
+    // (row + 8, keys 8·2s), (row, keys 8·(2s+1)), (row + 8, keys 8·(2s+1)). In two
+    // halves of 32 keys: the first half's wgmmas run while the second half's exponents
+    // are computed (the MUFU work of a pair is ~0.3 us of two warps a scheduler).
+    // Each half is copied to shared memory for the other warpgroup before its wgmmas are
+    // issued: reading A registers of a wgmma in flight is undefined (PTX).
     uint32_t p_frag[16];
     float block_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float p0 = exp2f(score[4 * j + 2 * h] - max_safe[h]);
-        const float p1 = exp2f(score[4 * j + 2 * h + 1] - max_safe[h]);
-        block_sum[h] += p0 + p1;
-        const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
-        p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + block_sum[h];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) out_acc[i] *= rescale[(i >> 1) & 1];
-
-    // P for the other warpgroup. NOTE: before the register-operand wgmma below, not
-    // while it runs: reading its A registers before the wgmma retires is undefined (PTX).
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = row0 + 8 * h;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(own_p + row * 128 + ((j ^ (row & 7)) << 4) + col0 * 2),
-                     "r"(p_frag[2 * j + h]));
-      }
-    }
-    // P was written through the generic proxy; the other warpgroup's wgmma reads it.
-    cutlass::arch::fence_view_async_shared();
-
-    // ---- O_w += P_w · V_w (P from registers) ------------------------------------------
-    fence_registers(p_frag);
     fence_registers(out_acc);
-    cute::warpgroup_arrive();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
-                              std::make_index_sequence<128>{});
+    for (int part = 0; part < 2; ++part) {
+#pragma unroll
+      for (int j = 4 * part; j < 4 * part + 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float p0 = exp2f(score[4 * j + 2 * h] - max_safe[h]);
+          const float p1 = exp2f(score[4 * j + 2 * h + 1] - max_safe[h]);
+          block_sum[h] += p0 + p1;
+          const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
+          p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
+          const int row = row0 + 8 * h;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(own_p + row * 128 + ((j ^ (row & 7)) << 4) + col0 * 2),
+                       "r"(p_frag[2 * j + h]));
+        }
+      }
+      fence_registers(p_frag);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int s = 2 * part; s < 2 * part + 2; ++s) {
+        wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
+                                std::make_index_sequence<128>{});
+      }
     }
     cute::warpgroup_commit_batch();
+    // P was written through the generic proxy; the other warpgroup's wgmma reads it.
+    cutlass::arch::fence_view_async_shared();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + block_sum[h];
 
     // ---- O_w += P_other · V_other (the other's P from shared memory) -----------------
     cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierP);

@@ -203,6 +203,8 @@ std::vector<MlaCase> mla_cases() {
            .with_lse = true});
       add({.name = "T70_Hq96_topk640_split3_masked_length_sink_lse", .T = 70, .Hq = 96, .S = 900, .topk = 640,
            .pattern = Indices::kMasked, .num_splits = 3, .with_lse = true, .with_length = true, .with_sink = true});
+      add({.name = "T40_Hq128_topk512_peaked_lse", .T = 40, .Hq = 128, .S = 4000, .topk = 512, .with_lse = true,
+           .scale = 0.25});  // logits of std ~6: the row max jumps past the lazy-rescale slack
       add({.name = "T66_Hq64_topk256_split1_allmasked_sink_lse", .T = 66, .Hq = 64, .S = 500, .topk = 256,
            .pattern = Indices::kAllMaskedRows, .num_splits = 1, .with_lse = true, .with_sink = true});
     }
