@@ -81,6 +81,10 @@ constexpr int kMathRegisters = 216;
 constexpr int kProducerRegisters = 72;
 static_assert(kMathThreads * kMathRegisters + 128 * kProducerRegisters <= kThreads * 168);
 
+// The device code below exists in the sm_90a pass only (an sm_80 pass of this file
+// compiles the kernel's empty stub; the launcher never picks it there).
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
 // Named barriers of the two math warpgroups (0 is __syncthreads).
 constexpr uint32_t kBarrierRowMax = 1, kBarrierP = 2, kBarrierRowSum = 3;
 
@@ -452,6 +456,8 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
     }
   }
 }
+
+#endif  // !__CUDA_ARCH__ || __CUDA_ARCH_FEAT_SM90_ALL
 
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_decode_sm90_kernel(const SparseMlaDecodeParams p, int num_head_groups, int blocks_per_split) {
