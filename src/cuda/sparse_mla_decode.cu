@@ -201,25 +201,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // ---- masking, row max across the key groups -------------------------------------
-    const uint8_t* valid = key_valid + stage * kBlockKeys;
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = valid[warp_key0 + j * 8 + 2 * (lane & 3) + e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& s = score[j][2 * h + e];
-          s = ok ? s * scale_log2 : -INFINITY;
-          tile_max[h] = fmaxf(tile_max[h], s);
-        }
-      }
-    }
+    float tile_max[2];
+    mla_mask_and_row_max<Cta::kWarpKeyTiles>(&score[0][0], key_valid + stage * kBlockKeys + warp_key0 + 2 * (lane & 3),
+                                             scale_log2, tile_max);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
       if ((lane & 3) == 0) reduce[key_group * Cta::kHeads + head_tile * 16 + lane / 4 + 8 * h] = tile_max[h];
     }
     __syncthreads();
@@ -324,13 +310,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- epilogue: warp w holds value lanes [64 w, 64 w + 64) of every head --------------
   const int lane_col = warp * 64 + 2 * (lane & 3);
-  float* partial_out = nullptr;
-  float* partial_lse = nullptr;
-  if (p.num_splits > 1) {
-    partial_out = static_cast<float*>(p.workspace);
-    partial_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
-                                           mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
-  }
 #pragma unroll
   for (int mt = 0; mt < kHeadTiles; ++mt) {
 #pragma unroll
@@ -341,33 +320,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       float sum = 0.0f;
 #pragma unroll
       for (int g = 0; g < Cta::kKeyGroups; ++g) sum += reduce[g * Cta::kHeads + row];
-      const float m = row_max[mt][h] == -INFINITY ? 0.0f : row_max[mt][h];
-      // log2-sum-exp of the row's scaled logits; -inf when no key was valid.
-      const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;
-      if (p.num_splits == 1) {
-        float denominator = sum;
-        if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kLog2e - m);
-        // no valid key: the accumulator is 0 and so is the output (also under a sink)
-        const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
-        auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head;
+      const MlaRowEnd end = mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0);
 #pragma unroll
-        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
-          *reinterpret_cast<__nv_bfloat162*>(out + lane_col + n * 8) =
-              __floats2bfloat162_rn(out_acc[mt][n][2 * h] * inv, out_acc[mt][n][2 * h + 1] * inv);
-        }
-        if (p.lse && warp == 0 && (lane & 3) == 0) {
-          p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kLn2;
-        }
-      } else {
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int64_t slot = (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
-        float* out = partial_out + slot * kValueDim;
-#pragma unroll
-        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
-          *reinterpret_cast<float2*>(out + lane_col + n * 8) =
-              make_float2(out_acc[mt][n][2 * h] * inv, out_acc[mt][n][2 * h + 1] * inv);
-        }
-        if (warp == 0 && (lane & 3) == 0) partial_lse[slot] = lse2;
+      for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
+        mla_store_pair(p, end, lane_col + n * 8, out_acc[mt][n][2 * h], out_acc[mt][n][2 * h + 1]);
       }
     }
   }
@@ -389,8 +345,7 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   wait_for_previous_kernel();
   const float* partial_out = static_cast<const float*>(p.workspace);
-  const float* partial_lse = reinterpret_cast<const float*>(static_cast<const uint8_t*>(p.workspace) +
-                                                            mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
+  const float* partial_lse = mla_partial_lse(p);
   const int64_t split_stride = p.num_tokens * p.num_heads;
   const int64_t slot0 = token * p.num_heads + head;
   // Thread s holds split s's log2-sum-exp; block max, then weights 2^(lse_s - max).

@@ -299,24 +299,10 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
     fence_registers(score);
 
     // ---- masking, the row max of both blocks -----------------------------------------
-    float block_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = own_valid[8 * j + col0 + e];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& s = score[4 * j + 2 * h + e];
-          s = ok ? s * scale_log2 : -INFINITY;
-          block_max[h] = fmaxf(block_max[h], s);
-        }
-      }
-    }
+    float block_max[2];
+    mla_mask_and_row_max<8>(score, own_valid + col0, scale_log2, block_max);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 1));
-      block_max[h] = fmaxf(block_max[h], __shfl_xor_sync(0xffffffffu, block_max[h], 2));
       if ((lane & 3) == 0) shared_max[kW * kHeads + row0 + 8 * h] = block_max[h];
     }
     cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowMax);
@@ -413,47 +399,15 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
 
   // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads -------------------
   const int lane_col = 256 * kW + col0;
-  float* partial_out = nullptr;
-  float* partial_lse = nullptr;
-  if (p.num_splits > 1) {
-    partial_out = static_cast<float*>(p.workspace);
-    partial_lse = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
-                                           mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + 8 * h;
     const int head = head0 + row;
     if (head >= p.num_heads) continue;
     const float sum = shared_sum[row] + shared_sum[kHeads + row];
-    const float m = row_max[h] == -INFINITY ? 0.0f : row_max[h];
-    // log2-sum-exp of the row's scaled logits; -inf when no key was valid.
-    const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;
-    if (p.num_splits == 1) {
-      float denominator = sum;
-      if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kMlaLog2e - m);
-      // no valid key: the accumulator is 0 and so is the output (also under a sink)
-      const float inv = denominator > 0.0f ? 1.0f / denominator : 0.0f;
-      auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head;
+    const MlaRowEnd end = mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0);
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<__nv_bfloat162*>(out + lane_col + n * 8) =
-            __floats2bfloat162_rn(out_acc[4 * n + 2 * h] * inv, out_acc[4 * n + 2 * h + 1] * inv);
-      }
-      if (p.lse && kW == 0 && (lane & 3) == 0) {
-        p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kMlaLn2;
-      }
-    } else {
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      const int64_t slot = (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
-      float* out = partial_out + slot * kMlaValueLanes;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<float2*>(out + lane_col + n * 8) =
-            make_float2(out_acc[4 * n + 2 * h] * inv, out_acc[4 * n + 2 * h + 1] * inv);
-      }
-      if (kW == 0 && (lane & 3) == 0) partial_lse[slot] = lse2;
-    }
+    for (int n = 0; n < 32; ++n) mla_store_pair(p, end, lane_col + n * 8, out_acc[4 * n + 2 * h], out_acc[4 * n + 2 * h + 1]);
   }
 }
 
