@@ -1,5 +1,7 @@
 // sparse_mla_decode on CUDA: tensor-core flash decoding over gathered KV rows (mma.sync,
-// sm_80 and later). See include/moelora/ops.h for the contract.
+// sm_80 and later), the merge of the splits, and the launcher, which sends 64-head groups
+// on an sm_90a build and device to the wgmma kernel (sparse_mla_decode_sm90.cu). See
+// include/moelora/ops.h for the contract.
 //
 // A CTA takes one token, a group of 16/32/64 query heads and one split of the token's
 // indices; it walks the split in blocks of kBlockKeys rows:
