@@ -41,7 +41,6 @@ constexpr int kValueDim = kMlaValueLanes;
 constexpr int kRowBytes = kHeadDim * 2;        // 1152: a q / kv row in shared memory
 constexpr int kRowChunks = kRowBytes / 16;     // 72
 constexpr int kBlockKeys = kMlaBlockKeys;
-constexpr int kStages = 2;
 constexpr int kThreads = 256;                  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kLoadersPerRow = kThreads / kBlockKeys;  // 4 threads copy one kv row
@@ -54,9 +53,15 @@ static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 // QK: warp w scores head tile w % kHeadTiles against kWarpKeys keys (key group
 // w / kHeadTiles). PV: warp w accumulates every head of the CTA over value lanes
 // [64 w, 64 w + 64), so each V element is read from shared memory once a block.
-template <int kHeadTiles>
+// kStages_ 2: a two-stage ring, one CTA an SM. kStages_ 1 (16 heads only): one stage,
+// 94 KB, two CTAs an SM, so one CTA's gather overlaps the other's math and twice the rows
+// are in flight (single_stage_for says when there is work for two CTAs an SM).
+template <int kHeadTiles, int kStages_ = 2>
 struct MlaCta {
   static constexpr int kHeads = 16 * kHeadTiles;
+  static constexpr int kStages = kStages_;
+  static constexpr int kCtasPerSm = kStages == 1 ? 2 : 1;
+  static_assert(kStages == 2 || kHeadTiles == 1, "one stage is for 16-head CTAs");
   static constexpr int kKeyGroups = kWarps / kHeadTiles;
   static constexpr int kWarpKeys = kBlockKeys / kKeyGroups;  // 8, 16 or 32
   static constexpr int kWarpKeyTiles = kWarpKeys / 8;        // mma n-tiles of scores
@@ -71,11 +76,12 @@ struct MlaCta {
 };
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
+static_assert(MlaCta<1, 1>::kCtasPerSm * (MlaCta<1, 1>::kSmemBytes + 1024) <= 228 * 1024);
 
-template <int kHeadTiles>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int kHeadTiles, int kStages>
+__global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPerSm)
     sparse_mla_decode_kernel(const SparseMlaDecodeParams p, int num_head_groups, int blocks_per_split) {
-  using Cta = MlaCta<kHeadTiles>;
+  using Cta = MlaCta<kHeadTiles, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // CTAs of one token are adjacent in launch order: they gather the same rows (L2 hits).
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return (row >= 0 && row < p.num_kv_rows) ? row : -1;
   };
   auto issue_block = [&](int block, int32_t row) {
-    const int stage = block % kStages;
+    const int stage = block % Cta::kStages;
     const uint32_t dst = kv_base + stage * Cta::kStageBytes + load_key * kRowBytes;
     const uint8_t* src = kv_bytes + (row >= 0 ? int64_t(row) * p.kv_stride_row * 2 : 0);
 #pragma unroll
@@ -155,14 +161,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int mt = 0; mt < kHeadTiles; ++mt) row_max[mt][0] = row_max[mt][1] = -INFINITY;
 
   for (int block = 0; block < num_blocks; ++block) {
-    const int stage = block % kStages;
+    const int stage = block % Cta::kStages;
     cute::cp_async_wait<0>();
     __syncthreads();  // block's rows landed; everyone is past the previous block's P·V
-    if (block + 1 < num_blocks) {
-      issue_block(block + 1, next_row);
-      cute::cp_async_fence();
-      if (block + 2 < num_blocks) next_row = read_row(block + 2);
-    }
+    auto issue_next = [&] {
+      if (block + 1 < num_blocks) {
+        issue_block(block + 1, next_row);
+        cute::cp_async_fence();
+        if (block + 2 < num_blocks) next_row = read_row(block + 2);
+      }
+    };
+    if constexpr (Cta::kStages > 1) issue_next();
     const uint32_t kv_stage = kv_base + stage * Cta::kStageBytes;
 
     // ---- S = Q·Kᵀ --------------------------------------------------------------------
@@ -294,6 +303,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    if constexpr (Cta::kStages == 1) {
+      __syncthreads();  // every warp is past this block's reads of the stage
+      issue_next();
+    }
   }
   allow_next_kernel_launch();
 
@@ -416,22 +429,31 @@ int head_tiles_for(int64_t num_tokens, int64_t num_heads, int64_t topk) {
   return tiles;
 }
 
-int smem_bytes_for(int head_tiles) {
+// 16-head CTAs take one kv stage, two an SM, when even the largest split count gives
+// two CTAs an SM. NOTE: with fewer (T = 1 or 8 at Hq 16), one stage at one CTA an SM or
+// more splits to fill two were slower than the two-stage ring (H100: T 8, topk 2048:
+// 16.8 against 14.6 us); with enough, one stage gained 10-35% (T 64 and 256).
+bool single_stage_for(int head_tiles, int64_t num_tokens, int64_t num_heads, int64_t topk) {
+  return head_tiles == 1 &&
+         num_tokens * ((num_heads + 15) / 16) * max_splits_for(topk) >= 2 * int64_t(current_device_info().num_sms);
+}
+
+int smem_bytes_for(int head_tiles, bool single_stage) {
   switch (head_tiles) {
-    case 1: return MlaCta<1>::kSmemBytes;
+    case 1: return single_stage ? MlaCta<1, 1>::kSmemBytes : MlaCta<1>::kSmemBytes;
     case 2: return MlaCta<2>::kSmemBytes;
     default: return MlaCta<4>::kSmemBytes;
   }
 }
 
-template <int kHeadTiles>
+template <int kHeadTiles, int kStages = 2>
 void launch_splits(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split, cudaStream_t stream) {
-  auto kernel = sparse_mla_decode_kernel<kHeadTiles>;
-  MOELORA_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, MlaCta<kHeadTiles>::kSmemBytes));
+  using Cta = MlaCta<kHeadTiles, kStages>;
+  auto kernel = sparse_mla_decode_kernel<kHeadTiles, kStages>;
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cta::kSmemBytes));
   const int64_t num_ctas = p.num_tokens * num_head_groups * p.num_splits;
-  launch_kernel(kernel, dim3(unsigned(num_ctas)), dim3(kThreads), MlaCta<kHeadTiles>::kSmemBytes, stream, p,
-                num_head_groups, blocks_per_split);
+  launch_kernel(kernel, dim3(unsigned(num_ctas)), dim3(kThreads), Cta::kSmemBytes, stream, p, num_head_groups,
+                blocks_per_split);
 }
 
 }  // namespace
@@ -444,7 +466,8 @@ int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t 
   // of the CTA slots busy, else the one that keeps the most busy.
   const DeviceInfo& device = current_device_info();
   const int head_tiles = head_tiles_for(num_tokens, num_heads, topk);
-  const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (smem_bytes_for(head_tiles) + 1024));
+  const bool single_stage = single_stage_for(head_tiles, num_tokens, num_heads, topk);
+  const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (smem_bytes_for(head_tiles, single_stage) + 1024));
   const int64_t slots = int64_t(device.num_sms) * ctas_per_sm;
   const int64_t base = num_tokens * ((num_heads + 16 * head_tiles - 1) / (16 * head_tiles));
   int64_t splits = 1;
@@ -481,7 +504,13 @@ void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
     sparse_mla_decode_sm90(p, num_head_groups, blocks_per_split, cuda_stream);
   } else {
     switch (head_tiles) {
-      case 1: launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+      case 1:
+        if (single_stage_for(head_tiles, p.num_tokens, p.num_heads, p.topk)) {
+          launch_splits<1, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
+        } else {
+          launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream);
+        }
+        break;
       case 2: launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream); break;
       default: launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream); break;
     }

@@ -196,6 +196,12 @@ std::vector<MlaCase> mla_cases() {
            .pattern = Indices::kMasked, .with_sink = true});
       add({.name = "T40_Hq64_topk192_duplicates_padded", .T = 40, .Hq = 64, .S = 100, .topk = 192,
            .pattern = Indices::kDuplicates, .padded = true});
+      // Enough CTAs for two 16-head CTAs an SM (the one-stage kernel): several blocks a
+      // split with masking, lengths and sinks; fewer heads than a tile, padded strides.
+      add({.name = "T40_Hq16_topk640_split3_masked_length_sink_lse", .T = 40, .Hq = 16, .S = 700, .topk = 640,
+           .pattern = Indices::kMasked, .num_splits = 3, .with_lse = true, .with_length = true, .with_sink = true});
+      add({.name = "T45_Hq8_topk512_duplicates_padded", .T = 45, .Hq = 8, .S = 90, .topk = 512,
+           .pattern = Indices::kDuplicates, .padded = true});
       // Enough CTAs for 64-head groups (the wgmma kernel on sm_90a): many block pairs in
       // one split, a partial head group (Hq 96) with odd and empty splits, and one-pass
       // epilogues with sinks and all-masked rows.
