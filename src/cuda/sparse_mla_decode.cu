@@ -6,7 +6,8 @@
 // A CTA takes one token, a group of 16/32/64 query heads and one split of the token's
 // indices; it walks the split in blocks of kBlockKeys rows:
 //   gather the block's KV rows (cp.async, 16 B a copy, masked rows zero-filled) into a
-//   two-stage ring while the previous block computes;
+//   two-stage ring while the previous block computes (16-head CTAs with work for two an
+//   SM: one stage, the other CTA's math covering the gather);
 //   S = Q·Kᵀ over 576 lanes (Q stays in shared memory for the whole split);
 //   online softmax in base 2 (running row max, rescaled accumulators);
 //   O += P·V with V = the first 512 lanes of the same rows.
