@@ -85,17 +85,10 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   using Cta = MlaCta<kHeadTiles, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  // CTAs of one token are adjacent in launch order: they gather the same rows (L2 hits).
-  const int ctas_per_token = num_head_groups * p.num_splits;
-  const int64_t token = blockIdx.x / ctas_per_token;
-  const int split = int(blockIdx.x % ctas_per_token) / num_head_groups;
-  const int head0 = int(blockIdx.x % num_head_groups) * Cta::kHeads;
-
   wait_for_previous_kernel();
-  const int64_t split_begin = int64_t(split) * blocks_per_split * kBlockKeys;
-  const int64_t split_end = std::min<int64_t>(split_begin + int64_t(blocks_per_split) * kBlockKeys,
-                                              mla_clamped_length(p, token));
-  const int num_blocks = split_end > split_begin ? int((split_end - split_begin + kBlockKeys - 1) / kBlockKeys) : 0;
+  const MlaCtaWork work = mla_cta_work(p, num_head_groups, Cta::kHeads, blocks_per_split);
+  const int64_t token = work.token, split_begin = work.begin, split_end = work.end;
+  const int split = work.split, head0 = work.head0, num_blocks = work.num_blocks;
 
   const uint32_t q_base = smem_addr(smem);
   const uint32_t kv_base = q_base + Cta::kKvOffset;
@@ -264,9 +257,7 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
         const float p0 = exp2f(score[j][2 * h] - m), p1 = exp2f(score[j][2 * h + 1] - m);
         sum += p0 + p1;
         const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
-        const int key = warp_key0 + j * 8 + 2 * (lane & 3);
-        const uint32_t addr = p_base + row * (kBlockKeys * 2) + (((key / 8) ^ (row & 7)) << 4) + (key % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&pair)));
+        mla_store_p_pair(p_base, row, warp_key0 + j * 8 + 2 * (lane & 3), *reinterpret_cast<const uint32_t*>(&pair));
       }
       row_sum[h] = row_sum[h] * own_rescale[h] + sum;
     }
@@ -471,6 +462,22 @@ int smem_bytes_for(int head_tiles, bool single_stage) {
   }
 }
 
+// The kernel a call runs: one decision for the split heuristic and the launch.
+struct MlaPlan {
+  int head_tiles;     // 16-head mma tiles a CTA takes (4: 64 heads)
+  bool sm90;          // the wgmma kernel (64-head groups, sm_90a build and device)
+  bool single_stage;  // the one-stage 16-head mma.sync CTA
+  int smem_bytes;     // of the kernel's CTA
+};
+MlaPlan plan_for(int64_t num_tokens, int64_t num_heads, int64_t topk) {
+  MlaPlan plan;
+  plan.head_tiles = head_tiles_for(num_tokens, num_heads, topk);
+  plan.sm90 = plan.head_tiles * 16 == kMlaSm90Heads && sm90_kernels_available(current_device_info());
+  plan.single_stage = single_stage_for(plan.head_tiles, num_tokens, num_heads, topk);
+  plan.smem_bytes = plan.sm90 ? sparse_mla_decode_sm90_smem_bytes() : smem_bytes_for(plan.head_tiles, plan.single_stage);
+  return plan;
+}
+
 template <int kHeadTiles, int kStages = 2>
 void launch_splits(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split, cudaStream_t stream) {
   using Cta = MlaCta<kHeadTiles, kStages>;
@@ -490,11 +497,10 @@ int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t 
   // Fill the device in whole waves: the smallest split count whose last wave keeps >= 80%
   // of the CTA slots busy, else the one that keeps the most busy.
   const DeviceInfo& device = current_device_info();
-  const int head_tiles = head_tiles_for(num_tokens, num_heads, topk);
-  const bool single_stage = single_stage_for(head_tiles, num_tokens, num_heads, topk);
-  const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (smem_bytes_for(head_tiles, single_stage) + 1024));
+  const MlaPlan plan = plan_for(num_tokens, num_heads, topk);
+  const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (plan.smem_bytes + 1024));
   const int64_t slots = int64_t(device.num_sms) * ctas_per_sm;
-  const int64_t base = num_tokens * ((num_heads + 16 * head_tiles - 1) / (16 * head_tiles));
+  const int64_t base = num_tokens * ((num_heads + 16 * plan.head_tiles - 1) / (16 * plan.head_tiles));
   int64_t splits = 1;
   double best = 0.0;
   for (int64_t s = 1; s <= max_splits; ++s) {
@@ -518,19 +524,19 @@ int64_t sparse_mla_decode_workspace_bytes(int64_t num_tokens, int64_t num_heads,
 void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
   if (p.num_tokens == 0) return;
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  const int head_tiles = head_tiles_for(p.num_tokens, p.num_heads, p.topk);
-  const int num_head_groups = int((p.num_heads + 16 * head_tiles - 1) / (16 * head_tiles));
+  const MlaPlan plan = plan_for(p.num_tokens, p.num_heads, p.topk);
+  const int num_head_groups = int((p.num_heads + 16 * plan.head_tiles - 1) / (16 * plan.head_tiles));
   const int64_t key_blocks = (p.topk + kBlockKeys - 1) / kBlockKeys;
   const int blocks_per_split = int((key_blocks + p.num_splits - 1) / p.num_splits);
   if (p.num_tokens * num_head_groups * p.num_splits > INT32_MAX) {
     throw std::runtime_error("moelora.sparse_mla_decode: too many tokens for one grid");
   }
-  if (head_tiles * 16 == kMlaSm90Heads && sm90_kernels_available(current_device_info())) {
+  if (plan.sm90) {
     sparse_mla_decode_sm90(p, num_head_groups, blocks_per_split, cuda_stream);
   } else {
-    switch (head_tiles) {
+    switch (plan.head_tiles) {
       case 1:
-        if (single_stage_for(head_tiles, p.num_tokens, p.num_heads, p.topk)) {
+        if (plan.single_stage) {
           launch_splits<1, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
         } else {
           launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream);

@@ -25,6 +25,40 @@ __device__ __forceinline__ int64_t mla_clamped_length(const detail::SparseMlaDec
   return length < 0 ? 0 : (length > p.topk ? p.topk : length);
 }
 
+// What one split CTA works on. Grid order: the CTAs of a token are adjacent (they gather
+// the same rows: L2 hits), its splits in order, head groups fastest.
+struct MlaCtaWork {
+  int64_t token;
+  int split;
+  int head0;               // first head of the CTA's group
+  int64_t begin, end;      // the split's index positions [begin, end), within topk_length
+  int num_blocks;          // kMlaBlockKeys-row blocks in [begin, end)
+};
+// Reads topk_length: call after wait_for_previous_kernel().
+__device__ __forceinline__ MlaCtaWork mla_cta_work(const detail::SparseMlaDecodeParams& p, int num_head_groups,
+                                                   int heads_per_group, int blocks_per_split) {
+  MlaCtaWork w;
+  const int ctas_per_token = num_head_groups * p.num_splits;
+  w.token = blockIdx.x / ctas_per_token;
+  w.split = int(blockIdx.x % ctas_per_token) / num_head_groups;
+  w.head0 = int(blockIdx.x % num_head_groups) * heads_per_group;
+  w.begin = int64_t(w.split) * blocks_per_split * kMlaBlockKeys;
+  const int64_t split_end = w.begin + int64_t(blocks_per_split) * kMlaBlockKeys;
+  const int64_t length = mla_clamped_length(p, w.token);
+  w.end = split_end < length ? split_end : length;
+  w.num_blocks = w.end > w.begin ? int((w.end - w.begin + kMlaBlockKeys - 1) / kMlaBlockKeys) : 0;
+  return w;
+}
+
+// P's bf16 pair (key, key + 1) of `row` into a [rows, 64 keys] bf16 tile of 128-byte rows
+// whose 16-byte chunk c sits at (c ^ row % 8): the swizzle both kernels read P back with
+// (ldmatrix rows, and the wgmma 128-byte swizzle), conflict-free.
+__device__ __forceinline__ void mla_store_p_pair(uint32_t tile, int row, int key, uint32_t pair) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + row * 128 + (((key >> 3) ^ (row & 7)) << 4) + (key & 7) * 2),
+               "r"(pair));
+}
+static_assert(kMlaBlockKeys * 2 == 128, "a P row is one 128-byte swizzle row");
+
 // The partial outputs of the splits: [num_splits, T, Hq, 512] fp32, then their
 // log2-sum-exps [num_splits, T, Hq] fp32 at a 256-byte boundary. Every split writes both
 // for every head, zeros and -inf when it saw no valid key: the merge reads them all.
@@ -108,6 +142,7 @@ __device__ __forceinline__ void mla_store_pair(const detail::SparseMlaDecodePara
 // grid order (token, split, head group), workspace and merge as the mma.sync kernel.
 void sparse_mla_decode_sm90(const detail::SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split,
                             cudaStream_t stream);
+int sparse_mla_decode_sm90_smem_bytes();
 constexpr int kMlaSm90Heads = 64;
 
 }  // namespace moelora::cuda

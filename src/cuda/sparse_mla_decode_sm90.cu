@@ -142,29 +142,17 @@ struct Sm90Barriers {
   __device__ uint64_t* free(int buffer, int half) const { return base + 5 + 2 * buffer + half; }
 };
 
-// The split's key range and block count for this CTA.
-struct SplitRange {
-  int64_t begin, end;
-  int num_blocks;
-};
-__device__ __forceinline__ SplitRange split_range(const SparseMlaDecodeParams& p, int64_t token, int split,
-                                                  int blocks_per_split) {
-  SplitRange r;
-  r.begin = int64_t(split) * blocks_per_split * kBlockKeys;
-  r.end = min(r.begin + int64_t(blocks_per_split) * kBlockKeys, mla_clamped_length(p, token));
-  r.num_blocks = r.end > r.begin ? int((r.end - r.begin + kBlockKeys - 1) / kBlockKeys) : 0;
-  return r;
-}
-
 // ---- producer: 16 groups of 8 threads; group g copies rows g, g+16, g+32, g+48 of a
 // tile, thread c of the group the row's 16-byte chunk c (one 128-byte line a group) -----
-__device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const SplitRange& range, int64_t token,
-                                        int head0, uint32_t smem_base, uint8_t* key_valid, const Sm90Barriers& bar) {
+__device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const MlaCtaWork& work, uint32_t smem_base,
+                                        uint8_t* key_valid, const Sm90Barriers& bar) {
+  const int64_t token = work.token;
+  const int head0 = work.head0;
   const int thread = threadIdx.x - kMathThreads;
   const int group = thread / 8, chunk = thread % 8;
   const uint32_t q_base = smem_base + kQOffset;
   const uint32_t kv_base = smem_base + kKvOffset;
-  const int num_pairs = (range.num_blocks + 1) / 2;
+  const int num_pairs = (work.num_blocks + 1) / 2;
   if (num_pairs == 0) return;  // an empty split: the math warpgroups write zeros
 
   {
@@ -192,9 +180,9 @@ __device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const Sp
       const int block = 2 * pair + buffer;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int64_t pos = range.begin + int64_t(block) * kBlockKeys + group + 16 * r;
+        const int64_t pos = work.begin + int64_t(block) * kBlockKeys + group + 16 * r;
         int32_t row = -1;
-        if (block < range.num_blocks && pos < range.end) {
+        if (block < work.num_blocks && pos < work.end) {
           row = __ldg(token_indices + pos);
           if (row < 0 || row >= p.num_kv_rows) row = -1;
         }
@@ -244,9 +232,10 @@ __device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const Sp
 
 // ---- math warpgroup kW ---------------------------------------------------------------
 template <int kW>
-__device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const SplitRange& range, int64_t token,
-                                        int split, int head0, uint32_t smem_base, uint8_t* smem,
-                                        const Sm90Barriers& bar) {
+__device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const MlaCtaWork& work, uint32_t smem_base,
+                                        uint8_t* smem, const Sm90Barriers& bar) {
+  const int64_t token = work.token;
+  const int split = work.split, head0 = work.head0;
   constexpr int kOther = 1 - kW;
   const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
   // Accumulator layout (m64nN): value v = pair + 2 · row_half + 4 · n_tile holds row
@@ -270,7 +259,7 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
   for (int i = 0; i < 128; ++i) out_acc[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
   float row_sum[2] = {0.0f, 0.0f};            // this thread's columns of its warpgroup's blocks
-  const int num_pairs = (range.num_blocks + 1) / 2;
+  const int num_pairs = (work.num_blocks + 1) / 2;
   if (num_pairs > 0) cutlass::arch::ClusterBarrier::wait(bar.q_full(), 0);
 
   for (int pair = 0; pair < num_pairs; ++pair) {
@@ -351,9 +340,7 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Sp
           block_sum[h] += p0 + p1;
           const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
           p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
-          const int row = row0 + 8 * h;
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(own_p + row * 128 + ((j ^ (row & 7)) << 4) + col0 * 2),
-                       "r"(p_frag[2 * j + h]));
+          mla_store_p_pair(own_p, row0 + 8 * h, 8 * j + col0, p_frag[2 * j + h]);
         }
       }
       fence_registers(p_frag);
@@ -420,12 +407,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const uint32_t smem_base = smem_addr(smem);
   const Sm90Barriers bar{reinterpret_cast<uint64_t*>(smem + kBarrierOffset)};
-  // CTAs of one token are adjacent in launch order: they gather the same rows (L2 hits).
-  const int ctas_per_token = num_head_groups * p.num_splits;
-  const int64_t token = blockIdx.x / ctas_per_token;
-  const int split = int(blockIdx.x % ctas_per_token) / num_head_groups;
-  const int head0 = int(blockIdx.x % num_head_groups) * kHeads;
-
   if (threadIdx.x == 0) {
     cutlass::arch::ClusterBarrier::init(bar.q_full(), 128);
     for (int b = 0; b < 2; ++b) {
@@ -439,24 +420,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   wait_for_previous_kernel();
-  const SplitRange range = split_range(p, token, split, blocks_per_split);
+  const MlaCtaWork work = mla_cta_work(p, num_head_groups, kHeads, blocks_per_split);
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 2) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    produce(p, range, token, head0, smem_base, smem + kValidOffset, bar);
+    produce(p, work, smem_base, smem + kValidOffset, bar);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     if (warpgroup == 0) {
-      compute<0>(p, range, token, split, head0, smem_base, smem, bar);
+      compute<0>(p, work, smem_base, smem, bar);
     } else {
-      compute<1>(p, range, token, split, head0, smem_base, smem, bar);
+      compute<1>(p, work, smem_base, smem, bar);
     }
   }
 #endif
 }
 
 }  // namespace
+
+int sparse_mla_decode_sm90_smem_bytes() { return kSmemBytes; }
 
 void sparse_mla_decode_sm90(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split,
                             cudaStream_t stream) {
