@@ -74,6 +74,8 @@ struct MlaCta {
   static constexpr int kReduceOffset = kPOffset + kHeads * kBlockKeys * 2;  // [kKeyGroups, kHeads] fp32
   static constexpr int kValidOffset = kReduceOffset + kKeyGroups * kHeads * 4;  // [kStages, kBlockKeys] u8
   static constexpr int kSmemBytes = kValidOffset + kStages * kBlockKeys;
+  // The epilogue stages out's rows over Q and the kv stages.
+  static_assert(kHeads * mla_stage_pitch(kValueDim) <= kPOffset);
 };
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
@@ -169,19 +171,25 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
     const uint32_t kv_stage = kv_base + stage * Cta::kStageBytes;
 
     // ---- S = Q·Kᵀ --------------------------------------------------------------------
-    float score[Cta::kWarpKeyTiles][4] = {};
+    // Two-stage CTAs (one an SM: T = 1, 8) accumulate even and odd k-steps apart, two
+    // dependent chains of 18 mmas instead of one of 36: a warp's chain is the latency of a
+    // CTA that computes one block. One-stage CTAs run two an SM, whose warps cover it, at
+    // the 128-register limit (H100: the second chain cost them 1-4%).
+    constexpr bool kTwoChains = Cta::kStages == 2;
+    float score[Cta::kWarpKeyTiles][4] = {}, score_odd[Cta::kWarpKeyTiles][4] = {};
     if constexpr (Cta::kWarpKeys >= 16) {
       const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
 #pragma unroll
       for (int k = 0; k < kKSteps; ++k) {
+        float(&acc)[Cta::kWarpKeyTiles][4] = kTwoChains && k % 2 ? score_odd : score;
         uint32_t a0, a1, a2, a3;
         ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
 #pragma unroll
         for (int j = 0; j < Cta::kWarpKeys / 16; ++j) {
           uint32_t b0, b1, b2, b3;
           ldmatrix_x4(k_lane + j * 16 * kRowBytes + (k / 4) * 128 + swizzled_mid[k % 4], b0, b1, b2, b3);
-          mma_bf16_16x8x16(score[2 * j], a0, a1, a2, a3, b0, b1);
-          mma_bf16_16x8x16(score[2 * j + 1], a0, a1, a2, a3, b2, b3);
+          mma_bf16_16x8x16(acc[2 * j], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16x8x16(acc[2 * j + 1], a0, a1, a2, a3, b2, b3);
         }
       }
     } else {
@@ -200,8 +208,16 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
           const int k = 2 * k2 + half;
           uint32_t a0, a1, a2, a3;
           ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
-          mma_bf16_16x8x16(score[0], a0, a1, a2, a3, half ? b2 : b0, half ? b3 : b1);
+          mma_bf16_16x8x16(kTwoChains && half ? score_odd[0] : score[0], a0, a1, a2, a3, half ? b2 : b0,
+                           half ? b3 : b1);
         }
+      }
+    }
+    if constexpr (kTwoChains) {
+#pragma unroll
+      for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) score[j][e] += score_odd[j][e];
       }
     }
 
@@ -316,6 +332,10 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   __syncthreads();
 
   // ---- epilogue: warp w holds value lanes [64 w, 64 w + 64) of every head --------------
+  // One split: out's rows are staged over Q and the kv stages (every warp is past the last
+  // block's reads of them, the barrier above, and no copy is in flight).
+  const bool fp32_part = p.num_splits > 1;
+  const int pitch = mla_stage_pitch(kValueDim);
   const int lane_col = warp * 64 + 2 * (lane & 3);
 #pragma unroll
   for (int mt = 0; mt < kHeadTiles; ++mt) {
@@ -327,12 +347,22 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
       float sum = 0.0f;
 #pragma unroll
       for (int g = 0; g < Cta::kKeyGroups; ++g) sum += reduce[g * Cta::kHeads + row];
-      const MlaRowEnd end = mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0);
+      const float scale = mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0);
+      float* part = fp32_part ? mla_part_row(p, token, split, head) : nullptr;
 #pragma unroll
       for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
-        mla_store_pair(p, end, lane_col + n * 8, out_acc[mt][n][2 * h], out_acc[mt][n][2 * h + 1]);
+        const float v0 = out_acc[mt][n][2 * h] * scale, v1 = out_acc[mt][n][2 * h + 1] * scale;
+        if (fp32_part) {
+          *reinterpret_cast<float2*>(part + lane_col + n * 8) = make_float2(v0, v1);
+        } else {
+          mla_stage_pair(q_base, pitch, row, lane_col + n * 8, v0, v1);
+        }
       }
     }
+  }
+  if (!fp32_part) {
+    __syncthreads();
+    mla_store_stage(p, token, head0, Cta::kHeads, 0, kValueDim, q_base, tid, kThreads);
   }
 }
 

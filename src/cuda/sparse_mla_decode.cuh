@@ -66,6 +66,11 @@ __host__ __device__ inline int64_t mla_partial_out_bytes(int64_t num_tokens, int
   return (int64_t(num_splits) * num_tokens * num_heads * kMlaValueLanes * 4 + 255) / 256 * 256;
 }
 
+// A (split, token, head) row's index in both.
+__device__ __forceinline__ int64_t mla_part_slot(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
+                                                 int head) {
+  return (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
+}
 __device__ __forceinline__ float* mla_partial_lse(const detail::SparseMlaDecodeParams& p) {
   return reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) +
                                   mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
@@ -99,42 +104,78 @@ __device__ __forceinline__ void mla_mask_and_row_max(float* score, const uint8_t
   }
 }
 
-// The end of one (token, head) row of a split: where its values go (bf16 out with one
-// split, else the split's fp32 part) and the factor they take; writes the row's lse when
-// asked (one split: out's natural-log lse, the sink only in the denominator; splits: the
-// part's log2-sum-exp, -inf when it saw no valid key: the merge reads every part).
-struct MlaRowEnd {
-  float scale;
-  void* row;
-};
-__device__ __forceinline__ MlaRowEnd mla_finish_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
-                                                    int head, float row_max, float sum, bool write_lse) {
+// The end of one (token, head) row of a split: the factor its values take (one split:
+// 1 / (sum + sink); splits: 1 / sum, the part is normalised), and its lse when asked (one
+// split: out's natural-log lse, the sink only in the denominator; splits: the part's
+// log2-sum-exp, -inf when it saw no valid key: the merge reads every part).
+__device__ __forceinline__ float mla_finish_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
+                                                int head, float row_max, float sum, bool write_lse) {
   const float m = row_max == -INFINITY ? 0.0f : row_max;
   const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;  // of the row's scaled logits
-  MlaRowEnd end;
   if (p.num_splits == 1) {
     float denominator = sum;
     if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kMlaLog2e - m);
-    // no valid key: the accumulator is 0 and so is the output (also under a sink)
-    end.scale = denominator > 0.0f ? 1.0f / denominator : 0.0f;
-    end.row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head;
     if (write_lse && p.lse) p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kMlaLn2;
-  } else {
-    end.scale = sum > 0.0f ? 1.0f / sum : 0.0f;
-    const int64_t slot = (int64_t(split) * p.num_tokens + token) * p.num_heads + head;
-    end.row = static_cast<float*>(p.workspace) + slot * kMlaValueLanes;
-    if (write_lse) mla_partial_lse(p)[slot] = lse2;
+    // no valid key: the accumulator is 0 and so is the output (also under a sink)
+    return denominator > 0.0f ? 1.0f / denominator : 0.0f;
   }
-  return end;
+  if (write_lse) mla_partial_lse(p)[mla_part_slot(p, token, split, head)] = lse2;
+  return sum > 0.0f ? 1.0f / sum : 0.0f;
 }
-// Value lanes col, col + 1 of a finished row.
-__device__ __forceinline__ void mla_store_pair(const detail::SparseMlaDecodeParams& p, const MlaRowEnd& end, int col,
-                                               float v0, float v1) {
-  if (p.num_splits == 1) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(end.row) + col) =
-        __floats2bfloat162_rn(v0 * end.scale, v1 * end.scale);
-  } else {
-    *reinterpret_cast<float2*>(static_cast<float*>(end.row) + col) = make_float2(v0 * end.scale, v1 * end.scale);
+
+// ---- storing finished rows ------------------------------------------------------------
+// fp32 parts (splits) go straight from the accumulator layout: 8 B a thread, so a warp's
+// store covers whole 32-byte sectors of 8 rows. bf16 rows of out (one split) would cover
+// half sectors that way; they are staged in shared memory and stored in whole rows,
+// 16 B a thread. NOTE (H100, A/B in one run): staging out's rows took the wgmma kernel's
+// epilogue from ~6 to ~3.4 us a CTA (globaltimer) and its one-split cells 3-9% faster;
+// staging the parts as well made the split cells 3-13% slower (T = 1: +0.6-1.8 us).
+__device__ __forceinline__ float* mla_part_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
+                                               int head) {
+  return static_cast<float*>(p.workspace) + mla_part_slot(p, token, split, head) * kMlaValueLanes;
+}
+// Staged rows are `lanes` bf16 values at a pitch of 16 B more than the row, so the 8 rows
+// of a warp's 4-byte stores fall in distinct banks.
+__host__ __device__ constexpr int mla_stage_pitch(int lanes) { return lanes * 2 + 16; }
+// Values (col, col + 1) of staged row `row`, already scaled.
+__device__ __forceinline__ void mla_stage_pair(uint32_t stage, int pitch, int row, int col, float v0, float v1) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(v0, v1);
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(stage + row * pitch + col * 2),
+               "r"(*reinterpret_cast<const uint32_t*>(&pair))
+               : "memory");
+}
+// Staged rows [0, num_rows) (heads head0 + row, value lanes [lane0, lane0 + lanes)) to out,
+// by `num_threads` threads from `thread`, after a barrier over them that follows every
+// mla_stage_pair: 16-byte copies when out's rows allow them, else 4-byte ones (out's rows
+// are 4-byte aligned, ArgCheck).
+__device__ __forceinline__ void mla_store_stage(const detail::SparseMlaDecodeParams& p, int64_t token, int head0,
+                                                int num_rows, int lane0, int lanes, uint32_t stage, int thread,
+                                                int num_threads) {
+  const int pitch = mla_stage_pitch(lanes);
+  auto row_address = [&](int head) {
+    return static_cast<uint8_t*>(p.out) + (token * p.out_stride_token + head * p.out_stride_head + lane0) * 2;
+  };
+  const bool wide = ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_token * 2) |
+                      uintptr_t(p.out_stride_head * 2) | uintptr_t(lane0 * 2)) % 16) == 0;
+  const int bytes = wide ? 16 : 4;
+  const int pieces = lanes * 2 / bytes;  // a row's
+  for (int i = thread; i < num_rows * pieces; i += num_threads) {
+    const int row = i / pieces, piece = i % pieces;
+    if (head0 + row >= p.num_heads) continue;
+    const uint32_t from = stage + row * pitch + piece * bytes;
+    uint8_t* to = row_address(head0 + row) + piece * bytes;
+    if (wide) {
+      uint32_t v0, v1, v2, v3;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
+                   : "r"(from)
+                   : "memory");
+      *reinterpret_cast<uint4*>(to) = make_uint4(v0, v1, v2, v3);
+    } else {
+      uint32_t v;
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(from) : "memory");
+      *reinterpret_cast<uint32_t*>(to) = v;
+    }
   }
 }
 
