@@ -74,8 +74,6 @@ struct MlaCta {
   static constexpr int kReduceOffset = kPOffset + kHeads * kBlockKeys * 2;  // [kKeyGroups, kHeads] fp32
   static constexpr int kValidOffset = kReduceOffset + kKeyGroups * kHeads * 4;  // [kStages, kBlockKeys] u8
   static constexpr int kSmemBytes = kValidOffset + kStages * kBlockKeys;
-  // The epilogue stages out's rows over Q and the kv stages.
-  static_assert(kHeads * mla_stage_pitch(kValueDim) <= kPOffset);
 };
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
@@ -332,37 +330,43 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   __syncthreads();
 
   // ---- epilogue: warp w holds value lanes [64 w, 64 w + 64) of every head --------------
-  // One split: out's rows are staged over Q and the kv stages (every warp is past the last
-  // block's reads of them, the barrier above, and no copy is in flight).
-  const bool fp32_part = p.num_splits > 1;
-  const int pitch = mla_stage_pitch(kValueDim);
-  const int lane_col = warp * 64 + 2 * (lane & 3);
+  const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
 #pragma unroll
   for (int mt = 0; mt < kHeadTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = mt * 16 + lane / 4 + 8 * h;
       const int head = head0 + row;
-      if (head >= p.num_heads) continue;
+      // Rows past Hq still take part in the quad shuffles below; they store nothing.
+      const bool valid = head < p.num_heads;
       float sum = 0.0f;
 #pragma unroll
       for (int g = 0; g < Cta::kKeyGroups; ++g) sum += reduce[g * Cta::kHeads + row];
-      const float scale = mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0);
-      float* part = fp32_part ? mla_part_row(p, token, split, head) : nullptr;
+      const float scale =
+          valid ? mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0) : 0.0f;
+      if (fp32_part) {
+        if (!valid) continue;
+        float* part = mla_part_row(p, token, split, head) + warp * 64 + 2 * (lane & 3);
 #pragma unroll
-      for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
-        const float v0 = out_acc[mt][n][2 * h] * scale, v1 = out_acc[mt][n][2 * h + 1] * scale;
-        if (fp32_part) {
-          *reinterpret_cast<float2*>(part + lane_col + n * 8) = make_float2(v0, v1);
-        } else {
-          mla_stage_pair(q_base, pitch, row, lane_col + n * 8, v0, v1);
+        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
+          *reinterpret_cast<float2*>(part + n * 8) =
+              make_float2(out_acc[mt][n][2 * h] * scale, out_acc[mt][n][2 * h + 1] * scale);
+        }
+      } else {
+        auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
+                        int64_t(valid ? head : 0) * p.out_stride_head;
+#pragma unroll
+        for (int m = 0; m < Cta::kWarpValueTiles / 4; ++m) {
+          float v[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            v[2 * j] = out_acc[mt][4 * m + j][2 * h] * scale;
+            v[2 * j + 1] = out_acc[mt][4 * m + j][2 * h + 1] * scale;
+          }
+          mla_store_out_group(out_row, warp * 64 + 32 * m, v, wide, valid);
         }
       }
     }
-  }
-  if (!fp32_part) {
-    __syncthreads();
-    mla_store_stage(p, token, head0, Cta::kHeads, 0, kValueDim, q_base, tid, kThreads);
   }
 }
 

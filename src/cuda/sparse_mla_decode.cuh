@@ -124,59 +124,58 @@ __device__ __forceinline__ float mla_finish_row(const detail::SparseMlaDecodePar
 }
 
 // ---- storing finished rows ------------------------------------------------------------
-// fp32 parts (splits) go straight from the accumulator layout: 8 B a thread, so a warp's
-// store covers whole 32-byte sectors of 8 rows. bf16 rows of out (one split) would cover
-// half sectors that way; they are staged in shared memory and stored in whole rows,
-// 16 B a thread. NOTE (H100, A/B in one run): staging out's rows took the wgmma kernel's
-// epilogue from ~6 to ~3.4 us a CTA (globaltimer) and its one-split cells 3-9% faster;
-// staging the parts as well made the split cells 3-13% slower (T = 1: +0.6-1.8 us).
+// Both go straight from the accumulator layout, where a row's values (col 8n + 2q, +1)
+// sit in thread q of the row's quad. fp32 parts (splits): 8 B a thread, so a warp's store
+// covers whole 32-byte sectors of 8 rows. bf16 rows of out (one split) would cover half
+// sectors that way: mla_store_out_group first transposes the quad's values.
 __device__ __forceinline__ float* mla_part_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
                                                int head) {
   return static_cast<float*>(p.workspace) + mla_part_slot(p, token, split, head) * kMlaValueLanes;
 }
-// Staged rows are `lanes` bf16 values at a pitch of 16 B more than the row, so the 8 rows
-// of a warp's 4-byte stores fall in distinct banks.
-__host__ __device__ constexpr int mla_stage_pitch(int lanes) { return lanes * 2 + 16; }
-// Values (col, col + 1) of staged row `row`, already scaled.
-__device__ __forceinline__ void mla_stage_pair(uint32_t stage, int pitch, int row, int col, float v0, float v1) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(v0, v1);
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(stage + row * pitch + col * 2),
-               "r"(*reinterpret_cast<const uint32_t*>(&pair))
-               : "memory");
+// True when every out row starts on 16 bytes (else they are 4-byte aligned, ArgCheck).
+__device__ __forceinline__ bool mla_out_rows_16b(const detail::SparseMlaDecodeParams& p) {
+  return ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_token * 2) | uintptr_t(p.out_stride_head * 2)) %
+          16) == 0;
 }
-// Staged rows [0, num_rows) (heads head0 + row, value lanes [lane0, lane0 + lanes)) to out,
-// by `num_threads` threads from `thread`, after a barrier over them that follows every
-// mla_stage_pair: 16-byte copies when out's rows allow them, else 4-byte ones (out's rows
-// are 4-byte aligned, ArgCheck).
-__device__ __forceinline__ void mla_store_stage(const detail::SparseMlaDecodeParams& p, int64_t token, int head0,
-                                                int num_rows, int lane0, int lanes, uint32_t stage, int thread,
-                                                int num_threads) {
-  const int pitch = mla_stage_pitch(lanes);
-  auto row_address = [&](int head) {
-    return static_cast<uint8_t*>(p.out) + (token * p.out_stride_token + head * p.out_stride_head + lane0) * 2;
-  };
-  const bool wide = ((reinterpret_cast<uintptr_t>(p.out) | uintptr_t(p.out_stride_token * 2) |
-                      uintptr_t(p.out_stride_head * 2) | uintptr_t(lane0 * 2)) % 16) == 0;
-  const int bytes = wide ? 16 : 4;
-  const int pieces = lanes * 2 / bytes;  // a row's
-  for (int i = thread; i < num_rows * pieces; i += num_threads) {
-    const int row = i / pieces, piece = i % pieces;
-    if (head0 + row >= p.num_heads) continue;
-    const uint32_t from = stage + row * pitch + piece * bytes;
-    uint8_t* to = row_address(head0 + row) + piece * bytes;
-    if (wide) {
-      uint32_t v0, v1, v2, v3;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                   : "r"(from)
-                   : "memory");
-      *reinterpret_cast<uint4*>(to) = make_uint4(v0, v1, v2, v3);
-    } else {
-      uint32_t v;
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(from) : "memory");
-      *reinterpret_cast<uint32_t*>(to) = v;
+// 32 value lanes [col0, col0 + 32) of one out row, from its quad: v[2j], v[2j + 1] are this
+// thread's values (col0 + 8j + 2q, +1), already scaled. A 4x4 transpose across the quad
+// (two shuffle rounds) gives thread q lanes [col0 + 8q, col0 + 8q + 8), one 16-byte store;
+// a warp's store then covers 8 rows x 64 B of whole sectors. NOTE (H100): the 4-byte
+// stores of the accumulator layout took the wgmma kernel's epilogue ~6 us a CTA
+// (globaltimer), a sixth of a topk 512 CTA.
+// Every lane of the warp calls it (shuffles); `store` masks rows past Hq.
+__device__ __forceinline__ void mla_store_out_group(__nv_bfloat16* row, int col0, const float (&v)[8], bool wide,
+                                                    bool store) {
+  const int q = threadIdx.x % 4;
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    w[j] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+  if (!wide) {
+    if (store) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(row + col0 + 8 * j + 2 * q) = w[j];
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 1; k <= 2; k *= 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j & k) continue;
+      // pairs (j, j | k): the lower thread of the k-pair sends w[j | k], the upper w[j]
+      const bool upper = q & k;
+      const uint32_t received = __shfl_xor_sync(0xffffffffu, upper ? w[j] : w[j | k], k);
+      if (upper) {
+        w[j] = received;
+      } else {
+        w[j | k] = received;
+      }
     }
   }
+  if (store) *reinterpret_cast<uint4*>(row + col0 + 8 * q) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The wgmma kernel (sm_90a builds on compute capability 9.0): 64 heads a CTA, the same

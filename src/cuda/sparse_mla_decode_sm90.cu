@@ -70,10 +70,6 @@ constexpr int kBarrierOffset = kValidOffset + 2 * kBlockKeys;
 constexpr int kNumBarriers = 1 + 4 + 4;  // q_full, ready[buffer][half], free[buffer][half]
 // 1024 bytes of slack: the swizzle pattern repeats every 1024 bytes, tiles start on one.
 constexpr int kSmemBytes = 1024 + kBarrierOffset + kNumBarriers * 8;
-// The epilogue stages each warpgroup's half of out's rows (kStageLanes value lanes of 64
-// heads) over Q.
-constexpr int kStageLanes = kMlaValueLanes / 2;
-static_assert(2 * kHeads * mla_stage_pitch(kStageLanes) <= kBufferBytes);
 static_assert(kSmemBytes <= 232448, "the sm_90 opt-in limit of a CTA");
 static_assert(kBarrierOffset % 8 == 0);
 
@@ -91,7 +87,6 @@ static_assert(kMathThreads * kMathRegisters + 128 * kProducerRegisters <= kThrea
 
 // Named barriers of the two math warpgroups (0 is __syncthreads).
 constexpr uint32_t kBarrierRowMax = 1, kBarrierP = 2, kBarrierRowSum = 3;
-constexpr uint32_t kBarrierStage0 = 4;  // + w: warpgroup w's staged rows are written
 
 // Log2 units a pair's max may exceed the reference max before O is rescaled (compute()).
 constexpr float kMaxSlack = 8.0f;
@@ -390,32 +385,37 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
   cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowSum);
 
   // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads ------------------
-  // One split: out's rows are staged over Q (every wgmma of both warpgroups has retired at
-  // kBarrierRowSum and every copy has landed), warpgroup 1's after warpgroup 0's.
-  const bool fp32_part = p.num_splits > 1;
-  const int pitch = mla_stage_pitch(kStageLanes);
-  const uint32_t stage = smem_base + kQOffset + kW * kHeads * pitch;
+  const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + 8 * h;
     const int head = head0 + row;
-    if (head >= p.num_heads) continue;
+    // Rows past Hq still take part in the quad shuffles below; they store nothing.
+    const bool valid = head < p.num_heads;
     const float sum = shared_sum[row] + shared_sum[kHeads + row];
-    const float scale = mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0);
-    float* part = fp32_part ? mla_part_row(p, token, split, head) + kStageLanes * kW : nullptr;
+    const float scale = valid ? mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0) : 0.0f;
+    if (fp32_part) {
+      if (!valid) continue;
+      float* part = mla_part_row(p, token, split, head) + 256 * kW;
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      const float v0 = out_acc[4 * n + 2 * h] * scale, v1 = out_acc[4 * n + 2 * h + 1] * scale;
-      if (fp32_part) {
-        *reinterpret_cast<float2*>(part + n * 8 + col0) = make_float2(v0, v1);
-      } else {
-        mla_stage_pair(stage, pitch, row, n * 8 + col0, v0, v1);
+      for (int n = 0; n < 32; ++n) {
+        *reinterpret_cast<float2*>(part + n * 8 + col0) =
+            make_float2(out_acc[4 * n + 2 * h] * scale, out_acc[4 * n + 2 * h + 1] * scale);
+      }
+    } else {
+      auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
+                      int64_t(valid ? head : 0) * p.out_stride_head;
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        float v[8];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          v[2 * j] = out_acc[4 * (4 * m + j) + 2 * h] * scale;
+          v[2 * j + 1] = out_acc[4 * (4 * m + j) + 2 * h + 1] * scale;
+        }
+        mla_store_out_group(out_row, 256 * kW + 32 * m, v, wide, valid);
       }
     }
-  }
-  if (!fp32_part) {
-    cutlass::arch::NamedBarrier::sync(128, kBarrierStage0 + kW);
-    mla_store_stage(p, token, head0, kHeads, kStageLanes * kW, kStageLanes, stage, thread, 128);
   }
 }
 

@@ -213,6 +213,12 @@ std::vector<MlaCase> mla_cases() {
            .scale = 0.25});  // logits of std ~6: the row max jumps past the lazy-rescale slack
       add({.name = "T66_Hq64_topk256_split1_allmasked_sink_lse", .T = 66, .Hq = 64, .S = 500, .topk = 256,
            .pattern = Indices::kAllMaskedRows, .num_splits = 1, .with_lse = true, .with_sink = true});
+      // One pass with rows past Hq in the CTA's head group: they join the quad transposes
+      // of out's stores and store nothing (a 64-head group of 16 heads; a 16-head tile of 8).
+      add({.name = "T70_Hq80_topk384_split1_sink", .T = 70, .Hq = 80, .S = 2000, .topk = 384, .num_splits = 1,
+           .with_sink = true});
+      add({.name = "T45_Hq8_topk512_split1_masked_lse", .T = 45, .Hq = 8, .S = 900, .topk = 512,
+           .pattern = Indices::kMasked, .num_splits = 1, .with_lse = true});
     }
   }
   return cases;
