@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   wait_for_previous_kernel();
-  const MlaCtaWork work = mla_cta_work(p, num_head_groups, Cta::kHeads, blocks_per_split);
+  const MlaCtaWork work = mla_cta_work(p, num_head_groups, Cta::kHeads, blocks_per_split, int(blockIdx.x));
   const int64_t token = work.token, split_begin = work.begin, split_end = work.end;
   const int split = work.split, head0 = work.head0, num_blocks = work.num_blocks;
 

@@ -25,23 +25,26 @@ __device__ __forceinline__ int64_t mla_clamped_length(const detail::SparseMlaDec
   return length < 0 ? 0 : (length > p.topk ? p.topk : length);
 }
 
-// What one split CTA works on. Grid order: the CTAs of a token are adjacent (they gather
-// the same rows: L2 hits), its splits in order, head groups fastest.
+// One work item: a token, a group of its heads and one split of its indices. Item order:
+// the items of a token are adjacent (they gather the same rows: L2 hits), its splits in
+// order, head groups fastest. The mma.sync kernel's CTA b takes item b; the wgmma
+// kernel's persistent CTAs take items b, b + gridDim.x, ...
 struct MlaCtaWork {
   int64_t token;
   int split;
-  int head0;               // first head of the CTA's group
+  int head0;               // first head of the item's group
   int64_t begin, end;      // the split's index positions [begin, end), within topk_length
   int num_blocks;          // kMlaBlockKeys-row blocks in [begin, end)
 };
 // Reads topk_length: call after wait_for_previous_kernel().
+// Items are < 2^31 (the launcher checks): 32-bit division, at the start of every CTA.
 __device__ __forceinline__ MlaCtaWork mla_cta_work(const detail::SparseMlaDecodeParams& p, int num_head_groups,
-                                                   int heads_per_group, int blocks_per_split) {
+                                                   int heads_per_group, int blocks_per_split, int item) {
   MlaCtaWork w;
-  const int ctas_per_token = num_head_groups * p.num_splits;
-  w.token = blockIdx.x / ctas_per_token;
-  w.split = int(blockIdx.x % ctas_per_token) / num_head_groups;
-  w.head0 = int(blockIdx.x % num_head_groups) * heads_per_group;
+  const int items_per_token = num_head_groups * p.num_splits;
+  w.token = item / items_per_token;
+  w.split = item % items_per_token / num_head_groups;
+  w.head0 = item % num_head_groups * heads_per_group;
   w.begin = int64_t(w.split) * blocks_per_split * kMlaBlockKeys;
   const int64_t split_end = w.begin + int64_t(blocks_per_split) * kMlaBlockKeys;
   const int64_t length = mla_clamped_length(p, w.token);

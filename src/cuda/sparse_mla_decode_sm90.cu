@@ -1,8 +1,12 @@
 // sparse_mla_decode on Hopper tensor cores (sm_90a): wgmma, one producer warpgroup that
 // gathers the kv rows and two math warpgroups that take the key blocks in pairs.
 //
-// A CTA takes one token, 64 query heads and one split of the token's indices, in the
-// grid order, workspace format and merge of the mma.sync kernel (sparse_mla_decode.cu).
+// A work item is one token, 64 query heads and one split of the token's indices, in the
+// item order, workspace format and merge of the mma.sync kernel (sparse_mla_decode.cu).
+// The CTAs are persistent (one an SM at most) and take items in turn: the producer loads
+// the next item's Q once the last Q·Kᵀ of an item has retired and its first pair as the
+// buffer halves free, while the math warpgroups finish the item and store it, so an
+// item's start (~8 us to its first Q·Kᵀ, H100) overlaps the previous item's end.
 // Shared memory holds Q [64 heads, 576 lanes] (72 KB) for the whole split and two kv
 // buffers of 64 gathered rows [64, 576] (72 KB each). Each is stored as 64-lane tiles
 // of 64 rows x 128 B in the 128-byte swizzle wgmma reads (tile t = lanes [64t, 64t+64),
@@ -38,12 +42,14 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <utility>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "cuda/launch.cuh"
 #include "cuda/mma_sm80.cuh"
 #include "cuda/sparse_mla_decode.cuh"
@@ -64,10 +70,11 @@ constexpr int kQOffset = 0;
 constexpr int kKvOffset = kQOffset + kBufferBytes;
 constexpr int kP1Offset = kKvOffset + 2 * kBufferBytes;
 constexpr int kMaxOffset = kP1Offset + kTileBytes;         // float [2 warpgroups][64 rows]
-constexpr int kSumOffset = kMaxOffset + 2 * kHeads * 4;    // float [2][64]
-constexpr int kValidOffset = kSumOffset + 2 * kHeads * 4;  // u8 [2 buffers][64 keys]
+constexpr int kSumOffset = kMaxOffset + 2 * kHeads * 4;    // float [2 item parities][2][64]
+constexpr int kValidOffset = kSumOffset + 4 * kHeads * 4;  // u8 [2 buffers][64 keys]
 constexpr int kBarrierOffset = kValidOffset + 2 * kBlockKeys;
-constexpr int kNumBarriers = 1 + 4 + 4;  // q_full, ready[buffer][half], free[buffer][half]
+// q_full, q_free, ready[buffer][half], free[buffer][half]
+constexpr int kNumBarriers = 2 + 4 + 4;
 // 1024 bytes of slack: the swizzle pattern repeats every 1024 bytes, tiles start on one.
 constexpr int kSmemBytes = 1024 + kBarrierOffset + kNumBarriers * 8;
 static_assert(kSmemBytes <= 232448, "the sm_90 opt-in limit of a CTA");
@@ -138,93 +145,119 @@ __device__ __forceinline__ void fence_registers(uint32_t (&r)[N]) {
 struct Sm90Barriers {
   uint64_t* base;
   __device__ uint64_t* q_full() const { return base; }
-  __device__ uint64_t* ready(int buffer, int half) const { return base + 1 + 2 * buffer + half; }
-  __device__ uint64_t* free(int buffer, int half) const { return base + 5 + 2 * buffer + half; }
+  __device__ uint64_t* q_free() const { return base + 1; }
+  __device__ uint64_t* ready(int buffer, int half) const { return base + 2 + 2 * buffer + half; }
+  __device__ uint64_t* free(int buffer, int half) const { return base + 6 + 2 * buffer + half; }
+};
+
+// The launch's work items (mla_cta_work); CTA b takes items b, b + gridDim.x, ...
+struct MlaItems {
+  int num_head_groups, blocks_per_split;
+  int count;  // < 2^31 (the launcher checks)
+  __device__ MlaCtaWork work(const SparseMlaDecodeParams& p, int64_t item) const {
+    return mla_cta_work(p, num_head_groups, kHeads, blocks_per_split, int(item));
+  }
 };
 
 // ---- producer: 16 groups of 8 threads; group g copies rows g, g+16, g+32, g+48 of a
 // tile, thread c of the group the row's 16-byte chunk c (one 128-byte line a group) -----
-__device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const MlaCtaWork& work, uint32_t smem_base,
+// The CTA's items in turn: Q once the math warpgroups' last Q·Kᵀ of the previous item has
+// retired (q_free), the pairs as their buffer halves free, so the next item's Q and first
+// pair arrive while the math warpgroups finish the last pair and store the previous item.
+// Phases run over the CTA's items: q_full/q_free once an item with keys, ready/free once a
+// pair (`pairs_before`: the pairs of the CTA's earlier items).
+__device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const MlaItems& items, uint32_t smem_base,
                                         uint8_t* key_valid, const Sm90Barriers& bar) {
-  const int64_t token = work.token;
-  const int head0 = work.head0;
   const int thread = threadIdx.x - kMathThreads;
   const int group = thread / 8, chunk = thread % 8;
   const uint32_t q_base = smem_base + kQOffset;
   const uint32_t kv_base = smem_base + kKvOffset;
-  const int num_pairs = (work.num_blocks + 1) / 2;
-  if (num_pairs == 0) return;  // an empty split: the math warpgroups write zeros
+  int q_loads = 0;
+  uint32_t pairs_before = 0;
+  for (int64_t item = blockIdx.x; item < items.count; item += gridDim.x) {
+    const MlaCtaWork work = items.work(p, item);
+    const int64_t token = work.token;
+    const int head0 = work.head0;
+    const int num_pairs = (work.num_blocks + 1) / 2;
+    if (num_pairs == 0) continue;  // an empty split: the math warpgroups write zeros
+    if (q_loads > 0) cutlass::arch::ClusterBarrier::wait(bar.q_free(), uint32_t((q_loads - 1) & 1));
+    ++q_loads;
 
-  {
-    const auto* q_bytes = static_cast<const uint8_t*>(p.q);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = group + 16 * r;
-      const bool ok = head0 + row < p.num_heads;
-      const uint8_t* src =
-          q_bytes + (ok ? (token * p.q_stride_token + int64_t(head0 + row) * p.q_stride_head) * 2 : 0) + chunk * 16;
-      const uint32_t dst = q_base + row * 128 + ((chunk ^ (row & 7)) << 4);
-#pragma unroll
-      for (int t = 0; t < kTiles; ++t) cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, ok);
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(bar.q_full());
-  }
-
-  const int32_t* token_indices = p.indices + token * p.indices_stride_token;
-  const auto* kv_bytes = static_cast<const uint8_t*>(p.kv);
-  // This thread's kv rows of a pair's two blocks, -1 = masked: read one pair ahead, so
-  // the index loads' latency is not in front of every copy.
-  auto read_rows = [&](int pair, int32_t (&rows)[2][4]) {
-#pragma unroll
-    for (int buffer = 0; buffer < 2; ++buffer) {
-      const int block = 2 * pair + buffer;
+    {
+      const auto* q_bytes = static_cast<const uint8_t*>(p.q);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int64_t pos = work.begin + int64_t(block) * kBlockKeys + group + 16 * r;
-        int32_t row = -1;
-        if (block < work.num_blocks && pos < work.end) {
-          row = __ldg(token_indices + pos);
-          if (row < 0 || row >= p.num_kv_rows) row = -1;
+        const int row = group + 16 * r;
+        const bool ok = head0 + row < p.num_heads;
+        const uint8_t* src =
+            q_bytes + (ok ? (token * p.q_stride_token + int64_t(head0 + row) * p.q_stride_head) * 2 : 0) + chunk * 16;
+        const uint32_t dst = q_base + row * 128 + ((chunk ^ (row & 7)) << 4);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, ok);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(bar.q_full());
+    }
+
+    const int32_t* token_indices = p.indices + token * p.indices_stride_token;
+    const auto* kv_bytes = static_cast<const uint8_t*>(p.kv);
+    // This thread's kv rows of a pair's two blocks, -1 = masked: read one pair ahead, so
+    // the index loads' latency is not in front of every copy.
+    auto read_rows = [&](int pair, int32_t (&rows)[2][4]) {
+#pragma unroll
+      for (int buffer = 0; buffer < 2; ++buffer) {
+        const int block = 2 * pair + buffer;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int64_t pos = work.begin + int64_t(block) * kBlockKeys + group + 16 * r;
+          int32_t row = -1;
+          if (block < work.num_blocks && pos < work.end) {
+            row = __ldg(token_indices + pos);
+            if (row < 0 || row >= p.num_kv_rows) row = -1;
+          }
+          rows[buffer][r] = row;
         }
-        rows[buffer][r] = row;
+      }
+    };
+    int32_t rows[2][4], next_rows[2][4];
+    read_rows(0, next_rows);
+    for (int pair = 0; pair < num_pairs; ++pair) {
+      const uint32_t global_pair = pairs_before + pair;
+#pragma unroll
+      for (int buffer = 0; buffer < 2; ++buffer) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) rows[buffer][r] = next_rows[buffer][r];
+      }
+      if (pair + 1 < num_pairs) read_rows(pair + 1, next_rows);
+      // buffer 0 half 0, buffer 1 half 1, buffer 0 half 1, buffer 1 half 0: the order the
+      // math warpgroups free them.
+#pragma unroll
+      for (int step = 0; step < 4; ++step) {
+        const int buffer = step & 1, half = buffer ^ (step >> 1);
+        if (global_pair > 0) cutlass::arch::ClusterBarrier::wait(bar.free(buffer, half), (global_pair - 1) & 1);
+        if (half == buffer && chunk == 0) {
+          // The block's key flags: the owner reads them after this half's `ready` and is
+          // done with them before it frees this half.
+#pragma unroll
+          for (int r = 0; r < 4; ++r) key_valid[buffer * kBlockKeys + group + 16 * r] = rows[buffer][r] >= 0;
+        }
+        const uint32_t dst_buffer = kv_base + buffer * kBufferBytes + half_first_tile(half) * kTileBytes;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int key = group + 16 * r;
+          const int32_t row = rows[buffer][r];
+          const uint8_t* src = kv_bytes + (row >= 0 ? int64_t(row) * p.kv_stride_row * 2 : 0) +
+                               half_first_tile(half) * 128 + chunk * 16;
+          const uint32_t dst = dst_buffer + key * 128 + ((chunk ^ (key & 7)) << 4);
+#pragma unroll
+          for (int t = 0; t < half_num_tiles(half); ++t) {
+            cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, row >= 0);
+          }
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(bar.ready(buffer, half));
+        cutlass::arch::ClusterBarrier::arrive(bar.ready(buffer, half));  // releases the flag writes
       }
     }
-  };
-  int32_t rows[2][4], next_rows[2][4];
-  read_rows(0, next_rows);
-  for (int pair = 0; pair < num_pairs; ++pair) {
-#pragma unroll
-    for (int buffer = 0; buffer < 2; ++buffer) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) rows[buffer][r] = next_rows[buffer][r];
-    }
-    if (pair + 1 < num_pairs) read_rows(pair + 1, next_rows);
-    // buffer 0 half 0, buffer 1 half 1, buffer 0 half 1, buffer 1 half 0: the order the
-    // math warpgroups free them.
-#pragma unroll
-    for (int step = 0; step < 4; ++step) {
-      const int buffer = step & 1, half = buffer ^ (step >> 1);
-      if (pair > 0) cutlass::arch::ClusterBarrier::wait(bar.free(buffer, half), uint32_t((pair - 1) & 1));
-      if (half == buffer && chunk == 0) {
-        // The block's key flags: the owner reads them after this half's `ready` and is
-        // done with them before it frees this half.
-#pragma unroll
-        for (int r = 0; r < 4; ++r) key_valid[buffer * kBlockKeys + group + 16 * r] = rows[buffer][r] >= 0;
-      }
-      const uint32_t dst_buffer = kv_base + buffer * kBufferBytes + half_first_tile(half) * kTileBytes;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int key = group + 16 * r;
-        const int32_t row = rows[buffer][r];
-        const uint8_t* src = kv_bytes + (row >= 0 ? int64_t(row) * p.kv_stride_row * 2 : 0) +
-                             half_first_tile(half) * 128 + chunk * 16;
-        const uint32_t dst = dst_buffer + key * 128 + ((chunk ^ (key & 7)) << 4);
-#pragma unroll
-        for (int t = 0; t < half_num_tiles(half); ++t) cp_async_16_zfill(dst + t * kTileBytes, src + t * 128, row >= 0);
-      }
-      cutlass::arch::cpasync_barrier_arrive_noinc(bar.ready(buffer, half));
-      cutlass::arch::ClusterBarrier::arrive(bar.ready(buffer, half));  // releases the flag writes
-    }
+    pairs_before += num_pairs;
   }
   // Copies still in flight write this CTA's shared memory: wait before the thread exits.
   cute::cp_async_wait<0>();
@@ -232,10 +265,8 @@ __device__ __forceinline__ void produce(const SparseMlaDecodeParams& p, const Ml
 
 // ---- math warpgroup kW ---------------------------------------------------------------
 template <int kW>
-__device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const MlaCtaWork& work, uint32_t smem_base,
+__device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const MlaItems& items, uint32_t smem_base,
                                         uint8_t* smem, const Sm90Barriers& bar) {
-  const int64_t token = work.token;
-  const int split = work.split, head0 = work.head0;
   constexpr int kOther = 1 - kW;
   const int thread = threadIdx.x % 128, warp = thread / 32, lane = thread % 32;
   // Accumulator layout (m64nN): value v = pair + 2 · row_half + 4 · n_tile holds row
@@ -250,170 +281,186 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
   const uint32_t own_p = kW == 0 ? p0_addr : p1_addr;
   const uint32_t other_p = kW == 0 ? p1_addr : p0_addr;
   float* shared_max = reinterpret_cast<float*>(smem + kMaxOffset);
-  float* shared_sum = reinterpret_cast<float*>(smem + kSumOffset);
   const uint8_t* own_valid = smem + kValidOffset + kW * kBlockKeys;
-
   const float scale_log2 = p.softmax_scale * kMlaLog2e;
-  float out_acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) out_acc[i] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
-  float row_sum[2] = {0.0f, 0.0f};            // this thread's columns of its warpgroup's blocks
-  const int num_pairs = (work.num_blocks + 1) / 2;
-  if (num_pairs > 0) cutlass::arch::ClusterBarrier::wait(bar.q_full(), 0);
+  int q_loads = 0, items_done = 0;
+  uint32_t pairs_before = 0;  // the pairs of the CTA's earlier items (the barriers' phases)
 
-  for (int pair = 0; pair < num_pairs; ++pair) {
-    const uint32_t phase = uint32_t(pair & 1);
-    // ---- S = Q·Kᵀ of the own block, own half's tiles first -------------------------
-    float score[32];
-    cute::warpgroup_arrive();
+  for (int64_t item = blockIdx.x; item < items.count; item += gridDim.x, ++items_done) {
+    const MlaCtaWork work = items.work(p, item);
+    const int64_t token = work.token;
+    const int split = work.split, head0 = work.head0;
+    // Row sums of both warpgroups by item parity: a warpgroup may store an item's sums (even
+    // an item with no keys, which passes no other barrier) while the other still reads the
+    // previous item's; it cannot get two items ahead (kBarrierRowSum).
+    float* shared_sum = reinterpret_cast<float*>(smem + kSumOffset) + (items_done & 1) * 2 * kHeads;
+    float out_acc[128];
 #pragma unroll
-    for (int part = 0; part < 2; ++part) {
-      const int half = part == 0 ? kW : kOther;
-      cutlass::arch::ClusterBarrier::wait(bar.ready(kW, half), phase);
-      // cp.async wrote the tiles through the generic proxy; wgmma reads the async one.
+    for (int i = 0; i < 128; ++i) out_acc[i] = 0.0f;
+    float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
+    float row_sum[2] = {0.0f, 0.0f};            // this thread's columns of its warpgroup's blocks
+    const int num_pairs = (work.num_blocks + 1) / 2;
+    if (num_pairs > 0) cutlass::arch::ClusterBarrier::wait(bar.q_full(), uint32_t(q_loads & 1));
+
+    for (int pair = 0; pair < num_pairs; ++pair) {
+      const uint32_t phase = (pairs_before + pair) & 1;
+      // ---- S = Q·Kᵀ of the own block, own half's tiles first -------------------------
+      float score[32];
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+        const int half = part == 0 ? kW : kOther;
+        cutlass::arch::ClusterBarrier::wait(bar.ready(kW, half), phase);
+        // cp.async wrote the tiles through the generic proxy; wgmma reads the async one.
+        cutlass::arch::fence_view_async_shared();
+        // An arrive after each wait: the wait is a spin loop, and an arrive ptxas injected
+        // after it inside the item loop serialized every wgmma (C7520; 8-19% slower, H100).
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int t = half_first_tile(half); t < half_first_tile(half) + half_num_tiles(half); ++t) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            wgmma_smem<QkWgmma>(k_major(q_base + t * kTileBytes + k * 32),
+                                k_major(own_buffer + t * kTileBytes + k * 32), score,
+                                !(part == 0 && t == half_first_tile(half) && k == 0), std::make_index_sequence<32>{});
+          }
+        }
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_registers(score);
+      // The item's last Q·Kᵀ has retired: the producer may load the next item's Q.
+      if (pair + 1 == num_pairs && lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.q_free());
+
+      // ---- masking, the row max of both blocks -----------------------------------------
+      float block_max[2];
+      mla_mask_and_row_max<8>(score, own_valid + col0, scale_log2, block_max);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if ((lane & 3) == 0) shared_max[kW * kHeads + row0 + 8 * h] = block_max[h];
+      }
+      cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowMax);
+      // Both warpgroups derive the same max from the same values. The other's entries are
+      // rewritten only after it passes kBarrierP, which this warpgroup reaches after reading.
+      // Lazy max: the exponents keep the row's reference max until a pair's max exceeds it
+      // by more than kMaxSlack (log2 units), so P <= 2^kMaxSlack (exact in bf16's range,
+      // summed in fp32) and O is rescaled only when the max jumps; the result is the same
+      // because out and lse use the same reference. NOTE: the 128 multiplies of a rescale
+      // cost two warps of a scheduler ~0.2 us a pair while the tensor pipe waits.
+      float max_safe[2], rescale[2];
+      bool any_rescale = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float pair_max = fmaxf(block_max[h], shared_max[kOther * kHeads + row0 + 8 * h]);
+        const float m = pair_max > row_max[h] + kMaxSlack ? pair_max : row_max[h];
+        // A row with no valid key yet keeps max -inf; exponents then use 0 (no inf - inf).
+        max_safe[h] = m == -INFINITY ? 0.0f : m;
+        rescale[h] = exp2f(row_max[h] - max_safe[h]);
+        any_rescale |= rescale[h] != 1.0f;
+        row_max[h] = m;
+      }
+      if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+        for (int i = 0; i < 128; ++i) out_acc[i] *= rescale[(i >> 1) & 1];
+      }
+
+      // ---- P = exp2(S - max) and O_w += P_w · V_w (P from registers) ------------------
+      // A fragment of k-step s (keys 16s..16s+15) = p_frag[4s .. 4s+3]: (row, keys 8·2s),
+      // (row + 8, keys 8·2s), (row, keys 8·(2s+1)), (row + 8, keys 8·(2s+1)). In two
+      // halves of 32 keys: the first half's wgmmas run while the second half's exponents
+      // are computed (the MUFU work of a pair is ~0.3 us of two warps a scheduler).
+      // Each half is copied to shared memory for the other warpgroup before its wgmmas are
+      // issued: reading A registers of a wgmma in flight is undefined (PTX).
+      uint32_t p_frag[16];
+      float block_sum[2] = {0.0f, 0.0f};
+      fence_registers(out_acc);
+#pragma unroll
+      for (int part = 0; part < 2; ++part) {
+#pragma unroll
+        for (int j = 4 * part; j < 4 * part + 4; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float p0 = exp2f(score[4 * j + 2 * h] - max_safe[h]);
+            const float p1 = exp2f(score[4 * j + 2 * h + 1] - max_safe[h]);
+            block_sum[h] += p0 + p1;
+            const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
+            p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
+            mla_store_p_pair(own_p, row0 + 8 * h, 8 * j + col0, p_frag[2 * j + h]);
+          }
+        }
+        fence_registers(p_frag);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int s = 2 * part; s < 2 * part + 2; ++s) {
+          wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
+                                  std::make_index_sequence<128>{});
+        }
+      }
+      cute::warpgroup_commit_batch();
+      // P was written through the generic proxy; the other warpgroup's wgmma reads it.
       cutlass::arch::fence_view_async_shared();
 #pragma unroll
-      for (int t = half_first_tile(half); t < half_first_tile(half) + half_num_tiles(half); ++t) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          wgmma_smem<QkWgmma>(k_major(q_base + t * kTileBytes + k * 32), k_major(own_buffer + t * kTileBytes + k * 32),
-                              score, !(part == 0 && t == half_first_tile(half) && k == 0),
-                              std::make_index_sequence<32>{});
-        }
-      }
-    }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_registers(score);
+      for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + block_sum[h];
 
-    // ---- masking, the row max of both blocks -----------------------------------------
-    float block_max[2];
-    mla_mask_and_row_max<8>(score, own_valid + col0, scale_log2, block_max);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if ((lane & 3) == 0) shared_max[kW * kHeads + row0 + 8 * h] = block_max[h];
-    }
-    cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowMax);
-    // Both warpgroups derive the same max from the same values. The other's entries are
-    // rewritten only after it passes kBarrierP, which this warpgroup reaches after reading.
-    // Lazy max: the exponents keep the row's reference max until a pair's max exceeds it
-    // by more than kMaxSlack (log2 units), so P <= 2^kMaxSlack (exact in bf16's range,
-    // summed in fp32) and O is rescaled only when the max jumps; the result is the same
-    // because out and lse use the same reference. NOTE: the 128 multiplies of a rescale
-    // cost two warps of a scheduler ~0.2 us a pair while the tensor pipe waits.
-    float max_safe[2], rescale[2];
-    bool any_rescale = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float pair_max = fmaxf(block_max[h], shared_max[kOther * kHeads + row0 + 8 * h]);
-      const float m = pair_max > row_max[h] + kMaxSlack ? pair_max : row_max[h];
-      // A row with no valid key yet keeps max -inf; exponents then use 0 (no inf - inf).
-      max_safe[h] = m == -INFINITY ? 0.0f : m;
-      rescale[h] = exp2f(row_max[h] - max_safe[h]);
-      any_rescale |= rescale[h] != 1.0f;
-      row_max[h] = m;
-    }
-    if (__any_sync(0xffffffffu, any_rescale)) {
-#pragma unroll
-      for (int i = 0; i < 128; ++i) out_acc[i] *= rescale[(i >> 1) & 1];
-    }
-
-    // ---- P = exp2(S - max) and O_w += P_w · V_w (P from registers) ------------------
-    // A fragment of k-step s (keys 16s..16s+15) = p_frag[4s .. 4s+3]: (row, keys 8·2s),
-    // (row + 8, keys 8·2s), (row, keys 8·(2s+1)), (row + 8, keys 8·(2s+1)). In two
-    // halves of 32 keys: the first half's wgmmas run while the second half's exponents
-    // are computed (the MUFU work of a pair is ~0.3 us of two warps a scheduler).
-    // Each half is copied to shared memory for the other warpgroup before its wgmmas are
-    // issued: reading A registers of a wgmma in flight is undefined (PTX).
-    uint32_t p_frag[16];
-    float block_sum[2] = {0.0f, 0.0f};
-    fence_registers(out_acc);
-#pragma unroll
-    for (int part = 0; part < 2; ++part) {
-#pragma unroll
-      for (int j = 4 * part; j < 4 * part + 4; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float p0 = exp2f(score[4 * j + 2 * h] - max_safe[h]);
-          const float p1 = exp2f(score[4 * j + 2 * h + 1] - max_safe[h]);
-          block_sum[h] += p0 + p1;
-          const __nv_bfloat162 pair2 = __floats2bfloat162_rn(p0, p1);
-          p_frag[2 * j + h] = *reinterpret_cast<const uint32_t*>(&pair2);
-          mla_store_p_pair(own_p, row0 + 8 * h, 8 * j + col0, p_frag[2 * j + h]);
-        }
-      }
-      fence_registers(p_frag);
+      // ---- O_w += P_other · V_other (the other's P from shared memory) -----------------
+      cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierP);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int s = 2 * part; s < 2 * part + 2; ++s) {
-        wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
-                                std::make_index_sequence<128>{});
+      for (int s = 0; s < 4; ++s) {
+        wgmma_smem<PvWgmmaSmem>(k_major(other_p + s * 32), mn_major(other_buffer + 4 * kW * kTileBytes + s * 2048),
+                                out_acc, true, std::make_index_sequence<128>{});
       }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      fence_registers(p_frag);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kW, kW));
+      cute::warpgroup_wait<0>();
+      fence_registers(out_acc);
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kOther, kW));
     }
-    cute::warpgroup_commit_batch();
-    // P was written through the generic proxy; the other warpgroup's wgmma reads it.
-    cutlass::arch::fence_view_async_shared();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) row_sum[h] = row_sum[h] * rescale[h] + block_sum[h];
+    if (num_pairs > 0) ++q_loads;
+    pairs_before += num_pairs;
+    if (item + gridDim.x >= items.count) allow_next_kernel_launch();  // the CTA's last item
 
-    // ---- O_w += P_other · V_other (the other's P from shared memory) -----------------
-    cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierP);
-    cute::warpgroup_arrive();
+    // ---- row sums of both warpgroups --------------------------------------------------
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      wgmma_smem<PvWgmmaSmem>(k_major(other_p + s * 32), mn_major(other_buffer + 4 * kW * kTileBytes + s * 2048),
-                              out_acc, true, std::make_index_sequence<128>{});
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+      row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+      if ((lane & 3) == 0) shared_sum[kW * kHeads + row0 + 8 * h] = row_sum[h];
     }
-    cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<1>();
-    fence_registers(p_frag);
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kW, kW));
-    cute::warpgroup_wait<0>();
-    fence_registers(out_acc);
-    if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar.free(kOther, kW));
-  }
-  allow_next_kernel_launch();
+    cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowSum);
 
-  // ---- row sums of both warpgroups --------------------------------------------------
+    // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads ------------------
+    const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
-    row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
-    if ((lane & 3) == 0) shared_sum[kW * kHeads + row0 + 8 * h] = row_sum[h];
-  }
-  cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowSum);
-
-  // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads ------------------
-  const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      const int head = head0 + row;
+      // Rows past Hq still take part in the quad shuffles below; they store nothing.
+      const bool valid = head < p.num_heads;
+      const float sum = shared_sum[row] + shared_sum[kHeads + row];
+      const float scale =
+          valid ? mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0) : 0.0f;
+      if (fp32_part) {
+        float* part = mla_part_row(p, token, split, valid ? head : 0) + 256 * kW;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    const int head = head0 + row;
-    // Rows past Hq still take part in the quad shuffles below; they store nothing.
-    const bool valid = head < p.num_heads;
-    const float sum = shared_sum[row] + shared_sum[kHeads + row];
-    const float scale = valid ? mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0) : 0.0f;
-    if (fp32_part) {
-      if (!valid) continue;
-      float* part = mla_part_row(p, token, split, head) + 256 * kW;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        *reinterpret_cast<float2*>(part + n * 8 + col0) =
-            make_float2(out_acc[4 * n + 2 * h] * scale, out_acc[4 * n + 2 * h + 1] * scale);
-      }
-    } else {
-      auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
-                      int64_t(valid ? head : 0) * p.out_stride_head;
-#pragma unroll
-      for (int m = 0; m < 8; ++m) {
-        float v[8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          v[2 * j] = out_acc[4 * (4 * m + j) + 2 * h] * scale;
-          v[2 * j + 1] = out_acc[4 * (4 * m + j) + 2 * h + 1] * scale;
+        for (int n = 0; n < 32; ++n) {
+          const float2 v = make_float2(out_acc[4 * n + 2 * h] * scale, out_acc[4 * n + 2 * h + 1] * scale);
+          if (valid) *reinterpret_cast<float2*>(part + n * 8 + col0) = v;
         }
-        mla_store_out_group(out_row, 256 * kW + 32 * m, v, wide, valid);
+      } else {
+        auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
+                        int64_t(valid ? head : 0) * p.out_stride_head;
+#pragma unroll
+        for (int m = 0; m < 8; ++m) {
+          float v[8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            v[2 * j] = out_acc[4 * (4 * m + j) + 2 * h] * scale;
+            v[2 * j + 1] = out_acc[4 * (4 * m + j) + 2 * h + 1] * scale;
+          }
+          mla_store_out_group(out_row, 256 * kW + 32 * m, v, wide, valid);
+        }
       }
     }
   }
@@ -429,7 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t smem_base = smem_addr(smem);
   const Sm90Barriers bar{reinterpret_cast<uint64_t*>(smem + kBarrierOffset)};
   if (threadIdx.x == 0) {
-    cutlass::arch::ClusterBarrier::init(bar.q_full(), 128);
+    cutlass::arch::ClusterBarrier::init(bar.q_full(), 128);  // cp.async completions
+    cutlass::arch::ClusterBarrier::init(bar.q_free(), 8);    // the 8 math warps
     for (int b = 0; b < 2; ++b) {
       for (int h = 0; h < 2; ++h) {
         // 128 cp.async completions + 128 plain arrivals (after the flag writes)
@@ -441,18 +489,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   wait_for_previous_kernel();
-  const MlaCtaWork work = mla_cta_work(p, num_head_groups, kHeads, blocks_per_split);
+  const MlaItems items{num_head_groups, blocks_per_split, int(p.num_tokens * num_head_groups * p.num_splits)};
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 2) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    produce(p, work, smem_base, smem + kValidOffset, bar);
+    produce(p, items, smem_base, smem + kValidOffset, bar);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     if (warpgroup == 0) {
-      compute<0>(p, work, smem_base, smem, bar);
+      compute<0>(p, items, smem_base, smem, bar);
     } else {
-      compute<1>(p, work, smem_base, smem, bar);
+      compute<1>(p, items, smem_base, smem, bar);
     }
   }
 #endif
@@ -466,7 +514,9 @@ void sparse_mla_decode_sm90(const SparseMlaDecodeParams& p, int num_head_groups,
                             cudaStream_t stream) {
   MOELORA_CUDA_CHECK(
       cudaFuncSetAttribute(sparse_mla_decode_sm90_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const int64_t num_ctas = p.num_tokens * num_head_groups * p.num_splits;
+  // Persistent: one CTA an SM at most, each taking items in turn.
+  const int64_t num_items = p.num_tokens * num_head_groups * p.num_splits;
+  const int64_t num_ctas = std::min<int64_t>(num_items, current_device_info().num_sms);
   launch_kernel(sparse_mla_decode_sm90_kernel, dim3(unsigned(num_ctas)), dim3(kThreads), kSmemBytes, stream, p,
                 num_head_groups, blocks_per_split);
 }

@@ -219,6 +219,10 @@ std::vector<MlaCase> mla_cases() {
            .with_sink = true});
       add({.name = "T45_Hq8_topk512_split1_masked_lse", .T = 45, .Hq = 8, .S = 900, .topk = 512,
            .pattern = Indices::kMasked, .num_splits = 1, .with_lse = true});
+      // The persistent wgmma CTAs take items in turn (300 items, 2-3 a CTA): odd pair counts,
+      // items with no key (topk_length 0) between items with keys.
+      add({.name = "T300_Hq64_topk192_split1_length_sink_lse", .T = 300, .Hq = 64, .S = 5000, .topk = 192,
+           .num_splits = 1, .with_lse = true, .with_length = true, .with_sink = true});
     }
   }
   return cases;
