@@ -372,7 +372,9 @@ struct SparseMlaDecodeArgs {
   const TensorView* topk_length = nullptr;
   const TensorView* attn_sink = nullptr;
   // 0: chosen for the device; 1: one pass; n > 1: n splits (at most kMlaMaxSplits, and
-  // fewer when topk has fewer key blocks). The CPU backend always runs one pass.
+  // fewer when topk has fewer 64-key blocks, or block pairs where the sm_90a kernel takes
+  // 64-head groups; every split gets whole blocks, or pairs, and none is empty).
+  // The CPU backend always runs one pass.
   int num_splits = 0;
 };
 // The split count sparse_mla_decode runs with on `device` (1 on the CPU), and the

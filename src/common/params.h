@@ -347,7 +347,8 @@ bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 // With LoRA the down delta is computed from GEMM1's output between the two.
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream, int stages = 3);
 // The split count for a shape on the current device (requested > 0: that, capped by the
-// key blocks of topk and kMlaMaxSplits), and the workspace bytes of a split count.
+// key blocks of topk, or block pairs for the wgmma kernel, and kMlaMaxSplits), and the
+// workspace bytes of a split count.
 int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t topk, int requested);
 int64_t sparse_mla_decode_workspace_bytes(int64_t num_tokens, int64_t num_heads, int num_splits);
 // One launch (one pass), or two (the splits, then their merge).
