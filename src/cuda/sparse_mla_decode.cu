@@ -73,7 +73,11 @@ struct MlaCta {
   static constexpr int kPOffset = kKvOffset + kStages * kStageBytes;  // P [kHeads, kBlockKeys] bf16
   static constexpr int kReduceOffset = kPOffset + kHeads * kBlockKeys * 2;  // [kKeyGroups, kHeads] fp32
   static constexpr int kValidOffset = kReduceOffset + kKeyGroups * kHeads * 4;  // [kStages, kBlockKeys] u8
-  static constexpr int kSmemBytes = kValidOffset + kStages * kBlockKeys;
+  // 16 heads: Q·Kᵀ split over the lanes (kSplitQk below); the partial scores, fp32
+  // [2 key halves][4 lane quarters][4 n-tiles][32 lanes][4] in the mma accumulator layout.
+  static constexpr bool kSplitQk = kHeadTiles == 1;
+  static constexpr int kPartialOffset = kValidOffset + kStages * kBlockKeys;
+  static constexpr int kSmemBytes = kPartialOffset + (kSplitQk ? kWarps * 4 * 32 * 16 : 0);
 };
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
@@ -169,17 +173,56 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
     const uint32_t kv_stage = kv_base + stage * Cta::kStageBytes;
 
     // ---- S = Q·Kᵀ --------------------------------------------------------------------
-    // Two-stage CTAs (one an SM: T = 1, 8) accumulate even and odd k-steps apart, two
-    // dependent chains of 18 mmas instead of one of 36: a warp's chain is the latency of a
-    // CTA that computes one block. One-stage CTAs run two an SM, whose warps cover it, at
-    // the 128-register limit (H100: the second chain cost them 1-4%).
-    constexpr bool kTwoChains = Cta::kStages == 2;
-    float score[Cta::kWarpKeyTiles][4] = {}, score_odd[Cta::kWarpKeyTiles][4] = {};
-    if constexpr (Cta::kWarpKeys >= 16) {
+    float score[Cta::kWarpKeyTiles][4] = {};
+    if constexpr (Cta::kSplitQk) {
+      // 16 heads: warp (key half g = warp / 4, lane quarter c = warp % 4) scores keys
+      // [32 g, 32 g + 32) over lanes [144 c, 144 c + 144) (9 k-steps, 4 independent
+      // chains); the 4 quarters' partial scores are summed through shared memory, warp w
+      // keeping keys [8 w, 8 w + 8) as below. NOTE: with every warp scoring 8 keys over
+      // all 576 lanes, each read all of Q: 221 KB of ldmatrix a block, ~1.2 us of a T = 1
+      // CTA's ~2 us of math at shared memory's 128 B/clk (H100 timeline); split, 110 KB.
+      const int half = warp / 4, quarter = warp % 4;
+      const uint32_t k_lane = kv_stage + (32 * half + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
+      float partial[4][4] = {};
+#pragma unroll 3
+      for (int i = 0; i < 9; ++i) {
+        // k is not known at compile time here: the swizzled offsets are computed, not
+        // indexed (a runtime index into swizzled_hi would put it in local memory).
+        const int k = 9 * quarter + i;
+        const uint32_t chunk_hi = uint32_t((2 * (k % 4)) ^ ((lane >> 4) ^ (lane & 7))) << 4;
+        const uint32_t chunk_mid = uint32_t((2 * (k % 4)) ^ (((lane >> 3) & 1) ^ (lane & 7))) << 4;
+        uint32_t a0, a1, a2, a3;
+        ldmatrix_x4(q_lane + (k / 4) * 128 + chunk_hi, a0, a1, a2, a3);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t b0, b1, b2, b3;
+          ldmatrix_x4(k_lane + j * 16 * kRowBytes + (k / 4) * 128 + chunk_mid, b0, b1, b2, b3);
+          mma_bf16_16x8x16(partial[2 * j], a0, a1, a2, a3, b0, b1);
+          mma_bf16_16x8x16(partial[2 * j + 1], a0, a1, a2, a3, b2, b3);
+        }
+      }
+      float4* partials = reinterpret_cast<float4*>(smem + Cta::kPartialOffset);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        partials[(warp * 4 + j) * 32 + lane] = make_float4(partial[j][0], partial[j][1], partial[j][2], partial[j][3]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float4 v = partials[((4 * half + c) * 4 + quarter) * 32 + lane];
+        score[0][0] += v.x;
+        score[0][1] += v.y;
+        score[0][2] += v.z;
+        score[0][3] += v.w;
+      }
+    } else {
+      // 32 / 64 heads (two-stage CTAs, one an SM): even and odd k-steps accumulate apart,
+      // two dependent chains of 18 mmas instead of one of 36 (T = 1: -1-3%, H100).
+      float score_odd[Cta::kWarpKeyTiles][4] = {};
       const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
 #pragma unroll
       for (int k = 0; k < kKSteps; ++k) {
-        float(&acc)[Cta::kWarpKeyTiles][4] = kTwoChains && k % 2 ? score_odd : score;
+        float(&acc)[Cta::kWarpKeyTiles][4] = k % 2 ? score_odd : score;
         uint32_t a0, a1, a2, a3;
         ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
 #pragma unroll
@@ -190,28 +233,6 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
           mma_bf16_16x8x16(acc[2 * j + 1], a0, a1, a2, a3, b2, b3);
         }
       }
-    } else {
-      // 8 keys a warp: one ldmatrix.x4 holds the B fragments of two k-steps (lane / 8
-      // picks the chunk, 4 chunks = 32 lanes of the row).
-      const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7)) * kRowBytes;
-      uint32_t swizzled_quad[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) swizzled_quad[c] = uint32_t((4 * c) ^ ((lane >> 3) ^ (lane & 7))) << 4;
-#pragma unroll
-      for (int k2 = 0; k2 < kKSteps / 2; ++k2) {
-        uint32_t b0, b1, b2, b3;
-        ldmatrix_x4(k_lane + (k2 / 2) * 128 + swizzled_quad[k2 % 2], b0, b1, b2, b3);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int k = 2 * k2 + half;
-          uint32_t a0, a1, a2, a3;
-          ldmatrix_x4(q_lane + (k / 4) * 128 + swizzled_hi[k % 4], a0, a1, a2, a3);
-          mma_bf16_16x8x16(kTwoChains && half ? score_odd[0] : score[0], a0, a1, a2, a3, half ? b2 : b0,
-                           half ? b3 : b1);
-        }
-      }
-    }
-    if constexpr (kTwoChains) {
 #pragma unroll
       for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
 #pragma unroll
