@@ -52,10 +52,11 @@ static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 
 // The shared-memory plan of a CTA with kHeadTiles 16-head mma tiles.
 // QK: warp w scores head tile w % kHeadTiles against kWarpKeys keys (key group
-// w / kHeadTiles). PV: warp w accumulates every head of the CTA over value lanes
-// [64 w, 64 w + 64), so each V element is read from shared memory once a block.
+// w / kHeadTiles); 16-head CTAs first split it over the lanes (kSplitQk).
+// PV: warp w accumulates every head of the CTA over value lanes [64 w, 64 w + 64), so
+// each V element is read from shared memory once a block.
 // kStages_ 2: a two-stage ring, one CTA an SM. kStages_ 1 (16 heads only): one stage,
-// 94 KB, two CTAs an SM, so one CTA's gather overlaps the other's math and twice the rows
+// 110 KB, two CTAs an SM, so one CTA's gather overlaps the other's math and twice the rows
 // are in flight (single_stage_for says when there is work for two CTAs an SM).
 template <int kHeadTiles, int kStages_ = 2>
 struct MlaCta {
