@@ -352,42 +352,20 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   __syncthreads();
 
   // ---- epilogue: warp w holds value lanes [64 w, 64 w + 64) of every head --------------
-  const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
 #pragma unroll
   for (int mt = 0; mt < kHeadTiles; ++mt) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = mt * 16 + lane / 4 + 8 * h;
       const int head = head0 + row;
-      // Rows past Hq still take part in the quad shuffles below; they store nothing.
       const bool valid = head < p.num_heads;
       float sum = 0.0f;
 #pragma unroll
       for (int g = 0; g < Cta::kKeyGroups; ++g) sum += reduce[g * Cta::kHeads + row];
       const float scale =
           valid ? mla_finish_row(p, token, split, head, row_max[mt][h], sum, warp == 0 && (lane & 3) == 0) : 0.0f;
-      if (fp32_part) {
-        if (!valid) continue;
-        float* part = mla_part_row(p, token, split, head) + warp * 64 + 2 * (lane & 3);
-#pragma unroll
-        for (int n = 0; n < Cta::kWarpValueTiles; ++n) {
-          *reinterpret_cast<float2*>(part + n * 8) =
-              make_float2(out_acc[mt][n][2 * h] * scale, out_acc[mt][n][2 * h + 1] * scale);
-        }
-      } else {
-        auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
-                        int64_t(valid ? head : 0) * p.out_stride_head;
-#pragma unroll
-        for (int m = 0; m < Cta::kWarpValueTiles / 4; ++m) {
-          float v[8];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            v[2 * j] = out_acc[mt][4 * m + j][2 * h] * scale;
-            v[2 * j + 1] = out_acc[mt][4 * m + j][2 * h + 1] * scale;
-          }
-          mla_store_out_group(out_row, warp * 64 + 32 * m, v, wide, valid);
-        }
-      }
+      mla_store_row<Cta::kWarpValueTiles>(p, token, split, head, valid, scale, warp * 64,
+                                          [&](int n, int e) { return out_acc[mt][n][2 * h + e]; });
     }
   }
 }

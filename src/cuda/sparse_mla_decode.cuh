@@ -181,6 +181,38 @@ __device__ __forceinline__ void mla_store_out_group(__nv_bfloat16* row, int col0
   if (store) *reinterpret_cast<uint4*>(row + col0 + 8 * q) = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// One finished (token, head) row of a thread's accumulators: kTiles 8-lane tiles from
+// value lane col0, this thread's pair of tile n being value(n, 0), value(n, 1) (lanes
+// col0 + 8n + 2q, +1), times `scale`. To the split's fp32 part, or to out (bf16) through
+// mla_store_out_group. Every lane of the warp calls it; `valid` masks rows past Hq.
+template <int kTiles, class Value>
+__device__ __forceinline__ void mla_store_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
+                                              int head, bool valid, float scale, int col0, Value value) {
+  static_assert(kTiles % 4 == 0, "out's stores take 4 tiles a quad transpose");
+  if (p.num_splits > 1) {
+    if (!valid) return;  // no shuffles on this path
+    float* part = mla_part_row(p, token, split, head) + col0 + 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      *reinterpret_cast<float2*>(part + n * 8) = make_float2(value(n, 0) * scale, value(n, 1) * scale);
+    }
+    return;
+  }
+  const bool wide = mla_out_rows_16b(p);
+  auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
+                  int64_t(valid ? head : 0) * p.out_stride_head;
+#pragma unroll
+  for (int m = 0; m < kTiles / 4; ++m) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = value(4 * m + j, 0) * scale;
+      v[2 * j + 1] = value(4 * m + j, 1) * scale;
+    }
+    mla_store_out_group(out_row, col0 + 32 * m, v, wide, valid);
+  }
+}
+
 // The wgmma kernel (sm_90a builds on compute capability 9.0): 64 heads a CTA, the same
 // grid order (token, split, head group), workspace and merge as the mma.sync kernel.
 void sparse_mla_decode_sm90(const detail::SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split,

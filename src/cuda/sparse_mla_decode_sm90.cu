@@ -431,37 +431,16 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
     cutlass::arch::NamedBarrier::sync(kMathThreads, kBarrierRowSum);
 
     // ---- epilogue: value lanes [256 kW, 256 kW + 256) of the 64 heads ------------------
-    const bool fp32_part = p.num_splits > 1, wide = mla_out_rows_16b(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + 8 * h;
       const int head = head0 + row;
-      // Rows past Hq still take part in the quad shuffles below; they store nothing.
       const bool valid = head < p.num_heads;
       const float sum = shared_sum[row] + shared_sum[kHeads + row];
       const float scale =
           valid ? mla_finish_row(p, token, split, head, row_max[h], sum, kW == 0 && (lane & 3) == 0) : 0.0f;
-      if (fp32_part) {
-        float* part = mla_part_row(p, token, split, valid ? head : 0) + 256 * kW;
-#pragma unroll
-        for (int n = 0; n < 32; ++n) {
-          const float2 v = make_float2(out_acc[4 * n + 2 * h] * scale, out_acc[4 * n + 2 * h + 1] * scale);
-          if (valid) *reinterpret_cast<float2*>(part + n * 8 + col0) = v;
-        }
-      } else {
-        auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
-                        int64_t(valid ? head : 0) * p.out_stride_head;
-#pragma unroll
-        for (int m = 0; m < 8; ++m) {
-          float v[8];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            v[2 * j] = out_acc[4 * (4 * m + j) + 2 * h] * scale;
-            v[2 * j + 1] = out_acc[4 * (4 * m + j) + 2 * h + 1] * scale;
-          }
-          mla_store_out_group(out_row, 256 * kW + 32 * m, v, wide, valid);
-        }
-      }
+      mla_store_row<32>(p, token, split, head, valid, scale, 256 * kW,
+                        [&](int n, int e) { return out_acc[4 * n + 2 * h + e]; });
     }
   }
 }
