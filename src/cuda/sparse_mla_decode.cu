@@ -12,7 +12,7 @@
 //   online softmax in base 2 (running row max, rescaled accumulators);
 //   O += P·V with V = the first 512 lanes of the same rows.
 // One pass (num_splits == 1) normalises and writes out / lse; with splits each CTA writes
-// its normalised fp32 part and its log2-sum-exp to the workspace and a second kernel
+// its normalised bf16 part and its log2-sum-exp to the workspace and a second kernel
 // merges the parts of every (token, head).
 // Every shared tile is in rows of 16-byte chunks with the chunk index XORed by row % 8,
 // so the 8 row addresses of every ldmatrix phase fall in distinct bank groups (rows are
@@ -391,17 +391,18 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
   const int head = int(blockIdx.x % p.num_heads);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   wait_for_previous_kernel();
-  const float* partial_out = static_cast<const float*>(p.workspace);
+  const auto* partial_out = static_cast<const __nv_bfloat16*>(p.workspace);
   const float* partial_lse = mla_partial_lse(p);
   const int64_t split_stride = p.num_tokens * p.num_heads;
   const int64_t slot0 = token * p.num_heads + head;
   // The first kMergeBatch parts are loaded before the weights, which they do not need:
   // one L2 round trip for the lse and these parts together.
-  const float* part = partial_out + slot0 * kValueDim + tid * 4;
-  float4 values[kMergeBatch];
+  const __nv_bfloat16* part = partial_out + slot0 * kValueDim + tid * 4;
+  auto load_part = [&](int s) { return __ldcg(reinterpret_cast<const uint2*>(part + s * split_stride * kValueDim)); };
+  uint2 values[kMergeBatch];  // 4 bf16 lanes of a part
 #pragma unroll
   for (int i = 0; i < kMergeBatch; ++i) {
-    if (i < p.num_splits) values[i] = __ldcg(reinterpret_cast<const float4*>(part + i * split_stride * kValueDim));
+    if (i < p.num_splits) values[i] = load_part(i);
   }
   // Thread s holds split s's log2-sum-exp; block max, then weights 2^(lse_s - max).
   const float lse = tid < p.num_splits ? partial_lse[tid * split_stride + slot0] : -INFINITY;
@@ -430,19 +431,19 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
     if (s0 > 0) {
 #pragma unroll
       for (int i = 0; i < kMergeBatch; ++i) {
-        if (s0 + i < p.num_splits) {
-          values[i] = __ldcg(reinterpret_cast<const float4*>(part + (s0 + i) * split_stride * kValueDim));
-        }
+        if (s0 + i < p.num_splits) values[i] = load_part(s0 + i);
       }
     }
 #pragma unroll
     for (int i = 0; i < kMergeBatch; ++i) {
       if (s0 + i < p.num_splits) {
         const float w = split_weight[s0 + i];
-        acc.x += w * values[i].x;
-        acc.y += w * values[i].y;
-        acc.z += w * values[i].z;
-        acc.w += w * values[i].w;
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&values[i].x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&values[i].y));
+        acc.x += w * lo.x;
+        acc.y += w * lo.y;
+        acc.z += w * hi.x;
+        acc.w += w * hi.y;
       }
     }
   }

@@ -62,11 +62,14 @@ __device__ __forceinline__ void mla_store_p_pair(uint32_t tile, int row, int key
 }
 static_assert(kMlaBlockKeys * 2 == 128, "a P row is one 128-byte swizzle row");
 
-// The partial outputs of the splits: [num_splits, T, Hq, 512] fp32, then their
-// log2-sum-exps [num_splits, T, Hq] fp32 at a 256-byte boundary. Every split writes both
-// for every head, zeros and -inf when it saw no valid key: the merge reads them all.
+// The partial outputs of the splits: [num_splits, T, Hq, 512] bf16 (each normalised by
+// its own sum, so a convex combination of V rows: bf16 like out, as FlashInfer's split-kv
+// partial outputs; the merge sums them in fp32), then their log2-sum-exps [num_splits, T,
+// Hq] fp32 at a 256-byte boundary. Every split writes both for every head, zeros and -inf
+// when it saw no valid key: the merge reads them all. NOTE (H100): with fp32 parts their
+// round trip was the larger part of a T = 1, Hq 128 call (8 MB at 32 splits).
 __host__ __device__ inline int64_t mla_partial_out_bytes(int64_t num_tokens, int64_t num_heads, int num_splits) {
-  return (int64_t(num_splits) * num_tokens * num_heads * kMlaValueLanes * 4 + 255) / 256 * 256;
+  return (int64_t(num_splits) * num_tokens * num_heads * kMlaValueLanes * 2 + 255) / 256 * 256;
 }
 
 // A (split, token, head) row's index in both.
@@ -127,13 +130,13 @@ __device__ __forceinline__ float mla_finish_row(const detail::SparseMlaDecodePar
 }
 
 // ---- storing finished rows ------------------------------------------------------------
-// Both go straight from the accumulator layout, where a row's values (col 8n + 2q, +1)
-// sit in thread q of the row's quad. fp32 parts (splits): 8 B a thread, so a warp's store
-// covers whole 32-byte sectors of 8 rows. bf16 rows of out (one split) would cover half
-// sectors that way: mla_store_out_group first transposes the quad's values.
-__device__ __forceinline__ float* mla_part_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
-                                               int head) {
-  return static_cast<float*>(p.workspace) + mla_part_slot(p, token, split, head) * kMlaValueLanes;
+// Rows of out (one split) and of the parts (splits) are bf16 and go straight from the
+// accumulator layout, where a row's values (col 8n + 2q, +1) sit in thread q of the row's
+// quad; that would store half sectors, so mla_store_out_group first transposes the quad's
+// values.
+__device__ __forceinline__ __nv_bfloat16* mla_part_row(const detail::SparseMlaDecodeParams& p, int64_t token,
+                                                       int split, int head) {
+  return static_cast<__nv_bfloat16*>(p.workspace) + mla_part_slot(p, token, split, head) * kMlaValueLanes;
 }
 // True when every out row starts on 16 bytes (else they are 4-byte aligned, ArgCheck).
 __device__ __forceinline__ bool mla_out_rows_16b(const detail::SparseMlaDecodeParams& p) {
@@ -183,24 +186,19 @@ __device__ __forceinline__ void mla_store_out_group(__nv_bfloat16* row, int col0
 
 // One finished (token, head) row of a thread's accumulators: kTiles 8-lane tiles from
 // value lane col0, this thread's pair of tile n being value(n, 0), value(n, 1) (lanes
-// col0 + 8n + 2q, +1), times `scale`. To the split's fp32 part, or to out (bf16) through
+// col0 + 8n + 2q, +1), times `scale`. To the split's part, or to out, through
 // mla_store_out_group. Every lane of the warp calls it; `valid` masks rows past Hq.
 template <int kTiles, class Value>
 __device__ __forceinline__ void mla_store_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
                                               int head, bool valid, float scale, int col0, Value value) {
-  static_assert(kTiles % 4 == 0, "out's stores take 4 tiles a quad transpose");
-  if (p.num_splits > 1) {
-    if (!valid) return;  // no shuffles on this path
-    float* part = mla_part_row(p, token, split, head) + col0 + 2 * (threadIdx.x % 4);
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      *reinterpret_cast<float2*>(part + n * 8) = make_float2(value(n, 0) * scale, value(n, 1) * scale);
-    }
-    return;
-  }
-  const bool wide = mla_out_rows_16b(p);
-  auto* out_row = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
-                  int64_t(valid ? head : 0) * p.out_stride_head;
+  static_assert(kTiles % 4 == 0, "the stores take 4 tiles a quad transpose");
+  const int row_head = valid ? head : 0;
+  // part rows are 1 KB apart from a 256-byte boundary: always 16-byte stores
+  const bool split_part = p.num_splits > 1;
+  const bool wide = split_part || mla_out_rows_16b(p);
+  __nv_bfloat16* out_row = split_part ? mla_part_row(p, token, split, row_head)
+                                      : static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token +
+                                            int64_t(row_head) * p.out_stride_head;
 #pragma unroll
   for (int m = 0; m < kTiles / 4; ++m) {
     float v[8];

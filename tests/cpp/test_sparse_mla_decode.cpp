@@ -191,6 +191,14 @@ std::vector<MlaCase> mla_cases() {
       add({.name = "T3_Hq64_topk300_split64_length_sink_lse", .T = 3, .Hq = 64, .S = 900, .topk = 300,
            .num_splits = 64, .with_lse = true, .with_length = true, .with_sink = true});
       add({.name = "T2_Hq16_topk4096_auto", .T = 2, .Hq = 16, .S = 20000, .topk = 4096});
+      // Many splits of few heads and tokens (the mma.sync kernel): 16 with lengths (splits
+      // with no key), 6 of 32-head CTAs, 32 with all-masked tokens.
+      add({.name = "T1_Hq64_topk2048_split16_length_sink_lse", .T = 1, .Hq = 64, .S = 9000, .topk = 2048,
+           .num_splits = 16, .with_lse = true, .with_length = true, .with_sink = true});
+      add({.name = "T2_Hq128_topk1024_split6_masked_length_lse", .T = 2, .Hq = 128, .S = 3000, .topk = 1024,
+           .pattern = Indices::kMasked, .num_splits = 6, .with_lse = true, .with_length = true});
+      add({.name = "T2_Hq20_topk2048_split32_allmasked_sink_lse", .T = 2, .Hq = 20, .S = 5000, .topk = 2048,
+           .pattern = Indices::kAllMaskedRows, .num_splits = 32, .with_lse = true, .with_sink = true});
       add({.name = "T300_Hq16_topk128_lse", .T = 300, .Hq = 16, .S = 5000, .topk = 128, .with_lse = true});
       add({.name = "T64_Hq128_topk128_masked_sink", .T = 64, .Hq = 128, .S = 3000, .topk = 128,
            .pattern = Indices::kMasked, .with_sink = true});
