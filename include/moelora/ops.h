@@ -353,9 +353,9 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
 // CUDA splits each token's indices over num_splits CTAs when T and Hq alone do not fill
 // the device, and merges the parts in a second kernel; their bf16 partial outputs and
 // fp32 log-sum-exps go in `workspace` (sparse_mla_decode_workspace_size bytes, 256-byte
-// aligned; 0 bytes, so any or an empty view, when the op runs in one pass). The split count comes from T,
-// Hq, topk and the device's SM count (never from data), so one captured graph serves
-// every call of a shape.
+// aligned; 0 bytes, so any or an empty view, when the op runs in one pass). The split
+// count comes from T, Hq, topk and the device's SM count (never from data), so one
+// captured graph serves every call of a shape.
 constexpr int64_t kMlaHeadDim = 576;   // latent 512 + rope 64
 constexpr int64_t kMlaValueDim = 512;  // the latent lanes: V
 constexpr int64_t kMlaMaxHeads = 128;
