@@ -380,9 +380,10 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
 constexpr int kMergeThreads = kValueDim / 4;
 static_assert(kMlaMaxSplits <= kMergeThreads);
 
-// kMergeBatch: parts a thread has in flight. 32 (166 registers) for many splits (small T:
-// few CTAs, latency-bound); 8 otherwise: at T = 64, Hq 16 (4 splits, 1024 CTAs) the
-// 32-part version's registers cost occupancy, 19.4 -> 22.0 us (H100).
+// kMergeBatch: parts a thread has in flight. 32 (96 registers with bf16 parts) for many
+// splits (small T: few CTAs, latency-bound); 8 (40) otherwise: at T = 64, Hq 16 (4
+// splits, 1024 CTAs) the 32-part version's registers, 166 with fp32 parts, cost
+// occupancy, 19.4 -> 22.0 us (H100).
 template <int kMergeBatch>
 __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const SparseMlaDecodeParams p) {
   __shared__ float split_weight[kMlaMaxSplits];
