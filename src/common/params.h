@@ -324,6 +324,10 @@ detail::CudaDeviceFacts current_device_facts();
 // Programmatic dependent launch on/off for this process (default on where the device
 // has it, unless $MOELORA_PDL=0). For A/B timing against launches without it.
 void set_pdl_allowed(bool allowed);
+// Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
+// device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
+// (166,912) gets. For tests and benchmarks; not thread-safe against launches in flight.
+void set_cta_smem_limit(int bytes);
 void moe_align_block_size(const detail::AlignParams& p, Stream stream);
 void fused_moe(const detail::GemmParams& p, Stream stream);
 // The tensor-core kernels load these operands (16-bit types, K-contiguous 16-byte rows);

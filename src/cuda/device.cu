@@ -1,5 +1,6 @@
 // Device queries for the CUDA backend. Each is cached per device ordinal, so the launch
 // path pays one cudaGetDevice per call and never a property query or a sync.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -48,6 +49,8 @@ const DeviceInfo& current_device_info() {
     info.cc_minor = prop.minor;
     info.num_sms = prop.multiProcessorCount;
     info.l2_bytes = prop.l2CacheSize;
+    info.max_smem_per_cta = int(prop.sharedMemPerBlockOptin);
+    info.smem_per_sm = int(prop.sharedMemPerMultiprocessor);
     std::strncpy(info.name, prop.name, sizeof(info.name) - 1);
     cached.info = info;
     cached.ready.store(true, std::memory_order_release);
@@ -68,6 +71,24 @@ std::atomic<bool> g_pdl_allowed{[] {
 }  // namespace
 
 void set_pdl_allowed(bool allowed) { g_pdl_allowed.store(allowed); }
+
+namespace {
+std::atomic<int> g_cta_smem_limit{0};
+}  // namespace
+
+void set_cta_smem_limit(int bytes) { g_cta_smem_limit.store(std::max(bytes, 0)); }
+
+int cta_smem_limit(const DeviceInfo& d) {
+  const int limit = g_cta_smem_limit.load(std::memory_order_relaxed);
+  return limit > 0 ? std::min(limit, d.max_smem_per_cta) : d.max_smem_per_cta;
+}
+
+// A part whose CTA may have L bytes has L + 1 KB an SM (A100, H100: the 1 KB the
+// system reserves per CTA).
+int sm_smem_limit(const DeviceInfo& d) {
+  const int limit = g_cta_smem_limit.load(std::memory_order_relaxed);
+  return limit > 0 ? std::min(limit + 1024, d.smem_per_sm) : d.smem_per_sm;
+}
 
 bool pdl_enabled() { return g_pdl_allowed.load(std::memory_order_relaxed) && current_device_info().cc_major >= 9; }
 

@@ -10,11 +10,18 @@ struct DeviceInfo {
   int cc_major, cc_minor;
   int num_sms;
   int l2_bytes;
+  int max_smem_per_cta;  // the opt-in limit of a CTA's shared memory (A100 166,912; H100 232,448)
+  int smem_per_sm;       // (A100 167,936; H100 233,472)
   char name[256];  // e.g. "NVIDIA H100 80GB HBM3"
 };
 
 // The current device's facts, queried once per device and cached. Throws on CUDA errors.
 const DeviceInfo& current_device_info();
+
+// The shared memory a kernel plan may give one CTA, and an SM, on `d`: the device's own
+// limits, or less under set_cta_smem_limit (tests and benchmarks run smaller parts' plans).
+int cta_smem_limit(const DeviceInfo& d);
+int sm_smem_limit(const DeviceInfo& d);
 
 // A per-device value computed once on first use (an occupancy query, say) and kept in
 // the caller's cache, one per kernel instance; 0 means not computed yet. No sync.

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
+#include <string>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
@@ -55,15 +56,17 @@ static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 // w / kHeadTiles); 16-head CTAs first split it over the lanes (kSplitQk).
 // PV: warp w accumulates every head of the CTA over value lanes [64 w, 64 w + 64), so
 // each V element is read from shared memory once a block.
-// kStages_ 2: a two-stage ring, one CTA an SM. kStages_ 1 (16 heads only): one stage,
-// 110 KB, two CTAs an SM, so one CTA's gather overlaps the other's math and twice the rows
-// are in flight (single_stage_for says when there is work for two CTAs an SM).
+// kStages_ 2: a two-stage ring, one CTA an SM. kStages_ 1: one stage; 16 heads: 110 KB,
+// two CTAs an SM, so one CTA's gather overlaps the other's math and twice the rows are in
+// flight (single_stage_for says when there is work for two CTAs an SM); 32 and 64 heads
+// (115 and 156 KB, one an SM): the plan of parts whose CTAs cannot have the two-stage ring
+// (190 and 230 KB), the A100's 163 KB among them.
 template <int kHeadTiles, int kStages_ = 2>
 struct MlaCta {
   static constexpr int kHeads = 16 * kHeadTiles;
   static constexpr int kStages = kStages_;
-  static constexpr int kCtasPerSm = kStages == 1 ? 2 : 1;
-  static_assert(kStages == 2 || kHeadTiles == 1, "one stage is for 16-head CTAs");
+  static constexpr int kCtasPerSm = kStages == 1 && kHeadTiles == 1 ? 2 : 1;
+  static_assert(kStages == 1 || kStages == 2);
   static constexpr int kKeyGroups = kWarps / kHeadTiles;
   static constexpr int kWarpKeys = kBlockKeys / kKeyGroups;  // 8, 16 or 32
   static constexpr int kWarpKeyTiles = kWarpKeys / 8;        // mma n-tiles of scores
@@ -83,6 +86,8 @@ struct MlaCta {
 // NOTE: 64 heads fill 230,016 of the 232,448 bytes an sm_90 CTA may have.
 static_assert(MlaCta<4>::kSmemBytes <= 232448);
 static_assert(MlaCta<1, 1>::kCtasPerSm * (MlaCta<1, 1>::kSmemBytes + 1024) <= 228 * 1024);
+// The one-stage plans fit an A100's CTA (166,912 bytes).
+static_assert(MlaCta<4, 1>::kSmemBytes <= 166912);
 
 template <int kHeadTiles, int kStages>
 __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPerSm)
@@ -501,8 +506,8 @@ bool single_stage_for(int head_tiles, int64_t num_tokens, int64_t num_heads, int
 int smem_bytes_for(int head_tiles, bool single_stage) {
   switch (head_tiles) {
     case 1: return single_stage ? MlaCta<1, 1>::kSmemBytes : MlaCta<1>::kSmemBytes;
-    case 2: return MlaCta<2>::kSmemBytes;
-    default: return MlaCta<4>::kSmemBytes;
+    case 2: return single_stage ? MlaCta<2, 1>::kSmemBytes : MlaCta<2>::kSmemBytes;
+    default: return single_stage ? MlaCta<4, 1>::kSmemBytes : MlaCta<4>::kSmemBytes;
   }
 }
 
@@ -510,15 +515,32 @@ int smem_bytes_for(int head_tiles, bool single_stage) {
 struct MlaPlan {
   int head_tiles;     // 16-head mma tiles a CTA takes (4: 64 heads)
   bool sm90;          // the wgmma kernel (64-head groups, sm_90a build and device)
-  bool single_stage;  // the one-stage 16-head mma.sync CTA
+  bool single_stage;  // the one-stage mma.sync CTA
   int smem_bytes;     // of the kernel's CTA
+  int ctas_per_sm;    // the CTAs an SM holds at once
 };
 MlaPlan plan_for(int64_t num_tokens, int64_t num_heads, int64_t topk) {
+  const DeviceInfo& device = current_device_info();
+  const int smem_limit = cta_smem_limit(device);
   MlaPlan plan;
   plan.head_tiles = head_tiles_for(num_tokens, num_heads, topk);
-  plan.sm90 = plan.head_tiles * 16 == kMlaSm90Heads && sm90_kernels_available(current_device_info());
+  plan.sm90 = plan.head_tiles * 16 == kMlaSm90Heads && sm90_kernels_available(device) &&
+              sparse_mla_decode_sm90_smem_bytes() <= smem_limit;
   plan.single_stage = single_stage_for(plan.head_tiles, num_tokens, num_heads, topk);
+  if (!plan.sm90) {
+    // A part whose CTA cannot have the two-stage ring (A100: 163 KB) takes one stage, the
+    // same head group; fewer heads only where even that does not fit.
+    if (smem_bytes_for(plan.head_tiles, plan.single_stage) > smem_limit) plan.single_stage = true;
+    while (plan.head_tiles > 1 && smem_bytes_for(plan.head_tiles, true) > smem_limit) plan.head_tiles /= 2;
+    if (smem_bytes_for(plan.head_tiles, plan.single_stage) > smem_limit) {
+      throw Error("moelora.sparse_mla_decode: the CUDA kernels need " +
+                  std::to_string(smem_bytes_for(1, true)) + " bytes of shared memory a CTA; this device (" +
+                  device.name + ") allows " + std::to_string(smem_limit));
+    }
+  }
   plan.smem_bytes = plan.sm90 ? sparse_mla_decode_sm90_smem_bytes() : smem_bytes_for(plan.head_tiles, plan.single_stage);
+  const int kernel_ctas_per_sm = !plan.sm90 && plan.single_stage && plan.head_tiles == 1 ? 2 : 1;
+  plan.ctas_per_sm = std::clamp(sm_smem_limit(device) / (plan.smem_bytes + 1024), 1, kernel_ctas_per_sm);
   return plan;
 }
 
@@ -541,9 +563,7 @@ int sparse_mla_decode_num_splits(int64_t num_tokens, int64_t num_heads, int64_t 
   if (num_tokens <= 0) return 1;
   // Fill the device in whole waves: the smallest split count whose last wave keeps >= 80%
   // of the CTA slots busy, else the one that keeps the most busy.
-  const DeviceInfo& device = current_device_info();
-  const int64_t ctas_per_sm = std::max(1, (228 * 1024) / (plan.smem_bytes + 1024));
-  const int64_t slots = int64_t(device.num_sms) * ctas_per_sm;
+  const int64_t slots = int64_t(current_device_info().num_sms) * plan.ctas_per_sm;
   const int64_t base = num_tokens * ((num_heads + 16 * plan.head_tiles - 1) / (16 * plan.head_tiles));
   int64_t splits = 1;
   double best = 0.0;
@@ -586,8 +606,20 @@ void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
           launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream);
         }
         break;
-      case 2: launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream); break;
-      default: launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream); break;
+      case 2:
+        if (plan.single_stage) {
+          launch_splits<2, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
+        } else {
+          launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream);
+        }
+        break;
+      default:
+        if (plan.single_stage) {
+          launch_splits<4, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
+        } else {
+          launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream);
+        }
+        break;
     }
   }
   if (p.num_splits > 1) {

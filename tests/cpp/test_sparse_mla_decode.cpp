@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/params.h"
 #include "test_util.h"
 
 namespace moelora::test {
@@ -28,6 +29,30 @@ struct MlaCase {
   bool with_length = false;
   bool with_sink = false;
   double scale = 1.0 / 24.0;  // 1/sqrt(576): logits of std ~1 for normal(0, 1) data
+  int cta_smem_limit = 0;     // CUDA: the plan of a part whose CTA has this much shared memory
+};
+
+// An A100's CTA: the sm_80 plans (one-stage mma.sync CTAs, no wgmma) on any device.
+constexpr int kA100CtaSmem = 166912;
+
+// Sets the shared-memory limit of the CUDA kernel plans for one scope.
+class CtaSmemLimit {
+ public:
+  explicit CtaSmemLimit(int bytes) : active_(bytes > 0) {
+#ifdef MOELORA_WITH_CUDA
+    if (active_) moelora::cuda::set_cta_smem_limit(bytes);
+#endif
+  }
+  ~CtaSmemLimit() {
+#ifdef MOELORA_WITH_CUDA
+    if (active_) moelora::cuda::set_cta_smem_limit(0);
+#endif
+  }
+  CtaSmemLimit(const CtaSmemLimit&) = delete;
+  CtaSmemLimit& operator=(const CtaSmemLimit&) = delete;
+
+ private:
+  bool active_;
 };
 
 void PrintTo(const MlaCase& c, std::ostream* os) { *os << c.name; }
@@ -57,6 +82,7 @@ class SparseMlaDecodeTest : public ::testing::TestWithParam<MlaCase> {};
 TEST_P(SparseMlaDecodeTest, MatchesReference) {
   const MlaCase& c = GetParam();
   MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  const CtaSmemLimit smem_limit(c.cta_smem_limit);
   std::mt19937 rng(std::hash<std::string>{}(c.name));
   // padded: q heads 640 apart and tokens 8 more; kv rows 584 apart; out heads 514 apart.
   const int64_t q_head = c.padded ? D + 64 : D, q_token = c.padded ? c.Hq * q_head + 8 : c.Hq * q_head;
@@ -231,6 +257,26 @@ std::vector<MlaCase> mla_cases() {
       // items with no key (topk_length 0) between items with keys.
       add({.name = "T300_Hq64_topk192_split1_length_sink_lse", .T = 300, .Hq = 64, .S = 5000, .topk = 192,
            .num_splits = 1, .with_lse = true, .with_length = true, .with_sink = true});
+      // The sm_80 plans, as an A100's CTA (163 KB) gets them: one-stage CTAs of 16, 32 and
+      // 64 heads, one pass and splits, masking, lengths, sinks, all-masked rows, strides.
+      add({.name = "A100_T1_Hq128_topk2048_auto_lse", .T = 1, .Hq = 128, .S = 8192, .topk = 2048,
+           .with_lse = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T1_Hq16_topk1024_auto_sink", .T = 1, .Hq = 16, .S = 4096, .topk = 1024,
+           .with_sink = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T8_Hq64_topk512_auto_length_lse", .T = 8, .Hq = 64, .S = 2000, .topk = 512,
+           .with_lse = true, .with_length = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T5_Hq32_topk640_split3_masked_lse", .T = 5, .Hq = 32, .S = 500, .topk = 640,
+           .pattern = Indices::kMasked, .num_splits = 3, .with_lse = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T40_Hq128_topk512_split1_masked_sink_lse", .T = 40, .Hq = 128, .S = 4000, .topk = 512,
+           .pattern = Indices::kMasked, .num_splits = 1, .with_lse = true, .with_sink = true,
+           .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T70_Hq96_topk640_split3_allmasked_length_sink_lse", .T = 70, .Hq = 96, .S = 900,
+           .topk = 640, .pattern = Indices::kAllMaskedRows, .num_splits = 3, .with_lse = true, .with_length = true,
+           .with_sink = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T64_Hq16_topk512_auto_padded_lse", .T = 64, .Hq = 16, .S = 3000, .topk = 512,
+           .padded = true, .with_lse = true, .cta_smem_limit = kA100CtaSmem});
+      add({.name = "A100_T40_Hq32_topk192_duplicates_padded", .T = 40, .Hq = 32, .S = 100, .topk = 192,
+           .pattern = Indices::kDuplicates, .padded = true, .cta_smem_limit = kA100CtaSmem});
     }
   }
   return cases;
@@ -326,6 +372,13 @@ TEST_P(SparseMlaDecodeArgsTest, RejectsBadArguments) {
     a.indices = long_indices.view({T, 1, 1024});
     a.num_splits = 4;
     EXPECT_THAT(message(a), HasSubstr("'workspace' expected at least"));
+    // A part whose CTA has less shared memory than the smallest plan (99 KB: sm_86 / sm_89)
+    // is told so, by the workspace query and the op.
+    const CtaSmemLimit small_part(101376);
+    const std::string needs = "bytes of shared memory a CTA; this device";
+    EXPECT_THAT(error_message([&] { sparse_mla_decode_workspace_size(T, Hq, 1024, device_of(backend)); }),
+                HasSubstr(needs));
+    EXPECT_THAT(message(good()), HasSubstr(needs));
   }
   // Nothing was written by a rejected call.
   out.download();
