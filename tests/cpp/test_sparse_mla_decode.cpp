@@ -25,6 +25,7 @@ struct MlaCase {
   Indices pattern = Indices::kRandom;
   int num_splits = 0;  // 0: the device's choice
   bool padded = false;
+  bool q_broadcast = false;  // one q row for all heads of a token (head stride 0)
   bool with_lse = false;
   bool with_length = false;
   bool with_sink = false;
@@ -95,7 +96,7 @@ TEST_P(SparseMlaDecodeTest, MatchesReference) {
   Buffer lse(c.backend, DType::kFloat32, std::max<int64_t>(1, c.T * c.Hq));
   Buffer length(c.backend, DType::kInt32, std::max<int64_t>(1, c.T));
   Buffer sink(c.backend, DType::kFloat32, c.Hq);
-  const TensorView q_view = q.view({c.T, c.Hq, D}, {q_token, q_head, 1});
+  const TensorView q_view = q.view({c.T, c.Hq, D}, {q_token, c.q_broadcast ? 0 : q_head, 1});
   const TensorView kv_view = kv.view({c.S, 1, D}, {kv_row, kv_row, 1});
   const TensorView indices_view = indices.view({c.T, 1, c.topk});
   const TensorView out_view = out.view({c.T, c.Hq, DV}, {out_token, out_head, 1});
@@ -103,7 +104,8 @@ TEST_P(SparseMlaDecodeTest, MatchesReference) {
   const TensorView length_view = length.view({c.T});
   const TensorView sink_view = sink.view({c.Hq});
 
-  const std::vector<double> q_values = q.fill_normal(q_view, rng);
+  std::vector<double> q_values = q.fill_normal(q_view, rng);
+  if (c.q_broadcast) q_values = q.read(q_view);  // the last value written to each shared row
   const std::vector<double> kv_values = kv.fill_normal(kv_view, rng);
   const std::vector<int64_t> index_values = make_indices(c, rng);
   for (size_t i = 0; i < index_values.size(); ++i) indices.set(int64_t(i), double(index_values[i]));
@@ -201,6 +203,7 @@ std::vector<MlaCase> mla_cases() {
     add({.name = "T2_Hq64_padded_sink", .T = 2, .Hq = 64, .S = 200, .topk = 64, .padded = true, .with_sink = true});
     add({.name = "T3_Hq16_peaked", .T = 3, .Hq = 16, .S = 200, .topk = 128, .scale = 0.25});
     add({.name = "T1_Hq1", .T = 1, .Hq = 1, .S = 100, .topk = 64});
+    add({.name = "T2_Hq32_topk128_qbroadcast", .T = 2, .Hq = 32, .S = 300, .topk = 128, .q_broadcast = true});
     add({.name = "T0", .T = 0, .Hq = 16, .S = 100, .topk = 64});
     if (backend == Backend::kCUDA) {
       // Split counts: forced (1, 3, every key block its own split) and chosen; large T.
@@ -257,6 +260,11 @@ std::vector<MlaCase> mla_cases() {
       // items with no key (topk_length 0) between items with keys.
       add({.name = "T300_Hq64_topk192_split1_length_sink_lse", .T = 300, .Hq = 64, .S = 5000, .topk = 192,
            .num_splits = 1, .with_lse = true, .with_length = true, .with_sink = true});
+      // A head stride of 0 (every head reads one q row) on the wgmma kernel: one pass and splits.
+      add({.name = "T40_Hq128_topk512_split1_qbroadcast_lse", .T = 40, .Hq = 128, .S = 3000, .topk = 512,
+           .num_splits = 1, .q_broadcast = true, .with_lse = true});
+      add({.name = "T8_Hq64_topk1024_auto_qbroadcast_padded_sink", .T = 8, .Hq = 64, .S = 3000, .topk = 1024,
+           .padded = true, .q_broadcast = true, .with_sink = true});
       // The sm_80 plans, as an A100's CTA (163 KB) gets them: one-stage CTAs of 16, 32 and
       // 64 heads, one pass and splits, masking, lengths, sinks, all-masked rows, strides.
       add({.name = "A100_T1_Hq128_topk2048_auto_lse", .T = 1, .Hq = 128, .S = 8192, .topk = 2048,
