@@ -17,8 +17,9 @@
 //   bytes = gathered kv rows (T·topk·1152) + q (T·Hq·1152) + out (T·Hq·1024),
 //   FLOPs = 2·(576 + 512) per head per key;
 // the rates are measured in the same run (--ceilings), else H100 nominal (3.0 TB/s,
-// 790 TFLOP/s) and said so. --cta-smem-limit plans the kernels as for a part whose CTA has
-// BYTES of shared memory (166912: the sm_80 plans an A100 runs, timed here). rel_err: ‖out − ref‖/‖ref‖ over the first and last token.
+// 790 TFLOP/s) and said so. rel_err: ‖out − ref‖/‖ref‖ over the first and last token.
+// --cta-smem-limit plans the kernels as for a part whose CTA has BYTES of shared memory
+// (166912: the sm_80 plans an A100 runs, timed on this GPU).
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -312,7 +313,9 @@ int main(int argc, char** argv) {
     std::printf("moelora %s | sparse_mla_decode | device %s | ceilings %.2f TB/s copy, %.0f TFLOP/s bf16 (%s)\n",
                 moelora::version(), use_cuda ? "cuda" : "cpu", ceilings.copy_tbps, ceilings.bf16_tflops,
                 ceilings.measured ? "measured" : "nominal H100, not measured");
-    if (o.cta_smem_limit > 0) std::printf("kernel plans for a CTA of at most %d bytes of shared memory\n", o.cta_smem_limit);
+    if (o.cta_smem_limit > 0) {
+      std::printf("kernel plans for a CTA of at most %d bytes of shared memory\n", o.cta_smem_limit);
+    }
     std::vector<Row> rows;
     for (int64_t Hq : o.heads) {
       for (int64_t topk : o.topks) {

@@ -326,7 +326,8 @@ detail::CudaDeviceFacts current_device_facts();
 void set_pdl_allowed(bool allowed);
 // Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
 // device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
-// (166,912) gets. For tests and benchmarks; not thread-safe against launches in flight.
+// (166,912) gets. For tests and benchmarks: a workspace query and its op's launch must
+// see the same limit.
 void set_cta_smem_limit(int bytes);
 void moe_align_block_size(const detail::AlignParams& p, Stream stream);
 void fused_moe(const detail::GemmParams& p, Stream stream);

@@ -539,6 +539,7 @@ MlaPlan plan_for(int64_t num_tokens, int64_t num_heads, int64_t topk) {
     }
   }
   plan.smem_bytes = plan.sm90 ? sparse_mla_decode_sm90_smem_bytes() : smem_bytes_for(plan.head_tiles, plan.single_stage);
+  // MlaCta::kCtasPerSm of the plan's kernel, as the SM's shared memory allows.
   const int kernel_ctas_per_sm = !plan.sm90 && plan.single_stage && plan.head_tiles == 1 ? 2 : 1;
   plan.ctas_per_sm = std::clamp(sm_smem_limit(device) / (plan.smem_bytes + 1024), 1, kernel_ctas_per_sm);
   return plan;
