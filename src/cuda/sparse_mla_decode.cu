@@ -61,8 +61,9 @@ static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 // flight (single_stage_for says when there is work for two CTAs an SM); 32 and 64 heads
 // (115 and 156 KB, one an SM): the plan of parts whose CTAs cannot have the two-stage ring
 // (190 and 230 KB), the A100's 163 KB among them.
-template <int kHeadTiles, int kStages_ = 2>
+template <int kHeadTiles_, int kStages_ = 2>
 struct MlaCta {
+  static constexpr int kHeadTiles = kHeadTiles_;
   static constexpr int kHeads = 16 * kHeadTiles;
   static constexpr int kStages = kStages_;
   static constexpr int kCtasPerSm = kStages == 1 && kHeadTiles == 1 ? 2 : 1;
@@ -503,12 +504,18 @@ bool single_stage_for(int head_tiles, int64_t num_tokens, int64_t num_heads, int
          num_tokens * ((num_heads + 15) / 16) * max_splits_for(topk) >= 2 * int64_t(current_device_info().num_sms);
 }
 
-int smem_bytes_for(int head_tiles, bool single_stage) {
+// fn(MlaCta<head_tiles, single_stage ? 1 : 2>{}): the one place a plan's numbers pick a
+// CTA type (its shared memory, its CTAs an SM, its kernel).
+template <class Fn>
+decltype(auto) with_mla_cta(int head_tiles, bool single_stage, Fn&& fn) {
   switch (head_tiles) {
-    case 1: return single_stage ? MlaCta<1, 1>::kSmemBytes : MlaCta<1>::kSmemBytes;
-    case 2: return single_stage ? MlaCta<2, 1>::kSmemBytes : MlaCta<2>::kSmemBytes;
-    default: return single_stage ? MlaCta<4, 1>::kSmemBytes : MlaCta<4>::kSmemBytes;
+    case 1: return single_stage ? fn(MlaCta<1, 1>{}) : fn(MlaCta<1>{});
+    case 2: return single_stage ? fn(MlaCta<2, 1>{}) : fn(MlaCta<2>{});
+    default: return single_stage ? fn(MlaCta<4, 1>{}) : fn(MlaCta<4>{});
   }
+}
+int smem_bytes_for(int head_tiles, bool single_stage) {
+  return with_mla_cta(head_tiles, single_stage, [](auto cta) { return decltype(cta)::kSmemBytes; });
 }
 
 // The kernel a call runs: one decision for the split heuristic and the launch.
@@ -539,16 +546,16 @@ MlaPlan plan_for(int64_t num_tokens, int64_t num_heads, int64_t topk) {
     }
   }
   plan.smem_bytes = plan.sm90 ? sparse_mla_decode_sm90_smem_bytes() : smem_bytes_for(plan.head_tiles, plan.single_stage);
-  // MlaCta::kCtasPerSm of the plan's kernel, as the SM's shared memory allows.
-  const int kernel_ctas_per_sm = !plan.sm90 && plan.single_stage && plan.head_tiles == 1 ? 2 : 1;
+  // The kernel's CTAs an SM (its launch bounds), as the SM's shared memory allows.
+  const auto ctas_per_sm_of = [](auto cta) { return decltype(cta)::kCtasPerSm; };
+  const int kernel_ctas_per_sm = plan.sm90 ? 1 : with_mla_cta(plan.head_tiles, plan.single_stage, ctas_per_sm_of);
   plan.ctas_per_sm = std::clamp(sm_smem_limit(device) / (plan.smem_bytes + 1024), 1, kernel_ctas_per_sm);
   return plan;
 }
 
-template <int kHeadTiles, int kStages = 2>
+template <class Cta>
 void launch_splits(const SparseMlaDecodeParams& p, int num_head_groups, int blocks_per_split, cudaStream_t stream) {
-  using Cta = MlaCta<kHeadTiles, kStages>;
-  auto kernel = sparse_mla_decode_kernel<kHeadTiles, kStages>;
+  auto kernel = sparse_mla_decode_kernel<Cta::kHeadTiles, Cta::kStages>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cta::kSmemBytes));
   const int64_t num_ctas = p.num_tokens * num_head_groups * p.num_splits;
   launch_kernel(kernel, dim3(unsigned(num_ctas)), dim3(kThreads), Cta::kSmemBytes, stream, p, num_head_groups,
@@ -599,29 +606,9 @@ void sparse_mla_decode(const SparseMlaDecodeParams& p, Stream stream) {
   if (plan.sm90) {
     sparse_mla_decode_sm90(p, num_head_groups, blocks_per_split, cuda_stream);
   } else {
-    switch (plan.head_tiles) {
-      case 1:
-        if (plan.single_stage) {
-          launch_splits<1, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
-        } else {
-          launch_splits<1>(p, num_head_groups, blocks_per_split, cuda_stream);
-        }
-        break;
-      case 2:
-        if (plan.single_stage) {
-          launch_splits<2, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
-        } else {
-          launch_splits<2>(p, num_head_groups, blocks_per_split, cuda_stream);
-        }
-        break;
-      default:
-        if (plan.single_stage) {
-          launch_splits<4, 1>(p, num_head_groups, blocks_per_split, cuda_stream);
-        } else {
-          launch_splits<4>(p, num_head_groups, blocks_per_split, cuda_stream);
-        }
-        break;
-    }
+    with_mla_cta(plan.head_tiles, plan.single_stage, [&](auto cta) {
+      launch_splits<decltype(cta)>(p, num_head_groups, blocks_per_split, cuda_stream);
+    });
   }
   if (p.num_splits > 1) {
     auto merge = p.num_splits > 8 ? sparse_mla_merge_kernel<32> : sparse_mla_merge_kernel<8>;
