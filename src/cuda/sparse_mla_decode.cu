@@ -249,8 +249,10 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
 
     // ---- masking, row max across the key groups -------------------------------------
     float tile_max[2];
-    mla_mask_and_row_max<Cta::kWarpKeyTiles>(&score[0][0], key_valid + stage * kBlockKeys + warp_key0 + 2 * (lane & 3),
-                                             scale_log2, tile_max);
+    // Scores scaled in place: folding the scale into the exponent, as the wgmma kernel does,
+    // spilled the one-stage 64-head CTA at 255 registers.
+    mla_mask_and_row_max<Cta::kWarpKeyTiles, true>(
+        &score[0][0], key_valid + stage * kBlockKeys + warp_key0 + 2 * (lane & 3), scale_log2, tile_max);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if ((lane & 3) == 0) reduce[key_group * Cta::kHeads + head_tile * 16 + lane / 4 + 8 * h] = tile_max[h];
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
       float sum = 0.0f;
 #pragma unroll
       for (int j = 0; j < Cta::kWarpKeyTiles; ++j) {
-        const float p0 = exp2f(score[j][2 * h] - m), p1 = exp2f(score[j][2 * h + 1] - m);
+        const float p0 = mla_exp2(score[j][2 * h] - m), p1 = mla_exp2(score[j][2 * h + 1] - m);
         sum += p0 + p1;
         const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
         mla_store_p_pair(p_base, row, warp_key0 + j * 8 + 2 * (lane & 3), *reinterpret_cast<const uint32_t*>(&pair));

@@ -82,11 +82,14 @@ __device__ __forceinline__ float* mla_partial_lse(const detail::SparseMlaDecodeP
                                   mla_partial_out_bytes(p.num_tokens, p.num_heads, p.num_splits));
 }
 
-// Scores of a warp in the mma accumulator layout to log2 units, invalid keys to -inf, and
-// the max of each of the thread's two rows over its quad (the 4 lanes that hold a row).
+// Scores of a warp in the mma accumulator layout: invalid keys to -inf, and the max of each
+// of the thread's two rows over its quad (the 4 lanes that hold a row) in log2 units.
+// kScaleScores: the scores too go to log2 units (P = mla_exp2(score - max)); else they
+// stay unscaled and P = mla_exp2(fmaf(score, scale_log2, -max)) folds the scale into the
+// exponent's one FFMA (scale_log2 > 0, so the max commutes with it; the API checks).
 // score[4j + 2h + e]: row h (lane / 4, + 8), key 8j + 2 (lane % 4) + e, whose flag the
 // caller passes at valid[8j + e].
-template <int kKeyTiles>
+template <int kKeyTiles, bool kScaleScores>
 __device__ __forceinline__ void mla_mask_and_row_max(float* score, const uint8_t* valid, float scale_log2,
                                                      float (&row_max)[2]) {
   row_max[0] = row_max[1] = -INFINITY;
@@ -98,7 +101,7 @@ __device__ __forceinline__ void mla_mask_and_row_max(float* score, const uint8_t
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float& s = score[4 * j + 2 * h + e];
-        s = ok ? s * scale_log2 : -INFINITY;
+        s = ok ? (kScaleScores ? s * scale_log2 : s) : -INFINITY;
         row_max[h] = fmaxf(row_max[h], s);
       }
     }
@@ -107,7 +110,18 @@ __device__ __forceinline__ void mla_mask_and_row_max(float* score, const uint8_t
   for (int h = 0; h < 2; ++h) {
     row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
     row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+    if (!kScaleScores) row_max[h] *= scale_log2;
   }
+}
+
+// 2^x of a softmax weight: the SFU's approximation with denormals flushed to zero. exp2f
+// wraps it in a three-instruction fix-up for x < -126 that P never needs (such weights are
+// zero in bf16 and in the fp32 sums), in the exponent loop every score of a pair goes
+// through. 2^-inf = 0 (a masked key).
+__device__ __forceinline__ float mla_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // The end of one (token, head) row of a split: the factor its values take (one split:
