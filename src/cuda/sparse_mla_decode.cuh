@@ -115,9 +115,9 @@ __device__ __forceinline__ void mla_mask_and_row_max(float* score, const uint8_t
 }
 
 // 2^x of a softmax weight: the SFU's approximation with denormals flushed to zero. exp2f
-// wraps it in a three-instruction fix-up for x < -126 that P never needs (such weights are
-// zero in bf16 and in the fp32 sums), in the exponent loop every score of a pair goes
-// through. 2^-inf = 0 (a masked key).
+// wraps it in a three-instruction fix-up for x < -126 (FSETP and two predicated FMULs)
+// that P never needs: such weights are zero in bf16 and in the fp32 sums. Every score
+// goes through it once. 2^-inf = 0 (a masked key).
 __device__ __forceinline__ float mla_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
