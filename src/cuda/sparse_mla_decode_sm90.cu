@@ -115,6 +115,10 @@ __device__ __forceinline__ uint64_t k_major(uint32_t addr) { return sw128_descri
 // MN-major B (V): 64-lane tiles kTileBytes apart along N, 8-key groups 1024 B apart
 // along K; a k-step of 16 keys is +2048 B.
 __device__ __forceinline__ uint64_t mn_major(uint32_t addr) { return sw128_descriptor(addr, kTileBytes, 1024); }
+// A descriptor `bytes` further on: the start address field (bits 0-13, 16-byte units) of a
+// shared-memory address below 256 KB never carries, so one add of a constant per wgmma
+// instead of building each descriptor from its address.
+__host__ __device__ constexpr uint64_t desc_offset(uint32_t bytes) { return bytes >> 4; }
 
 using QkWgmma =
     cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
@@ -285,6 +289,9 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
   float* shared_max = reinterpret_cast<float*>(smem + kMaxOffset);
   const uint8_t* own_valid = smem + kValidOffset + kW * kBlockKeys;
   const float scale_log2 = p.softmax_scale * kMlaLog2e;
+  const uint64_t q_desc = k_major(q_base), own_k_desc = k_major(own_buffer);
+  const uint64_t own_v_desc = mn_major(own_buffer + 4 * kW * kTileBytes);
+  const uint64_t other_v_desc = mn_major(other_buffer + 4 * kW * kTileBytes), other_p_desc = k_major(other_p);
   int q_loads = 0, items_done = 0;
   uint32_t pairs_before = 0;  // the pairs of the CTA's earlier items (the barriers' phases)
 
@@ -321,8 +328,8 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
           cute::warpgroup_arrive();
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            wgmma_smem<QkWgmma>(k_major(q_base + t * kTileBytes + k * 32),
-                                k_major(own_buffer + t * kTileBytes + k * 32), score,
+            wgmma_smem<QkWgmma>(q_desc + desc_offset(t * kTileBytes + k * 32),
+                                own_k_desc + desc_offset(t * kTileBytes + k * 32), score,
                                 !(part == 0 && t == half_first_tile(half) && k == 0), std::make_index_sequence<32>{});
           }
         }
@@ -393,7 +400,7 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
         cute::warpgroup_arrive();
 #pragma unroll
         for (int s = 2 * part; s < 2 * part + 2; ++s) {
-          wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, mn_major(own_buffer + 4 * kW * kTileBytes + s * 2048), out_acc,
+          wgmma_regs<PvWgmmaRegs>(p_frag + 4 * s, own_v_desc + desc_offset(s * 2048), out_acc,
                                   std::make_index_sequence<128>{});
         }
       }
@@ -408,7 +415,7 @@ __device__ __forceinline__ void compute(const SparseMlaDecodeParams& p, const Ml
       cute::warpgroup_arrive();
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        wgmma_smem<PvWgmmaSmem>(k_major(other_p + s * 32), mn_major(other_buffer + 4 * kW * kTileBytes + s * 2048),
+        wgmma_smem<PvWgmmaSmem>(other_p_desc + desc_offset(s * 32), other_v_desc + desc_offset(s * 2048),
                                 out_acc, true, std::make_index_sequence<128>{});
       }
       cute::warpgroup_commit_batch();
