@@ -223,8 +223,8 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
         score[0][3] += v.w;
       }
     } else {
-      // 32 / 64 heads (two-stage CTAs, one an SM): even and odd k-steps accumulate apart,
-      // two dependent chains of 18 mmas instead of one of 36 (T = 1: -1-3%, H100).
+      // 32 / 64 heads (one CTA an SM, one or two stages): even and odd k-steps accumulate
+      // apart, two dependent chains of 18 mmas instead of one of 36 (T = 1: -1-3%, H100).
       float score_odd[Cta::kWarpKeyTiles][4] = {};
       const uint32_t k_lane = kv_stage + (warp_key0 + (lane & 7) + ((lane >> 4) << 3)) * kRowBytes;
 #pragma unroll
