@@ -265,6 +265,10 @@ std::vector<MlaCase> mla_cases() {
            .num_splits = 1, .q_broadcast = true, .with_lse = true});
       add({.name = "T8_Hq64_topk1024_auto_qbroadcast_padded_sink", .T = 8, .Hq = 64, .S = 3000, .topk = 1024,
            .padded = true, .q_broadcast = true, .with_sink = true});
+      // Rows enough for the warp-per-half-row merge (T x Hq > 16 x the SMs): 2 splits,
+      // out rows 4-byte aligned, lse, sinks, lengths.
+      add({.name = "T48_Hq64_topk1024_split2_padded_length_sink_lse", .T = 48, .Hq = 64, .S = 3000, .topk = 1024,
+           .num_splits = 2, .padded = true, .with_lse = true, .with_length = true, .with_sink = true});
       // The sm_80 plans, as an A100's CTA (163 KB) gets them: one-stage CTAs of 16, 32 and
       // 64 heads, one pass and splits, masking, lengths, sinks, all-masked rows, strides.
       add({.name = "A100_T1_Hq128_topk2048_auto_lse", .T = 1, .Hq = 128, .S = 8192, .topk = 2048,
