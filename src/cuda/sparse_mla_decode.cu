@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
 // CTA barrier sits between the loads and the sums, and 2 warps a row instead of the
 // CTA-per-row kernel's 4 put twice the rows in one wave. NOTE (H100, T 64, Hq 64, 2 splits,
 // 4096 rows): 26.1 -> 22.7 us (topk 512, S 8K), 34.9 -> 32.5 (S 128K) against the
-// CTA-per-row kernel; with few rows (T <= 8) it was 0.1-0.4 us slower.
+// CTA-per-row kernel; with few rows (T <= 8) it was 0.1-1 us slower.
 // kBatch: parts a lane loads before the weights are known (4 registers each); the
 // smallest that covers the splits, for occupancy.
 constexpr int kMergeRowWarps = 8;  // a CTA: 4 rows
@@ -557,19 +557,20 @@ __global__ void __launch_bounds__(kMergeRowWarps * 32) sparse_mla_merge_rows_ker
   }
 }
 // Where the merge CTAs land matters as much as their loads. Launched under PDL while the
-// split kernel drains, they filled the few SMs already free (as many CTAs an SM as their
-// registers allow), so a few SMs pulled most of the parts. The CTA-per-row kernel
-// therefore takes dynamic shared memory that admits only as many CTAs an SM as its grid
-// needs. NOTE (H100): T 1, Hq 128, topk 2048 (32 splits) 12.0 -> 11.3 us (S 8K), 13.3 ->
+// split kernel drains, they can fill the few SMs already free (as many CTAs an SM as their
+// registers allow), and those SMs then pull many rows' parts: our reading of why the
+// CTA-per-row kernel gained from dynamic shared memory (it reads none) that admits only
+// as many CTAs an SM as its grid needs. NOTE (H100): T 1, Hq 128, topk 2048 (32 splits) 12.0 -> 11.3 us (S 8K), 13.3 ->
 // 12.5 (S 128K); T 8, Hq 64, topk 512 12.8 -> 11.1 and 13.2 -> 11.5.
 int merge_spread_smem(int64_t num_ctas) {
   const DeviceInfo& d = current_device_info();
   const int64_t ctas_per_sm = (num_ctas + d.num_sms - 1) / d.num_sms;
   // From 12 an SM on, threads and registers bound the CTAs an SM.
   if (ctas_per_sm >= 12) return 0;
-  // n = ctas_per_sm CTAs of S / (n + 1) - 768 bytes (each also holds ~0.3 KB of static
-  // shared memory and the 1 KB the system reserves) fit an SM of S bytes, n + 1 do not:
-  // n (n + 1) <= S / 1.1 KB holds for n <= 11 (A100: S = 164 KB; H100: 228 KB).
+  // n = ctas_per_sm CTAs of S / (n + 1) - 768 bytes (each also holds 384 B of static
+  // shared memory and the 1 KB the system reserves) fit an SM of S bytes when
+  // n (n + 1) <= S / 640 B (n <= 11 on an A100, S = 164 KB, and an H100, 228 KB); n + 1
+  // never do.
   return std::min(int(d.smem_per_sm / (ctas_per_sm + 1)) - 768, d.max_smem_per_cta);
 }
 
