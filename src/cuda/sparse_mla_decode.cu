@@ -48,7 +48,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kLoadersPerRow = kThreads / kBlockKeys;  // 4 threads copy one kv row
 constexpr int kKSteps = kHeadDim / 16;                 // 36 mma k-steps of Q·Kᵀ
 constexpr float kLog2e = kMlaLog2e;
-constexpr float kLn2 = kMlaLn2;
 static_assert(kRowChunks % kLoadersPerRow == 0 && kRowChunks % 8 == 0);
 
 // The shared-memory plan of a CTA with kHeadTiles 16-head mma tiles.
@@ -378,6 +377,13 @@ __global__ void __launch_bounds__(kThreads, MlaCta<kHeadTiles, kStages>::kCtasPe
   }
 }
 
+// acc0, acc1 += w · the two bf16 lanes of a part packed in `word`.
+__device__ __forceinline__ void add_weighted_pair(float w, uint32_t word, float& acc0, float& acc1) {
+  const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+  acc0 = fmaf(w, v.x, acc0);
+  acc1 = fmaf(w, v.y, acc1);
+}
+
 // ---- merge of the splits: one CTA per (token, head), 4 value lanes a thread -------------
 // NOTE: the first merge looped over the splits with a load, a test and a dependent load
 // each: ~0.3 us per split of L2 latency (T = 1, 32 splits: 16 us of a 21 us op). Then the
@@ -447,25 +453,16 @@ __global__ void __launch_bounds__(kMergeThreads) sparse_mla_merge_kernel(const S
     for (int i = 0; i < kMergeBatch; ++i) {
       if (s0 + i < p.num_splits) {
         const float w = split_weight[s0 + i];
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&values[i].x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&values[i].y));
-        acc.x += w * lo.x;
-        acc.y += w * lo.y;
-        acc.z += w * hi.x;
-        acc.w += w * hi.y;
+        add_weighted_pair(w, values[i].x, acc.x, acc.y);
+        add_weighted_pair(w, values[i].y, acc.z, acc.w);
       }
     }
   }
   allow_next_kernel_launch();
-  float denominator = sum;
-  if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kLog2e - m);
-  const float inv = sum > 0.0f && denominator > 0.0f ? 1.0f / denominator : 0.0f;
+  const float inv = mla_out_row_scale(p, token, head, m, sum, mla_row_lse2(m, sum), tid == 0);
   auto* out = static_cast<__nv_bfloat16*>(p.out) + token * p.out_stride_token + head * p.out_stride_head + tid * 4;
   reinterpret_cast<__nv_bfloat162*>(out)[0] = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
   reinterpret_cast<__nv_bfloat162*>(out)[1] = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
-  if (p.lse && tid == 0) {
-    p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = sum > 0.0f ? (m + log2f(sum)) * kLn2 : -INFINITY;
-  }
 }
 
 // ---- merge of many rows: one warp per (token, head, half of the value lanes) -----------
@@ -524,20 +521,15 @@ __global__ void __launch_bounds__(kMergeRowWarps * 32) sparse_mla_merge_rows_ker
       const int s = s0 + i;  // the same in every lane
       if (s < num_splits) {
         const float w = __shfl_sync(0xffffffffu, s < 32 ? weight0 : weight1, s % 32);
-        const uint32_t words[4] = {values[i].x, values[i].y, values[i].z, values[i].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[j]));
-          acc[2 * j] = fmaf(w, v.x, acc[2 * j]);
-          acc[2 * j + 1] = fmaf(w, v.y, acc[2 * j + 1]);
-        }
+        add_weighted_pair(w, values[i].x, acc[0], acc[1]);
+        add_weighted_pair(w, values[i].y, acc[2], acc[3]);
+        add_weighted_pair(w, values[i].z, acc[4], acc[5]);
+        add_weighted_pair(w, values[i].w, acc[6], acc[7]);
       }
     }
   }
   allow_next_kernel_launch();
-  float denominator = sum;
-  if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kLog2e - m);
-  const float inv = sum > 0.0f && denominator > 0.0f ? 1.0f / denominator : 0.0f;
+  const float inv = mla_out_row_scale(p, token, head, m, sum, mla_row_lse2(m, sum), half == 0 && lane == 0);
   uint32_t out_words[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -552,16 +544,14 @@ __global__ void __launch_bounds__(kMergeRowWarps * 32) sparse_mla_merge_rows_ker
 #pragma unroll
     for (int j = 0; j < 4; ++j) reinterpret_cast<uint32_t*>(out)[j] = out_words[j];
   }
-  if (p.lse && half == 0 && lane == 0) {
-    p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = sum > 0.0f ? (m + log2f(sum)) * kLn2 : -INFINITY;
-  }
 }
 // Where the merge CTAs land matters as much as their loads. Launched under PDL while the
 // split kernel drains, they can fill the few SMs already free (as many CTAs an SM as their
 // registers allow), and those SMs then pull many rows' parts: our reading of why the
 // CTA-per-row kernel gained from dynamic shared memory (it reads none) that admits only
-// as many CTAs an SM as its grid needs. NOTE (H100): T 1, Hq 128, topk 2048 (32 splits) 12.0 -> 11.3 us (S 8K), 13.3 ->
-// 12.5 (S 128K); T 8, Hq 64, topk 512 12.8 -> 11.1 and 13.2 -> 11.5.
+// as many CTAs an SM as its grid needs. NOTE (H100): T 1, Hq 128, topk 2048 (32 splits)
+// 12.0 -> 11.3 us (S 8K), 13.3 -> 12.5 (S 128K); T 8, Hq 64, topk 512 12.8 -> 11.1 and
+// 13.2 -> 11.5.
 int merge_spread_smem(int64_t num_ctas) {
   const DeviceInfo& d = current_device_info();
   const int64_t ctas_per_sm = (num_ctas + d.num_sms - 1) / d.num_sms;

@@ -124,21 +124,30 @@ __device__ __forceinline__ float mla_exp2(float x) {
   return y;
 }
 
+// The log2-sum-exp of a row whose reference max is m (log2 units) and whose
+// sum = Σ 2^(logit - m); -inf when it saw no valid key.
+__device__ __forceinline__ float mla_row_lse2(float m, float sum) { return sum > 0.0f ? m + log2f(sum) : -INFINITY; }
+
+// A finished row of out, from one pass or from the merge of the splits: its factor
+// 1 / (sum + sink) (m: the row's reference max, 0 when it saw no valid key; lse2:
+// mla_row_lse2), and out's natural-log lse when asked (the sink only in the denominator).
+// No valid key: the values are 0 and so is the output, also under a sink.
+__device__ __forceinline__ float mla_out_row_scale(const detail::SparseMlaDecodeParams& p, int64_t token, int head,
+                                                   float m, float sum, float lse2, bool write_lse) {
+  float denominator = sum;
+  if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kMlaLog2e - m);
+  if (write_lse && p.lse) p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kMlaLn2;
+  return denominator > 0.0f ? 1.0f / denominator : 0.0f;
+}
+
 // The end of one (token, head) row of a split: the factor its values take (one split:
-// 1 / (sum + sink); splits: 1 / sum, the part is normalised), and its lse when asked (one
-// split: out's natural-log lse, the sink only in the denominator; splits: the part's
-// log2-sum-exp, -inf when it saw no valid key: the merge reads every part).
+// mla_out_row_scale; splits: 1 / sum, the part is normalised), and with splits the part's
+// log2-sum-exp when asked (-inf when it saw no valid key: the merge reads every part).
 __device__ __forceinline__ float mla_finish_row(const detail::SparseMlaDecodeParams& p, int64_t token, int split,
                                                 int head, float row_max, float sum, bool write_lse) {
   const float m = row_max == -INFINITY ? 0.0f : row_max;
-  const float lse2 = sum > 0.0f ? m + log2f(sum) : -INFINITY;  // of the row's scaled logits
-  if (p.num_splits == 1) {
-    float denominator = sum;
-    if (p.attn_sink) denominator += exp2f(p.attn_sink[head * p.attn_sink_stride] * kMlaLog2e - m);
-    if (write_lse && p.lse) p.lse[token * p.lse_stride_token + head * p.lse_stride_head] = lse2 * kMlaLn2;
-    // no valid key: the accumulator is 0 and so is the output (also under a sink)
-    return denominator > 0.0f ? 1.0f / denominator : 0.0f;
-  }
+  const float lse2 = mla_row_lse2(m, sum);
+  if (p.num_splits == 1) return mla_out_row_scale(p, token, head, m, sum, lse2, write_lse);
   if (write_lse) mla_partial_lse(p)[mla_part_slot(p, token, split, head)] = lse2;
   return sum > 0.0f ? 1.0f / sum : 0.0f;
 }
