@@ -7,6 +7,7 @@
 #   BENCH_TOKENS     token counts for the grid (default: the brief's, 1 to 8192)
 #   BENCH_MODELS     model name or "all" (default all); "none" skips the layer bench
 #   SKIP_MLA=1       skip the sparse MLA decode bench (sparse_mla_bench, the grid)
+#                    and its kv-row gather ceiling (kv_gather_ceiling, a text table)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
 #   SKIP_TESTS=1     build and benchmark only; TEST_RESULTS=DIR then takes ctest.xml,
 #                    pytest.xml and sanitizer_*.log from an earlier SKIP_BENCH=1 run
@@ -84,6 +85,8 @@ if [ "${SKIP_MLA:-0}" != 1 ]; then
   step sparse_mla_bench
   "$BUILD_DIR/sparse_mla_bench" --device cuda --ceilings --json "$OUT_DIR/sparse_mla.json" 2>&1 | tee -a "$LOG"
   BENCH_JSONS+=("$OUT_DIR/sparse_mla.json")
+  step kv_gather_ceiling
+  "$BUILD_DIR/kv_gather_ceiling" 2>&1 | tee "$OUT_DIR/kv_gather_ceiling.txt" | tee -a "$LOG"
 fi
 
 step report
