@@ -60,8 +60,10 @@ DType parse_dtype(const std::string& name) {
   if (name == "bfloat16") return DType::kBFloat16;
   if (name == "int32") return DType::kInt32;
   if (name == "int64") return DType::kInt64;
+  if (name == "float8_e4m3fn") return DType::kFloat8E4M3;
+  if (name == "int8") return DType::kInt8;
   throw moelora::Error("moelora.view: dtype must be one of float32, float16, bfloat16, int32, "
-                       "int64; got '" + name + "'");
+                       "int64, float8_e4m3fn, int8; got '" + name + "'");
 }
 
 std::optional<DType> dtype_from_dlpack(nb::dlpack::dtype dt) {
@@ -77,6 +79,7 @@ std::optional<DType> dtype_from_dlpack(nb::dlpack::dtype dt) {
     case nb::dlpack::dtype_code::Int:
       if (dt.bits == 32) return DType::kInt32;
       if (dt.bits == 64) return DType::kInt64;
+      if (dt.bits == 8) return DType::kInt8;
       break;
     default:
       break;
@@ -105,7 +108,8 @@ TensorView make_view(const AnyArray& array, const std::optional<std::string>& dt
     const std::optional<DType> dtype = dtype_from_dlpack(dt);
     if (!dtype) {
       throw moelora::Error("moelora.view: unsupported dtype " + dlpack_dtype_name(dt) +
-                           " (expected float32, float16, bfloat16, int32 or int64)");
+                           " (expected float32, float16, bfloat16, int32, int64 or int8; fp8 as uint8 "
+                           "with dtype 'float8_e4m3fn')");
     }
     view.dtype = *dtype;
   }
@@ -197,6 +201,33 @@ moelora::MoeLoraWeights make_lora_weights(const char* op, const std::string& pre
   return weights;
 }
 
+// The quantized experts of fused_experts: the scheme and all of its scales, or none.
+// The returned struct points into the optionals: keep them alive while it is used.
+std::optional<moelora::FusedExpertsQuant> make_quant(const std::optional<moelora::QuantScheme>& scheme,
+                                                     const std::optional<TensorView>& w13_scale,
+                                                     const std::optional<TensorView>& w2_scale,
+                                                     const std::optional<TensorView>& a13_scale,
+                                                     const std::optional<TensorView>& a2_scale) {
+  if (!scheme || !scheme->enabled()) {
+    if (w13_scale || w2_scale || a13_scale || a2_scale) {
+      throw moelora::Error("moelora.fused_experts: argument 'quant' expected a scheme with w13_scale/w2_scale "
+                           "(and a13_scale/a2_scale), got none");
+    }
+    return std::nullopt;
+  }
+  if (!w13_scale || !w2_scale) {
+    throw moelora::Error(std::string("moelora.fused_experts: argument '") + (w13_scale ? "w2_scale" : "w13_scale") +
+                         "' expected a tensor with quant, got none");
+  }
+  moelora::FusedExpertsQuant quant;
+  quant.scheme = *scheme;
+  quant.w13_scale = *w13_scale;
+  quant.w2_scale = *w2_scale;
+  quant.a13_scale = optional_ptr(a13_scale);
+  quant.a2_scale = optional_ptr(a2_scale);
+  return quant;
+}
+
 nb::tuple tuple_of(const int64_t* values, int count) {
   nb::list items;
   for (int i = 0; i < count; ++i) items.append(values[i]);
@@ -232,6 +263,49 @@ NB_MODULE(_moelora, m) {
         return "TensorView(" + std::string(moelora::dtype_name(v.dtype)) + ", " + v.shape_string() +
                ", " + moelora::device_name(v.device) + ")";
       });
+
+  nb::enum_<moelora::ScaleGranularity>(m, "ScaleGranularity")
+      .value("tensor", moelora::ScaleGranularity::kTensor)
+      .value("channel", moelora::ScaleGranularity::kChannel)
+      .value("block", moelora::ScaleGranularity::kBlock);
+  nb::class_<moelora::QuantScheme>(m, "QuantScheme",
+                                   "A quantization scheme of the experts (include/moelora/quant.h); make one "
+                                   "with quant_scheme(name).")
+      .def_prop_ro("name", [](const moelora::QuantScheme& q) { return std::string(moelora::quant_method_name(q.method)); })
+      .def_prop_ro("element", [](const moelora::QuantScheme& q) { return std::string(moelora::dtype_name(q.element)); })
+      .def_ro("weight_scales", &moelora::QuantScheme::weight_scales)
+      .def_ro("activation_scales", &moelora::QuantScheme::activation_scales)
+      .def_ro("block_n", &moelora::QuantScheme::block_n)
+      .def_ro("block_k", &moelora::QuantScheme::block_k)
+      .def_ro("static_activation_scales", &moelora::QuantScheme::static_activation_scales)
+      .def("__repr__", [](const moelora::QuantScheme& q) {
+        return "QuantScheme(" + std::string(moelora::quant_method_name(q.method)) + ", block " +
+               std::to_string(q.block_n) + "x" + std::to_string(q.block_k) +
+               (q.static_activation_scales ? ", static activation scales)" : ")");
+      });
+  m.def(
+      "quant_scheme",
+      [](const std::string& name, int64_t block_n, int64_t block_k, bool static_activation_scales) {
+        return moelora::make_quant_scheme(moelora::quant_method_from_name(name), block_n, block_k,
+                                          static_activation_scales);
+      },
+      "name"_a, "block_n"_a = 128, "block_k"_a = 128, "static_activation_scales"_a = false,
+      "The scheme 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel' or 'int8_block'.");
+  m.def(
+      "quantize",
+      [](const TensorView& input, const TensorView& out, const TensorView& scales, int64_t block_rows,
+         int64_t block_cols, bool static_scales, uintptr_t stream) {
+        moelora::QuantizeArgs args;
+        args.input = input;
+        args.out = out;
+        args.scales = scales;
+        args.block_rows = block_rows;
+        args.block_cols = block_cols;
+        args.static_scales = static_scales;
+        nb::gil_scoped_release release;
+        moelora::quantize(args, as_stream(stream));
+      },
+      "input"_a, "out"_a, "scales"_a, "block_rows"_a, "block_cols"_a, "static_scales"_a = false, "stream"_a = 0);
 
   m.def("view", &make_view, "array"_a, "dtype"_a = nb::none(),
         "View a DLPack-capable array (numpy, torch, ...) as a TensorView. `dtype` "
@@ -440,12 +514,14 @@ NB_MODULE(_moelora, m) {
          int64_t intermediate_size, const std::string& dtype, moelora::Activation activation,
          float swiglu_alpha, float swiglu_limit, bool apply_router_weight_on_input,
          bool no_combine, float routed_scaling_factor, int64_t chunk_size, int64_t block_size,
-         int64_t num_local_experts, int64_t max_loras, int64_t lora_rank) {
+         int64_t num_local_experts, int64_t max_loras, int64_t lora_rank,
+         const std::optional<moelora::QuantScheme>& quant) {
         moelora::FusedExpertsShape shape{num_tokens,  top_k,
                                          num_experts, hidden_size,
                                          intermediate_size, parse_dtype(dtype), num_local_experts};
         shape.max_loras = max_loras;
         shape.lora_rank = lora_rank;
+        if (quant) shape.quant = *quant;
         return moelora::fused_experts_workspace_size(
             shape, make_options(activation, swiglu_alpha, swiglu_limit,
                                 apply_router_weight_on_input, no_combine, routed_scaling_factor,
@@ -455,9 +531,10 @@ NB_MODULE(_moelora, m) {
       "dtype"_a, "activation"_a = moelora::Activation::kSilu, "swiglu_alpha"_a = 1.702f,
       "swiglu_limit"_a = 7.0f, "apply_router_weight_on_input"_a = false, "no_combine"_a = false,
       "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0, "num_local_experts"_a = 0,
-      "max_loras"_a = 0, "lora_rank"_a = 0,
+      "max_loras"_a = 0, "lora_rank"_a = 0, "quant"_a.none() = nb::none(),
       "Bytes of workspace fused_experts needs; num_experts is the global expert count. With "
-      "adapters: max_loras (the slots L) and lora_rank (the largest rank of w13's and w2's stacks).");
+      "adapters: max_loras (the slots L) and lora_rank (the largest rank of w13's and w2's stacks); "
+      "with quantized experts, their QuantScheme.");
 
   m.def(
       "fused_experts_block_size",
@@ -482,7 +559,9 @@ NB_MODULE(_moelora, m) {
          const std::optional<std::vector<TensorView>>& w13_lora_a,
          const std::optional<std::vector<TensorView>>& w13_lora_b, const std::optional<TensorView>& w2_lora_a,
          const std::optional<TensorView>& w2_lora_b, const std::optional<TensorView>& adapter_enabled,
-         const std::optional<TensorView>& adapter_scale, uintptr_t stream) {
+         const std::optional<TensorView>& adapter_scale, const std::optional<moelora::QuantScheme>& quant,
+         const std::optional<TensorView>& w13_scale, const std::optional<TensorView>& w2_scale,
+         const std::optional<TensorView>& a13_scale, const std::optional<TensorView>& a2_scale, uintptr_t stream) {
         moelora::FusedExpertsArgs args;
         args.hidden_states = hidden_states;
         args.w13 = w13;
@@ -518,6 +597,9 @@ NB_MODULE(_moelora, m) {
                                (adapter_enabled ? "adapter_enabled" : "adapter_scale") +
                                "' expected none without token_lora_ids and the LoRA stacks, got a tensor");
         }
+        const std::optional<moelora::FusedExpertsQuant> quantized =
+            make_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale);
+        if (quantized) args.quant = &*quantized;
         const moelora::FusedExpertsOptions options =
             make_options(activation, swiglu_alpha, swiglu_limit, apply_router_weight_on_input,
                          no_combine, routed_scaling_factor, chunk_size, block_size);
@@ -531,5 +613,7 @@ NB_MODULE(_moelora, m) {
       "routed_scaling_factor"_a = 1.0f, "chunk_size"_a = 64 * 1024, "block_size"_a = 0,
       "token_lora_ids"_a.none() = nb::none(), "w13_lora_a"_a.none() = nb::none(),
       "w13_lora_b"_a.none() = nb::none(), "w2_lora_a"_a.none() = nb::none(), "w2_lora_b"_a.none() = nb::none(),
-      "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(), "stream"_a = 0);
+      "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(),
+      "quant"_a.none() = nb::none(), "w13_scale"_a.none() = nb::none(), "w2_scale"_a.none() = nb::none(),
+      "a13_scale"_a.none() = nb::none(), "a2_scale"_a.none() = nb::none(), "stream"_a = 0);
 }

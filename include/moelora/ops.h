@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moelora/quant.h"
 #include "moelora/tensor.h"
 
 namespace moelora {
@@ -285,6 +286,9 @@ struct FusedExpertsShape {
   // w13's and w2's stacks. 0: no LoRA.
   int64_t max_loras = 0;
   int64_t lora_rank = 0;
+  // Quantized experts (FusedExpertsArgs::quant): room for the 8-bit activations and
+  // their scales. Disabled: bf16/fp16 experts.
+  QuantScheme quant{};
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
                                      const FusedExpertsOptions& options = {});
@@ -317,6 +321,25 @@ struct FusedExpertsLora {
   MoeLoraWeights w2;
 };
 
+// Quantized experts (issue 28; DESIGN.md "Quantized experts"): w13 and w2 hold
+// scheme.element values (fp8 e4m3 or int8) with fp32 scales, as QuantScheme describes:
+//   w13_scale: kBlock [E, ceil(2I / block_n), ceil(H / block_k)], kChannel [E, 2I], kTensor [E]
+//   w2_scale:  kBlock [E, ceil(H / block_n), ceil(I / block_k)],  kChannel [E, H],  kTensor [E]
+//   a13_scale, a2_scale [1]: the static activation scales of GEMM1's and GEMM2's inputs
+//       (kTensor with static_activation_scales; vLLM's w13_input_scale / w2_input_scale).
+// Per chunk the layer quantizes hidden_states (per token group of block_k, per token, or
+// per tensor), runs GEMM1 on the 8-bit operands (fp32 accumulation, scales per K block),
+// applies the activation, rounds it to the layer dtype and quantizes it the same way
+// along I, runs GEMM2, and reduces in the layer dtype. hidden_states and out stay
+// bf16/fp16. LoRA adapters stay in the layer dtype and see the unquantized activations.
+struct FusedExpertsQuant {
+  QuantScheme scheme;
+  TensorView w13_scale;
+  TensorView w2_scale;
+  const TensorView* a13_scale = nullptr;
+  const TensorView* a2_scale = nullptr;
+};
+
 struct FusedExpertsArgs {
   TensorView hidden_states;
   TensorView w13;
@@ -327,6 +350,7 @@ struct FusedExpertsArgs {
   TensorView workspace;  // 1-D, any dtype; only its bytes count
   const TensorView* expert_map = nullptr;
   const FusedExpertsLora* lora = nullptr;  // null: no adapters
+  const FusedExpertsQuant* quant = nullptr;  // null: w13/w2 in hidden_states' dtype
 };
 void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options = {},
                    Stream stream = nullptr);

@@ -19,6 +19,10 @@ enum class DType : int8_t {
   kBFloat16,
   kInt32,
   kInt64,
+  // 8-bit quantized elements (issue 28): OCP fp8 e4m3 without infinities (torch's
+  // float8_e4m3fn: max 448, one NaN pattern 0x7f/0xff) and two's-complement int8.
+  kFloat8E4M3,
+  kInt8,
 };
 
 const char* dtype_name(DType dtype);

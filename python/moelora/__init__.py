@@ -64,6 +64,8 @@ def version():
 
 from .ops import (  # noqa: E402  (the extension must be loaded first)
     MoeLora,
+    MoeQuant,
+    QUANT_DTYPES,
     fused_experts,
     fused_moe,
     fused_moe_lora,
@@ -71,10 +73,17 @@ from .ops import (  # noqa: E402  (the extension must be loaded first)
     moe_align_block_size,
     moe_lora_align_block_size,
     moe_sum_reduce,
+    per_token_group_quant,
+    quant_scheme,
+    quantize,
+    quantize_weights,
+    scaled_fp8_quant,
+    scaled_int8_quant,
     sparse_mla_decode,
     silu_and_mul,
     swiglu_oai_and_mul,
 )
+QuantScheme = _ext.QuantScheme
 
 
 def _torch_importable():
@@ -101,6 +110,9 @@ __all__ = [
     "MAX_LORA_ADAPTERS",
     "MAX_LORA_RANK",
     "MoeLora",
+    "MoeQuant",
+    "QUANT_DTYPES",
+    "QuantScheme",
     "TensorView",
     "cuda_available",
     "fused_experts",
@@ -115,6 +127,12 @@ __all__ = [
     "moe_lora_align_block_size",
     "moe_lora_align_block_size_capacity",
     "moe_sum_reduce",
+    "per_token_group_quant",
+    "quant_scheme",
+    "quantize",
+    "quantize_weights",
+    "scaled_fp8_quant",
+    "scaled_int8_quant",
     "sparse_mla_decode",
     "silu_and_mul",
     "swiglu_oai_and_mul",

@@ -1,7 +1,8 @@
 """The moelora ops for numpy arrays and torch tensors.
 
-Every function accepts numpy arrays (float32, float16, ml_dtypes.bfloat16, int32, int64)
-or torch tensors on the CPU or a CUDA device; all array arguments of one call live on
+Every function accepts numpy arrays (float32, float16, ml_dtypes.bfloat16, int32, int64,
+and for quantized experts int8 and ml_dtypes.float8_e4m3fn) or torch tensors on the CPU
+or a CUDA device; all array arguments of one call live on
 one device. Outputs not passed in are allocated here, with the framework and on the
 device of the op's first array argument. CUDA work is queued on torch's current stream
 of that device and nothing synchronises the host, so every op can be captured in a CUDA
@@ -21,6 +22,13 @@ from . import _ext
 
 __all__ = [
     "MoeLora",
+    "MoeQuant",
+    "per_token_group_quant",
+    "quant_scheme",
+    "quantize",
+    "quantize_weights",
+    "scaled_fp8_quant",
+    "scaled_int8_quant",
     "fused_experts",
     "fused_moe",
     "fused_moe_lora",
@@ -42,7 +50,10 @@ _ACTIVATIONS = {
     "swiglu_oai": _ext.Activation.swiglu_oai,
 }
 
-_NUMPY_DTYPES = {"int32": np.int32, "float32": np.float32}
+_NUMPY_DTYPES = {"int32": np.int32, "float32": np.float32, "int8": np.int8}
+
+# The 8-bit element types of quantized experts, by the names the library uses.
+QUANT_DTYPES = ("float8_e4m3fn", "int8")
 
 # Multi-LoRA limits of the library (include/moelora/ops.h).
 MAX_LORA_RANK = _ext.MAX_LORA_RANK
@@ -88,14 +99,18 @@ def _error(op, name, message):
 def _view(op, name, x):
     """The TensorView of one array argument; errors name the op and the argument."""
     if isinstance(x, np.ndarray):
-        # numpy cannot export bfloat16 through DLPack: pass the bits and name the dtype.
+        # numpy cannot export bfloat16 or fp8 through DLPack: pass the bits and name the dtype.
         if x.dtype.name == "bfloat16":
             array, dtype = x.view(np.uint16), "bfloat16"
+        elif x.dtype.name == "float8_e4m3fn":
+            array, dtype = x.view(np.uint8), "float8_e4m3fn"
         else:
             array, dtype = x, None
     elif _is_torch_tensor(x):
         # DLPack refuses tensors that require grad; the ops never record autograd.
         array, dtype = x.detach(), None
+        if x.dtype == _torch().float8_e4m3fn:
+            array, dtype = array.view(_torch().uint8), "float8_e4m3fn"
     else:
         raise TypeError(f"moelora.{op}: argument '{name}' expected a numpy array or a torch "
                         f"tensor, got {type(x).__name__}")
@@ -134,12 +149,15 @@ def _launch(x):
 
 def _empty(like, shape, dtype=None):
     """An uninitialised array of the same framework and device as `like`; dtype is
-    'int32' or None for like's dtype."""
+    'int32', 'float32', 'int8', 'float8_e4m3fn' or None for like's dtype."""
     shape = tuple(int(s) for s in shape)
     if _is_torch_tensor(like):
         torch = _torch()
         torch_dtype = like.dtype if dtype is None else getattr(torch, dtype)
         return torch.empty(shape, dtype=torch_dtype, device=like.device)
+    if dtype == "float8_e4m3fn":
+        import ml_dtypes  # numpy has no fp8: ml_dtypes' type, as for bfloat16
+        return np.empty(shape, dtype=ml_dtypes.float8_e4m3fn)
     return np.empty(shape, dtype=like.dtype if dtype is None else _NUMPY_DTYPES[dtype])
 
 
@@ -468,6 +486,139 @@ def sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink
     return (out, lse) if (return_lse or lse is not None) else out
 
 
+# ---- quantization -------------------------------------------------------------------
+
+def quant_scheme(name, block_n=128, block_k=128, static_activation_scales=False):
+    """The QuantScheme of 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel' or
+    'int8_block' (include/moelora/quant.h); a QuantScheme is returned as it is."""
+    if isinstance(name, _ext.QuantScheme):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"moelora.quant_scheme: expected a scheme name or a QuantScheme, got {type(name).__name__}")
+    return _ext.quant_scheme(name, int(block_n), int(block_k), bool(static_activation_scales))
+
+
+def _quant_dtype(op, dtype):
+    name = getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
+    if name not in QUANT_DTYPES:
+        raise _error(op, "dtype", f"expected one of {QUANT_DTYPES}, got {dtype!r}")
+    return name
+
+
+def quantize(x, block_rows=1, block_cols=128, dtype="float8_e4m3fn", scales=None, static_scales=False, out=None):
+    """Quantize x [R, C] or [B, R, C] (bf16/fp16/fp32) to fp8 e4m3 or int8 with one float32
+    scale per block of block_rows x block_cols elements (0: the whole dim).
+
+    Dynamic (static_scales False): scale = max(absmax of the block, 1e-10) / qmax (448 or
+    127), written to `scales` (allocated [B, ceil(R / block_rows), ceil(C / block_cols)]
+    when None; any strides, e.g. column-major). Static: `scales` is read.
+    q = round(x / scale) (fp8: nearest even, saturated to +-448; int8: half to even,
+    clamped to [-128, 127]). Returns (q, scales)."""
+    op = "quantize"
+    dtype = _quant_dtype(op, dtype)
+    x_view = _view(op, "input", x)
+    shape = tuple(x_view.shape)
+    if out is None:
+        out = _empty(x, shape, dtype)
+    else:
+        _check_writable(op, "out", out)
+    if scales is None:
+        if static_scales:
+            raise _error(op, "scales", "expected the static scales, got None")
+        rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (0, 0)
+        br = int(block_rows) if block_rows else max(rows, 1)
+        bc = int(block_cols) if block_cols else max(cols, 1)
+        scale_shape = shape[:-2] + (-(-rows // max(br, 1)), -(-cols // max(bc, 1)))
+        scales = _empty(x, scale_shape, "float32")
+    elif not static_scales:
+        _check_writable(op, "scales", scales)
+    stream, guard = _launch(x)
+    with guard:
+        _ext.quantize(x_view, _view(op, "out", out), _view(op, "scales", scales), int(block_rows), int(block_cols),
+                      bool(static_scales), stream=stream)
+    return out, scales
+
+
+def _transposed_empty(like, rows, cols):
+    """An uninitialised float32 [rows, cols] array with column-major strides."""
+    if _is_torch_tensor(like):
+        return _torch().empty((cols, rows), dtype=_torch().float32, device=like.device).t()
+    return np.empty((cols, rows), dtype=np.float32).T
+
+
+def per_token_group_quant(x, group_size=128, dtype="float8_e4m3fn", column_major_scales=False, out=None):
+    """vLLM's per_token_group_quant_fp8 / _int8: x [M, K] -> (q [M, K], scales [M, K / group_size])
+    with one scale per token and group of group_size columns (which must divide K);
+    column_major_scales lays the scales out transposed (strides [1, M])."""
+    op = "per_token_group_quant"
+    x_view = _view(op, "x", x)
+    if len(x_view.shape) != 2:
+        raise _error(op, "x", f"expected shape [M, K], got {list(x_view.shape)}")
+    rows, cols = x_view.shape
+    if int(group_size) <= 0 or cols % int(group_size) != 0:
+        raise _error(op, "group_size", f"expected a divisor of K = {cols}, got {group_size}")
+    scales = _transposed_empty(x, rows, cols // int(group_size)) if column_major_scales else None
+    return quantize(x, 1, int(group_size), dtype, scales=scales, out=out)
+
+
+def scaled_fp8_quant(x, scale=None, use_per_token_if_dynamic=False, out=None):
+    """vLLM's scaled_fp8_quant: x [M, K] -> (q fp8 [M, K], scale). With `scale` ([1]
+    float32): static per-tensor. Without: dynamic per tensor (scale [1]), or per token
+    (scale [M, 1]) with use_per_token_if_dynamic."""
+    return _scaled_quant("scaled_fp8_quant", x, scale, use_per_token_if_dynamic, "float8_e4m3fn", out)
+
+
+def scaled_int8_quant(x, scale=None, out=None):
+    """vLLM's scaled_int8_quant (symmetric): x [M, K] -> (q int8 [M, K], scale). With
+    `scale` ([1] float32): static per-tensor; without: dynamic per token (scale [M, 1])."""
+    return _scaled_quant("scaled_int8_quant", x, scale, True, "int8", out)
+
+
+def _scaled_quant(op, x, scale, per_token, dtype, out):
+    x_view = _view(op, "x", x)
+    if len(x_view.shape) != 2:
+        raise _error(op, "x", f"expected shape [M, K], got {list(x_view.shape)}")
+    if scale is not None:
+        scale_2d = scale.reshape(1, 1) if scale.ndim != 2 else scale
+        q, _ = quantize(x, 0, 0, dtype, scales=scale_2d, static_scales=True, out=out)
+        return q, scale
+    if per_token:
+        return quantize(x, 1, 0, dtype, out=out)
+    q, scales = quantize(x, 0, 0, dtype, out=out)
+    return q, scales.reshape(1)
+
+
+def quantize_weights(w, scheme):
+    """Quantize expert weights w [E, N, K] (bf16/fp16/fp32) for a scheme (a name or a
+    QuantScheme): returns (w_q [E, N, K] fp8/int8, w_scale) with w_scale [E, ceil(N /
+    block_n), ceil(K / block_k)] (block), [E, N] (channel) or [E] (tensor), float32: the
+    layouts fused_experts takes (DeepSeek-V3's weight_scale_inv for block scales)."""
+    scheme = quant_scheme(scheme)
+    g = scheme.weight_scales
+    if g == _ext.ScaleGranularity.block:
+        return quantize(w, scheme.block_n, scheme.block_k, scheme.element)
+    q, scales = quantize(w, 1 if g == _ext.ScaleGranularity.channel else 0, 0, scheme.element)
+    return q, scales.reshape(scales.shape[0], -1) if g == _ext.ScaleGranularity.channel else scales.reshape(-1)
+
+
+@dataclasses.dataclass
+class MoeQuant:
+    """Quantized experts, for fused_experts(..., quant=MoeQuant(...)).
+
+    scheme: 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel', 'int8_block' or a
+    QuantScheme (quant_scheme(...)); w13 / w2 then hold its element type (fp8 e4m3 or
+    int8) and w13_scale / w2_scale its float32 scales (quantize_weights' layouts);
+    a13_scale / a2_scale ([1] float32): static activation scales of GEMM1's and GEMM2's
+    inputs (fp8_tensor with static_activation_scales).
+    """
+
+    scheme: object
+    w13_scale: object
+    w2_scale: object
+    a13_scale: object = None
+    a2_scale: object = None
+
+
 @dataclasses.dataclass
 class MoeLora:
     """The adapters of one MoE layer, for fused_experts(..., lora=MoeLora(...)).
@@ -506,7 +657,7 @@ def _activation_enum(activation):
 def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", inplace=False,
                   no_combine=False, apply_router_weight_on_input=False, routed_scaling_factor=1.0,
                   expert_map=None, chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, out=None,
-                  block_size=0, lora=None):
+                  block_size=0, lora=None, quant=None):
     """The whole MoE layer: align -> GEMM1 -> activation -> GEMM2 -> reduce.
 
     hidden_states [M, H]; w13 [E_local, 2I, H] (gate rows then up rows; interleaved for
@@ -516,6 +667,8 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     Returns out [M, H] (routed_scaling_factor * the weighted sum over the top_k experts),
     or [M, top_k, H] with no_combine. inplace writes into hidden_states and returns it.
     block_size 0 lets the library choose. lora: a MoeLora (multi-LoRA adapters), or None.
+    quant: a MoeQuant (w13 / w2 hold fp8 or int8 experts; include/moelora/ops.h
+    FusedExpertsQuant gives the arithmetic), or None.
     """
     op = "fused_experts"
     activation = _activation_enum(activation)
@@ -565,6 +718,17 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
         lora_rank = min(max(_dim(lora_args["w13_lora_a"][0], 2), _dim(lora_args["w2_lora_a"], 2), 0),
                         MAX_LORA_RANK)
 
+    quant_args, scheme = {}, None
+    if quant is not None:
+        if not isinstance(quant, MoeQuant):
+            raise TypeError(f"moelora.{op}: argument 'quant' expected a moelora.MoeQuant or None, "
+                            f"got {type(quant).__name__}")
+        scheme = quant_scheme(quant.scheme)
+        quant_args = dict(quant=scheme, w13_scale=_view(op, "w13_scale", quant.w13_scale),
+                          w2_scale=_view(op, "w2_scale", quant.w2_scale),
+                          a13_scale=_optional_view(op, "a13_scale", quant.a13_scale),
+                          a2_scale=_optional_view(op, "a2_scale", quant.a2_scale))
+
     num_experts = _dim(map_view, 0) if map_view is not None else _dim(w13_view, 0)
     options = dict(
         activation=activation, swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
@@ -574,11 +738,12 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     workspace_bytes = _ext.fused_experts_workspace_size(
         num_tokens, top_k, num_experts, hidden_size, _dim(w2_view, -1),
         x_view.dtype if x_view.dtype in ("float32", "float16", "bfloat16") else "float32",
-        num_local_experts=_dim(w13_view, 0), max_loras=max_loras, lora_rank=lora_rank, **options)
+        num_local_experts=_dim(w13_view, 0), max_loras=max_loras, lora_rank=lora_rank, quant=scheme, **options)
     workspace = _aligned_workspace(hidden_states, max(workspace_bytes, 0))
 
     stream, guard = _launch(hidden_states)
     with guard:
         _ext.fused_experts(x_view, w13_view, w2_view, weights_view, ids_view, out_view,
-                           _view(op, "workspace", workspace), map_view, stream=stream, **options, **lora_args)
+                           _view(op, "workspace", workspace), map_view, stream=stream, **options, **lora_args,
+                           **quant_args)
     return out

@@ -16,6 +16,12 @@ adapter_scale) stays on the device, so one captured CUDA graph serves any mix of
 
 sparse_mla_decode returns (out, lse) (FlashMLA's sparse decode: q [T, Hq, 576], kv
 [S, 1, 576], indices [T, 1, topk]).
+
+Quantized experts (issue 28): fused_experts_quant is fused_experts on fp8/int8 experts
+(quant names the scheme: fp8_block, fp8_channel, fp8_tensor, int8_channel, int8_block;
+static activation scales when a13_scale/a2_scale are given); fused_experts_lora takes the
+same optional quant arguments. per_token_group_quant, scaled_fp8_quant and
+scaled_int8_quant follow vLLM's ops of those names.
 """
 
 import torch
@@ -35,6 +41,13 @@ _FUSED_EXPERTS_ARGS = (
 _LORA_ARGS = (
     "Tensor token_lora_ids, Tensor[] w13_lora_a, Tensor[] w13_lora_b, Tensor w2_lora_a, Tensor w2_lora_b, "
     "Tensor? adapter_enabled=None, Tensor? adapter_scale=None")
+
+_QUANT_ARGS = (
+    "str quant, Tensor w13_scale, Tensor w2_scale, Tensor? a13_scale=None, Tensor? a2_scale=None, "
+    "int quant_block_n=128, int quant_block_k=128")
+_OPTIONAL_QUANT_ARGS = (
+    "str? quant=None, Tensor? w13_scale=None, Tensor? w2_scale=None, Tensor? a13_scale=None, "
+    "Tensor? a2_scale=None, int quant_block_n=128, int quant_block_k=128")
 
 _SCHEMAS = {
     "moe_align_block_size":
@@ -66,7 +79,18 @@ _SCHEMAS = {
         "fused_experts_lora(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         f"{_LORA_ARGS}, str activation='silu', bool apply_router_weight_on_input=False, "
         "float routed_scaling_factor=1.0, Tensor? expert_map=None, int chunk_size=65536, "
+        f"float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False, {_OPTIONAL_QUANT_ARGS}) -> Tensor",
+    "fused_experts_quant":
+        f"fused_experts_quant(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        f"{_QUANT_ARGS}, str activation='silu', bool apply_router_weight_on_input=False, "
+        "float routed_scaling_factor=1.0, Tensor? expert_map=None, int chunk_size=65536, "
         "float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False) -> Tensor",
+    "per_token_group_quant":
+        "per_token_group_quant(Tensor x, int group_size=128, str dtype='float8_e4m3fn', "
+        "bool column_major_scales=False) -> (Tensor, Tensor)",
+    "scaled_fp8_quant":
+        "scaled_fp8_quant(Tensor x, Tensor? scale=None, bool use_per_token_if_dynamic=False) -> (Tensor, Tensor)",
+    "scaled_int8_quant": "scaled_int8_quant(Tensor x, Tensor? scale=None) -> (Tensor, Tensor)",
     "sparse_mla_decode":
         "sparse_mla_decode(Tensor q, Tensor kv, Tensor indices, float softmax_scale, Tensor? topk_length=None, "
         "Tensor? attn_sink=None, int num_splits=0) -> (Tensor, Tensor)",
@@ -142,17 +166,56 @@ def _fused_moe_lora(out, a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_en
                         interleaved_slices=interleaved_slices, alignment=alignment)
 
 
+def _moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, block_n, block_k):
+    """The MoeQuant of the schema's quant arguments (None without a scheme); static
+    activation scales when a13_scale is given."""
+    if quant is None:
+        return None
+    scheme = _ops.quant_scheme(quant, block_n, block_k, static_activation_scales=a13_scale is not None)
+    return _ops.MoeQuant(scheme, w13_scale, w2_scale, a13_scale, a2_scale)
+
+
 def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
                         w2_lora_a, w2_lora_b, adapter_enabled=None, adapter_scale=None, activation="silu",
                         apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
+                        w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
+                        quant_block_k=128):
     lora = _ops.MoeLora(token_lora_ids, list(w13_lora_a), list(w13_lora_b), w2_lora_a, w2_lora_b,
                         adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
     return _ops.fused_experts(
         hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
         apply_router_weight_on_input=apply_router_weight_on_input,
         routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora)
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora,
+        quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n, quant_block_k))
+
+
+def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, a13_scale=None,
+                         a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
+                         apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                         chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+    return _ops.fused_experts(
+        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n, quant_block_k))
+
+
+def _per_token_group_quant(x, group_size=128, dtype="float8_e4m3fn", column_major_scales=False):
+    return _ops.per_token_group_quant(x, group_size, dtype, column_major_scales)
+
+
+# NOTE: a custom op's outputs must not alias its inputs: a static scale comes back as a copy.
+def _scaled_fp8_quant(x, scale=None, use_per_token_if_dynamic=False):
+    q, scales = _ops.scaled_fp8_quant(x, scale, use_per_token_if_dynamic)
+    return q, scales.clone() if scale is not None else scales
+
+
+def _scaled_int8_quant(x, scale=None):
+    q, scales = _ops.scaled_int8_quant(x, scale)
+    return q, scales.clone() if scale is not None else scales
 
 
 # ---- fake implementations: shapes only ---------------------------------------------
@@ -206,13 +269,42 @@ def _fused_moe_lora_fake(out, *args, **kwargs):
     return None
 
 
-def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
-                             w2_lora_a, w2_lora_b, adapter_enabled=None, adapter_scale=None, activation="silu",
-                             apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                             chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+def _layer_out_fake(hidden_states, topk_ids, no_combine):
     if no_combine:
         return hidden_states.new_empty((hidden_states.shape[0], topk_ids.shape[1], hidden_states.shape[1]))
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, *args, no_combine=False, **kwargs):
+    return _layer_out_fake(hidden_states, topk_ids, no_combine)
+
+
+def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *args, no_combine=False, **kwargs):
+    return _layer_out_fake(hidden_states, topk_ids, no_combine)
+
+
+def _per_token_group_quant_fake(x, group_size=128, dtype="float8_e4m3fn", column_major_scales=False):
+    rows, cols = x.shape
+    groups = cols // group_size
+    scales = (torch.empty((groups, rows), dtype=torch.float32, device=x.device).t() if column_major_scales
+              else x.new_empty((rows, groups), dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=getattr(torch, dtype)), scales
+
+
+def _scaled_quant_fake(x, scale, per_token, dtype):
+    if scale is not None:
+        scales = torch.empty_like(scale)
+    else:
+        scales = x.new_empty((x.shape[0], 1) if per_token else (1,), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=dtype), scales
+
+
+def _scaled_fp8_quant_fake(x, scale=None, use_per_token_if_dynamic=False):
+    return _scaled_quant_fake(x, scale, use_per_token_if_dynamic, torch.float8_e4m3fn)
+
+
+def _scaled_int8_quant_fake(x, scale=None):
+    return _scaled_quant_fake(x, scale, True, torch.int8)
 
 
 def _sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink=None, num_splits=0):
@@ -237,6 +329,10 @@ _IMPLEMENTATIONS = {
     "moe_lora_align_block_size": (_moe_lora_align_block_size, _moe_lora_align_block_size_fake),
     "fused_moe_lora": (_fused_moe_lora, _fused_moe_lora_fake),
     "fused_experts_lora": (_fused_experts_lora, _fused_experts_lora_fake),
+    "fused_experts_quant": (_fused_experts_quant, _fused_experts_quant_fake),
+    "per_token_group_quant": (_per_token_group_quant, _per_token_group_quant_fake),
+    "scaled_fp8_quant": (_scaled_fp8_quant, _scaled_fp8_quant_fake),
+    "scaled_int8_quant": (_scaled_int8_quant, _scaled_int8_quant_fake),
     "sparse_mla_decode": (_sparse_mla_decode, _sparse_mla_decode_fake),
 }
 

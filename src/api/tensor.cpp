@@ -13,12 +13,16 @@ const char* dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
+    case DType::kInt8: return "int8";
   }
   return "unknown";
 }
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
+    case DType::kFloat8E4M3:
+    case DType::kInt8: return 1;
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kFloat32:

@@ -1,8 +1,10 @@
-// Host-side conversions between fp32 and the 16-bit float formats, bit-exact with the
-// CUDA intrinsics (__float2bfloat16_rn / __float2half_rn: round to nearest even).
+// Host-side conversions between fp32 and the 16-bit and 8-bit formats, bit-exact with
+// the CUDA intrinsics (__float2bfloat16_rn / __float2half_rn: round to nearest even;
+// __nv_cvt_float_to_fp8 with __NV_SATFINITE for fp8 e4m3; __float2int_rn for int8).
 // Used by the CPU backend, the tests and the benchmark; no CUDA header needed.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -61,6 +63,47 @@ inline fp16 to_fp16(float f) {
   const uint32_t rest = mant & 0x1fffu;
   if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;  // may carry into exponent: correct
   return fp16{uint16_t(sign | h)};
+}
+
+// fp8 e4m3 without infinities (float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3 mantissa
+// bits; 0x7f / 0xff are NaN, 448 the largest finite value, 2^-9 the smallest subnormal.
+struct fp8e4m3 { uint8_t bits; };
+constexpr float kFp8E4M3Max = 448.0f;
+constexpr float kInt8Max = 127.0f;
+
+inline float to_float(fp8e4m3 v) {
+  const int exp = (v.bits >> 3) & 0xf, man = v.bits & 0x7;
+  const float sign = (v.bits & 0x80) ? -1.0f : 1.0f;
+  if (exp == 0xf && man == 0x7) return std::nanf("");
+  if (exp == 0) return sign * std::ldexp(float(man), -9);
+  return sign * std::ldexp(float(8 + man), exp - 10);
+}
+
+// Round to nearest even, saturating to +-448 (cvt.rn.satfinite.e4m3x2.f32); NaN -> 0x7f.
+inline fp8e4m3 to_fp8e4m3(float f) {
+  if (std::isnan(f)) return fp8e4m3{0x7f};
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  uint32_t code;
+  if (a < 0.015625f) {
+    // Subnormal range (below 2^-6): code = round(a * 2^9); 8 is the smallest normal's code.
+    code = uint32_t(std::nearbyint(std::ldexp(a, 9)));
+  } else {
+    int ex = 0;
+    std::frexp(a, &ex);  // a = f * 2^ex, f in [0.5, 1)
+    const int e = ex - 1;                                      // a in [2^e, 2^(e+1))
+    const uint32_t q = uint32_t(std::nearbyint(std::ldexp(a, 3 - e)));  // in [8, 16]: 16 carries
+    code = e + 7 > 15 ? 0x7fu : uint32_t((e + 7) << 3) + (q - 8);
+  }
+  if (code > 0x7e) code = 0x7e;  // saturate (0x7f is NaN)
+  return fp8e4m3{uint8_t(sign | code)};
+}
+
+// Round half to even, saturating to [-128, 127] (float_to_int8_rn of vLLM's kernels).
+inline int8_t to_int8(float f) {
+  if (std::isnan(f)) return 0;
+  const float r = std::nearbyint(f);
+  return int8_t(r > 127.0f ? 127.0f : r < -128.0f ? -128.0f : r);
 }
 
 }  // namespace moelora::host

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "moelora/ops.h"
+#include "moelora/quant.h"
 #include "moelora/tensor.h"
 
 namespace moelora::detail {
@@ -132,6 +133,42 @@ struct LoraDeltaParams {
 
 enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
 
+// quantize. See include/moelora/quant.h. input/out [batch, rows, cols] with unit column
+// stride; scales [batch, ceil(rows / block_rows), ceil(cols / block_cols)], any strides.
+// Block sizes are resolved (a whole dim, not 0).
+struct QuantizeParams {
+  DType input_dtype;  // bf16, fp16 or fp32
+  const void* input;
+  int64_t input_stride_batch, input_stride_row;
+  DType out_dtype;  // kFloat8E4M3 or kInt8
+  void* out;
+  int64_t out_stride_batch, out_stride_row;
+  float* scales;
+  int64_t scales_stride_batch, scales_stride_row, scales_stride_col;
+  int64_t batch, rows, cols;
+  int64_t block_rows, block_cols;
+  bool static_scales;
+};
+
+// The W8A8 operands of a quantized expert GEMM (GemmParams::quant, SmallBatchMoeParams::quant):
+// a and w hold `element`s; the product over K is
+//   Σ_kb a_scale(row, kb) · w_scale(e, n, kb) · Σ_{k in block kb} a[row, k] · w[e, n, k]
+// with kb = k / block_k for kBlock scales, a single block otherwise:
+//   a_scale: kBlock [rows of a, ceil(K / block_k)], kChannel [rows of a], kTensor [1]
+//   w_scale: kBlock [E, ceil(N_w / block_n), ceil(K / block_k)], kChannel [E, N_w], kTensor [E]
+// (N_w: w's rows, 2N for a gated GEMM). Strides in elements.
+struct GemmQuantParams {
+  bool enabled = false;
+  DType element = DType::kFloat8E4M3;
+  ScaleGranularity a_scales = ScaleGranularity::kBlock;
+  ScaleGranularity w_scales = ScaleGranularity::kBlock;
+  int64_t block_n = 128, block_k = 128;
+  const float* a_scale = nullptr;
+  int64_t a_scale_stride_row = 0, a_scale_stride_k = 0;
+  const float* w_scale = nullptr;
+  int64_t w_scale_stride_expert = 0, w_scale_stride_n = 0, w_scale_stride_k = 0;
+};
+
 // fused_moe: out[s] = a[s / top_k] · w[e]ᵀ (× routed weight) over aligned blocks.
 //
 // With `gated` (CUDA only; fused_experts' GEMM1), w holds 2N rows, a gate row and an up
@@ -139,7 +176,7 @@ enum class ActivationKind : int8_t { kSiluAndMul, kGeluAndMul, kSwigluOai };
 // out[s][j] = act(gate_j × routed weight, up_j × routed weight): the activation runs in
 // the epilogue and the [slots, 2N] intermediate never reaches memory.
 struct GemmParams {
-  DType dtype;                    // of a, w and out
+  DType dtype;                    // of a, w and out (of out alone with quant)
   const void* a;                  // [num_rows, K]
   int64_t a_stride_row, a_stride_k;
   const void* w;                  // [num_experts, N, K]
@@ -190,6 +227,9 @@ struct GemmParams {
   int64_t lora_rank = 0;                    // a multiple of 8
   int lora_slices = 0;                      // 1 or 2
   LoraSliceParams lora[2] = {};             // lora_b of each slice (lora_a is the shrink's)
+  // W8A8 (issue 28): a and w are 8-bit with scales; out keeps `dtype`. No LoRA expand,
+  // no sorted rows.
+  GemmQuantParams quant{};
 };
 
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
@@ -227,6 +267,13 @@ struct SmallBatchMoeParams {
   // GEMM2's rows before the routed weight ([num_tokens * top_k, H]); null: none.
   const void* gate_up_delta = nullptr;
   const void* down_delta = nullptr;
+  // W8A8 (issue 28), quant13.enabled: x (already quantized, strides in its elements) and
+  // w13 hold quant13.element values with quant13's scales; GEMM1 still writes `act` in
+  // `dtype`, which the caller quantizes into act_quantized [num_tokens * top_k, I] (rows by
+  // slot, quant2's a scales) for GEMM2 against w2 and quant2's w scales.
+  GemmQuantParams quant13{};
+  GemmQuantParams quant2{};
+  const void* act_quantized = nullptr;
 };
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
@@ -306,6 +353,7 @@ void activation(const detail::ActivationParams& p);
 void moe_sum_reduce(const detail::SumReduceParams& p);
 void moe_lora_delta(const detail::LoraDeltaParams& p);
 void sparse_mla_decode(const detail::SparseMlaDecodeParams& p);
+void quantize(const detail::QuantizeParams& p);
 }  // namespace moelora::cpu
 
 namespace moelora::detail {
@@ -337,6 +385,13 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
+void quantize(const detail::QuantizeParams& p, Stream stream);
+// Whether the device runs p.quant's element type on its tensor cores (fp8: sm_89+,
+// int8: sm_80+); fused_moe throws for a quantized call otherwise.
+bool quant_element_supported(DType element);
+// The W8A8 kernels load these operands (K % 16 == 0, unit K strides, 16-byte aligned
+// rows; block scales with block_k 128).
+bool fused_moe_w8a8_loadable(const detail::GemmParams& p);
 // Two launches (shrink, expand); base-only blocks and slots skip the LoRA work.
 void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The shrink alone, by entry (on the segmented alignment, LoraDeltaParams::entry_lora_ids), for a GEMM with

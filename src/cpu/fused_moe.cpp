@@ -5,6 +5,9 @@
 //     for entry i of block b with slot s = sorted_token_ids[i] < num_slots:
 //       out[s, n] = (e == -1) ? 0 : Σ_k a[s / top_k, k] · w[e, n, k]  (× topk_weights[s])
 //
+// W8A8 (GemmParams::quant): a and w are dequantized row by row (element × its scale)
+// before the fp32 dot products.
+//
 // Work items are (block, tile of N columns), so a few blocks with a wide N still keep
 // every thread busy. Each item converts its a rows and each w row to fp32 once and
 // reuses them across the whole tile.
@@ -36,6 +39,22 @@ float dot(const float* x, const float* y, int64_t count) {
   for (; k < count; ++k) sum += x[k] * y[k];
   for (int lane = 0; lane < kLanes; ++lane) sum += partial[lane];
   return sum;
+}
+
+// W8A8: row[k] *= the scale of element k of a's row `row` (weight = false) or of w's row
+// `row` of `expert` (weight = true): dequantized values, so the dot below is the layer's.
+void apply_scales(const detail::GemmQuantParams& q, bool weight, int64_t expert, int64_t row, int64_t K, float* values) {
+  const ScaleGranularity g = weight ? q.w_scales : q.a_scales;
+  const float* base = weight ? q.w_scale + expert * q.w_scale_stride_expert : q.a_scale;
+  const int64_t stride_row = weight ? q.w_scale_stride_n : q.a_scale_stride_row;
+  const int64_t stride_k = weight ? q.w_scale_stride_k : q.a_scale_stride_k;
+  if (g == ScaleGranularity::kBlock) {
+    const float* scales = base + (weight ? row / q.block_n : row) * stride_row;
+    for (int64_t k = 0; k < K; ++k) values[k] *= scales[(k / q.block_k) * stride_k];
+    return;
+  }
+  const float scale = g == ScaleGranularity::kChannel ? base[row * stride_row] : base[0];
+  for (int64_t k = 0; k < K; ++k) values[k] *= scale;
 }
 
 float routed_weight(const detail::GemmParams& p, int64_t slot) {
@@ -85,15 +104,18 @@ void fused_moe(const detail::GemmParams& p) {
     }
 
     const int64_t K = p.K;
+    const DType operand = p.quant.enabled ? p.quant.element : p.dtype;  // of a and w
     std::vector<float> a_rows(slots.size() * K);  // [num_valid_slots, K]
     for (size_t r = 0; r < slots.size(); ++r) {
       const int64_t row = slots[r] / p.top_k;
-      load_row(p.dtype, element_ptr(p.dtype, p.a, row * p.a_stride_row), p.a_stride_k, K, &a_rows[r * K]);
+      load_row(operand, element_ptr(operand, p.a, row * p.a_stride_row), p.a_stride_k, K, &a_rows[r * K]);
+      if (p.quant.enabled) apply_scales(p.quant, false, 0, row, K, &a_rows[r * K]);
     }
     std::vector<float> w_tile(width * K);  // [width, K] w[expert, n_begin:n_end, :]
     for (int64_t n = 0; n < width; ++n) {
       const int64_t offset = expert * p.w_stride_expert + (n_begin + n) * p.w_stride_n;
-      load_row(p.dtype, element_ptr(p.dtype, p.w, offset), p.w_stride_k, K, &w_tile[n * K]);
+      load_row(operand, element_ptr(operand, p.w, offset), p.w_stride_k, K, &w_tile[n * K]);
+      if (p.quant.enabled) apply_scales(p.quant, true, expert, n_begin + n, K, &w_tile[n * K]);
     }
     for (size_t r = 0; r < slots.size(); ++r) {
       const float scale = p.topk_weights ? routed_weight(p, slots[r]) : 1.0f;

@@ -18,9 +18,15 @@
 // kSlotsPerPass slots of its expert: once at decode, where experts rarely repeat.
 // Weights stream through L2 only (ld.global.nc.L1::no_allocate); hidden rows and
 // activations go through L1, where every warp working on one expert finds them.
+// W8A8 (issue 28, quant13.enabled): the same kernels on 8-bit operands (Chunk<E>: a
+// 16-byte load holds 16 of them), x and act already quantized by the caller; block
+// scales multiply each chunk's dot product (a chunk never straddles a K block: block_k
+// >= 16), channel and tensor scales the finished sums.
 #include <algorithm>
 #include <atomic>
 #include <string>
+
+#include <cuda_fp8.h>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
@@ -40,8 +46,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxSlots = int(kSmallBatchMaxSlots);
 static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables");
 constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows (GEMM2's 16-row items: 2)
-constexpr int kChunk = 8;          // elements of a 16-byte load
-constexpr int kWarpChunk = 32 * kChunk;
+constexpr int kChunkBytes = 16;  // one 16-byte load a lane
 // 16-byte loads in flight per lane: GEMM1 2 rows x 4 (x 8 spilled once the input
 // vector's chunks were batched too, under the 128-register cap); GEMM2 4 rows x 4, or 16 rows x 1
 // when I <= 512 (a row of I = 256 is one chunk a lane: 4-row items left 2 KB in flight
@@ -122,20 +127,118 @@ __device__ __forceinline__ uint4 load_streaming(const void* ptr) {
   return v;
 }
 
-// The 8 elements of a 16-byte chunk as fp32.
-template <class T>
-__device__ __forceinline__ void to_float8(const uint4& v, float (&f)[8]) {
-  const Vec16<T>& chunk = reinterpret_cast<const Vec16<T>&>(v);
+// The elements of a 16-byte chunk of operand type E, and the dot product of a weight
+// chunk with a vector chunk: 8 bf16/fp16 values in fp32; 16 fp8 values (each product
+// exact in fp32); 16 int8 values by dp4a (exact in int32).
+template <class E>
+struct Chunk {
+  static constexpr int kElems = 8;
+  // The vector's chunk, converted once and reused against every row.
+  using Vec = float[8];
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) {
+    const Vec16<E>& chunk = reinterpret_cast<const Vec16<E>&>(v);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) f[i] = to_float(chunk.v[i]);
+    for (int i = 0; i < 8; ++i) f[i] = to_float(chunk.v[i]);
+  }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    Vec wf;
+    load(w, wf);
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc = fmaf(wf[i], x[i], acc);
+    return acc;
+  }
+};
+template <>
+struct Chunk<__nv_fp8_e4m3> {
+  static constexpr int kElems = 16;
+  // Kept packed, converted a pair at a time in dot(): 16 floats per vector chunk spilled
+  // GEMM1 (ptxas: 584 B of spill stores at 4 slots x 4 chunks in flight).
+  using Vec = uint4;
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
+  static __device__ __forceinline__ float2 pair(uint32_t word, int half) {
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * half)), __NV_E4M3)));
+  }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 a = pair(ws[i], h), b = pair(xs[i], h);
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+      }
+    }
+    return acc;
+  }
+};
+template <>
+struct Chunk<int8_t> {
+  static constexpr int kElems = 16;
+  using Vec = uint4;  // kept packed: dp4a takes four int8 pairs a word
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    int acc = __dp4a(int(w.x), int(x.x), 0);
+    acc = __dp4a(int(w.y), int(x.y), acc);
+    acc = __dp4a(int(w.z), int(x.z), acc);
+    acc = __dp4a(int(w.w), int(x.w), acc);
+    return float(acc);
+  }
+};
+
+// No per-chunk scale: bf16/fp16 operands.
+struct NoChunkScale {
+  static constexpr bool kActive = false;
+};
+
+// The scale of a chunk of W8A8 operands: w_scale(row r, k) · a_scale(vector v, k). Each
+// row and vector points at its scales; block scales step along k once per block_k,
+// channel and tensor scales do not (stride 0), so one code path serves every scheme.
+template <int kRows, int kVecs>
+struct QuantChunkScale {
+  static constexpr bool kActive = true;
+  const float* w[kRows];
+  const float* a[kVecs];
+  int64_t w_stride_k, a_stride_k;
+  int block_shift;  // log2(block_k)
+  __device__ __forceinline__ float operator()(int r, int v, int k) const {
+    const int kb = k >> block_shift;
+    return w[r][kb * w_stride_k] * a[v][kb * a_stride_k];
+  }
+};
+
+// The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
+__device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
+  const float* base = q.w_scale + expert * q.w_scale_stride_expert;
+  switch (q.w_scales) {
+    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
+    case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
+    default: return base;
+  }
+}
+__device__ __forceinline__ const float* activation_scales(const detail::GemmQuantParams& q, int64_t row) {
+  return q.a_scales == ScaleGranularity::kTensor ? q.a_scale : q.a_scale + row * q.a_scale_stride_row;
+}
+template <int kRows, int kVecs>
+__device__ __forceinline__ QuantChunkScale<kRows, kVecs> chunk_scale(const detail::GemmQuantParams& q) {
+  QuantChunkScale<kRows, kVecs> s;
+  const bool block = q.w_scales == ScaleGranularity::kBlock;
+  s.w_stride_k = block ? q.w_scale_stride_k : 0;
+  s.a_stride_k = block ? q.a_scale_stride_k : 0;
+  s.block_shift = block ? __ffsll(q.block_k) - 1 : 0;
+  return s;
 }
 
-// acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp.
+// acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp
+// (each chunk's product times scale(r, v, k) when Scale::kActive: block scales).
 // Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of every row are loaded
-// before the first is used. K % 8 == 0; rows and vecs 16-byte aligned.
-template <class T, int kRows, int kUnroll, int kVecs>
+// before the first is used. K a multiple of a chunk; rows and vecs 16-byte aligned.
+template <class T, int kRows, int kUnroll, int kVecs, class Scale = NoChunkScale>
 __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kVecs], int num_vecs,
-                                         int K, float (&acc)[kRows][kVecs]) {
+                                         int K, float (&acc)[kRows][kVecs], const Scale& scale = {}) {
+  constexpr int kChunk = Chunk<T>::kElems;
+  constexpr int kWarpChunk = 32 * kChunk;
   const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -164,14 +267,23 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        float x[8];
-        to_float8<T>(xv[u], x);
+        typename Chunk<T>::Vec x;
+        Chunk<T>::load(xv[u], x);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          float wf[8];
-          to_float8<T>(w[r][u], wf);
+          if constexpr (Scale::kActive) {
+            const int k = k0 + u * kWarpChunk;  // past K the chunk is zeros and its scale not read
+            acc[r][v] = fmaf(Chunk<T>::dot(w[r][u], x), k < K ? scale(r, v, k) : 0.f, acc[r][v]);
+          } else if constexpr (Chunk<T>::kElems == 8) {
+            // NOTE: the 16-bit path keeps its single FMA chain per (r, v), as measured
+            // (docs/PERF_NOTES.md, issue 3 step 5).
+            float wf[8];
+            Chunk<T>::load(w[r][u], wf);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
+            for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
+          } else {
+            acc[r][v] += Chunk<T>::dot(w[r][u], x);
+          }
         }
       }
     }
@@ -204,36 +316,59 @@ __device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int
 // GEMM1 + activation: act[s][j] = act(x[s / top_k] · gate_j, x[s / top_k] · up_j) for
 // every slot s with a local expert (× its routed weight before the activation when
 // router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
-template <class T, ActivationKind kAct>
+// E: the operands' type: T, or an 8-bit type (W8A8: x and w13 quantized, quant13's scales).
+template <class T, class E, ActivationKind kAct>
 __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
+  constexpr bool kQuant = !std::is_same_v<T, E>;
   __shared__ SlotTables t;
   wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
   build_slot_tables(p, t);
-  const T* x = static_cast<const T*>(p.x);
-  const T* w13 = static_cast<const T*>(p.w13);
+  const E* x = static_cast<const E*>(p.x);
+  const E* w13 = static_cast<const E*>(p.w13);
   T* act = static_cast<T*>(p.act);
   const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if constexpr (kQuant) {
+    // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
+    // of slots without a local expert get zeros, which move no absmax.
+    if (blockIdx.x == 0) {
+      const int num_slots = int(p.num_tokens) * top_k;
+      for (int i = int(threadIdx.x); i < num_slots * I; i += kThreads) {
+        if (t.expert[i / I] < 0) act[i] = from_float<T>(0.f);
+      }
+    }
+  }
   const int64_t num_units = int64_t(t.num_distinct) * I;
   // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
   for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
     const int d = int(unit / I), j = int(unit - int64_t(d) * I);
-    const T* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
+    const E* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
     // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
     const bool interleaved = kAct == ActivationKind::kSwigluOai;
-    const T* const rows[2] = {w + int64_t(interleaved ? 2 * j : j) * p.w13_stride_n,
-                              w + int64_t(interleaved ? 2 * j + 1 : I + j) * p.w13_stride_n};
+    const int64_t row_index[2] = {interleaved ? 2 * j : j, interleaved ? 2 * j + 1 : I + j};
+    const E* const rows[2] = {w + row_index[0] * p.w13_stride_n, w + row_index[1] * p.w13_stride_n};
     const int end = t.group_begin[d + 1];
     for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
       const int n = min(kSlotsPerPass, end - g);
-      const T* vecs[kSlotsPerPass];
+      const E* vecs[kSlotsPerPass];
 #pragma unroll
       for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
       float acc[2][kSlotsPerPass];
-      warp_dot<T, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
+      if constexpr (kQuant) {
+        auto scale = chunk_scale<2, kSlotsPerPass>(p.quant13);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) scale.w[r] = weight_scales(p.quant13, t.distinct_expert[d], row_index[r]);
+#pragma unroll
+        for (int v = 0; v < kSlotsPerPass; ++v) {
+          scale.a[v] = activation_scales(p.quant13, t.sorted_slot[g + min(v, n - 1)] / top_k);
+        }
+        warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc, scale);
+      } else {
+        warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
+      }
       if (lane < n) {
         const int slot = t.sorted_slot[g + lane];
         const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
@@ -255,9 +390,11 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const Sm
 // with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
 // kRowsPerItem x kUnroll: the rows a warp item takes and the chunks of each loaded before
 // use. NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads.
-template <class T, int kRowsPerItem, int kUnroll>
+// E: as GEMM1's; W8A8 reads act_quantized (by slot) with quant2's scales.
+template <class T, class E, int kRowsPerItem, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
                                                                          int rows_per_cta) {
+  constexpr bool kQuant = !std::is_same_v<T, E>;
   // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators).
   constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
   __shared__ SlotTables t;
@@ -267,8 +404,8 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
   // kernel that wrote them has completed.
   build_slot_tables(p, t);
   wait_for_previous_kernel();
-  const T* w2 = static_cast<const T*>(p.w2);
-  const T* act = static_cast<const T*>(p.act);
+  const E* w2 = static_cast<const E*>(p.w2);
+  const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
   T* out = static_cast<T*>(p.out);
   const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
   const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
@@ -278,19 +415,30 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
     const int items = t.num_distinct * row_groups;
     for (int item = warp; item < items; item += kWarps) {
       const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
-      const T* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
-      const T* rows[kRowsPerItem];
+      const E* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
+      const E* rows[kRowsPerItem];
       // Rows past H (the last block) repeat row H - 1; their sums are never read.
 #pragma unroll
       for (int r = 0; r < kRowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
       const int end = t.group_begin[d + 1];
       for (int g = t.group_begin[d]; g < end; g += kVecs) {
         const int n = min(kVecs, end - g);
-        const T* vecs[kVecs];
+        const E* vecs[kVecs];
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
         float acc[kRowsPerItem][kVecs];
-        warp_dot<T, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
+        if constexpr (kQuant) {
+          auto scale = chunk_scale<kRowsPerItem, kVecs>(p.quant2);
+#pragma unroll
+          for (int r = 0; r < kRowsPerItem; ++r) {
+            scale.w[r] = weight_scales(p.quant2, t.distinct_expert[d], min(h0 + row0 + r, H - 1));
+          }
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) scale.a[v] = activation_scales(p.quant2, t.sorted_slot[g + min(v, n - 1)]);
+          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc, scale);
+        } else {
+          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
+        }
         if (lane < n) {
           const int slot = t.sorted_slot[g + lane];
           const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
@@ -353,39 +501,54 @@ void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream)
   launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
 }
 
-template <class T, ActivationKind kAct>
+template <class T, class E, ActivationKind kAct>
 void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
-  constexpr auto gemm1 = small_batch_gemm1_kernel<T, kAct>;
+  constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
   if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
   if (!(stages & 2)) return;
-  if (p.I <= 512) {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, 16, 1>, 16>(p, stream);
+  // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16); 8-bit rows are
+  // half as many bytes, so the 16-row items reach twice as far.
+  if (p.I * int64_t(sizeof(E)) <= 1024) {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
   } else {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, 4, 4>, 4>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4>(p, stream);
   }
 }
 
-template <class T>
+template <class T, class E>
 void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
   switch (p.activation) {
-    case ActivationKind::kSiluAndMul: return launch_small_batch<T, ActivationKind::kSiluAndMul>(p, stream, stages);
-    case ActivationKind::kGeluAndMul: return launch_small_batch<T, ActivationKind::kGeluAndMul>(p, stream, stages);
-    case ActivationKind::kSwigluOai: return launch_small_batch<T, ActivationKind::kSwigluOai>(p, stream, stages);
+    case ActivationKind::kSiluAndMul: return launch_small_batch<T, E, ActivationKind::kSiluAndMul>(p, stream, stages);
+    case ActivationKind::kGeluAndMul: return launch_small_batch<T, E, ActivationKind::kGeluAndMul>(p, stream, stages);
+    case ActivationKind::kSwigluOai: return launch_small_batch<T, E, ActivationKind::kSwigluOai>(p, stream, stages);
   }
+}
+
+// The operand type: the layer's own, or the W8A8 element.
+template <class T>
+void dispatch_operands(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  if (!p.quant13.enabled) return dispatch_activation<T, T>(p, stream, stages);
+  if (p.quant13.element == DType::kInt8) return dispatch_activation<T, int8_t>(p, stream, stages);
+  dispatch_activation<T, __nv_fp8_e4m3>(p, stream, stages);
 }
 
 }  // namespace
 
 bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   const int64_t slots = p.num_tokens * p.top_k;
-  const bool rows_aligned = p.w13_stride_k == 1 && p.w2_stride_k == 1 && p.x_stride_token % kChunk == 0 &&
-                            p.w13_stride_expert % kChunk == 0 &&
-                            p.w13_stride_n % kChunk == 0 && p.w2_stride_expert % kChunk == 0 &&
-                            p.w2_stride_n % kChunk == 0 && aligned16(p.x) && aligned16(p.w13) && aligned16(p.w2) &&
-                            aligned16(p.act);
+  // Elements of a 16-byte chunk: 8 of a 16-bit type, 16 of an 8-bit one (W8A8).
+  const int64_t chunk = p.quant13.enabled ? kChunkBytes : kChunkBytes / 2;
+  const bool rows_aligned = p.w13_stride_k == 1 && p.w2_stride_k == 1 && p.x_stride_token % chunk == 0 &&
+                            p.w13_stride_expert % chunk == 0 &&
+                            p.w13_stride_n % chunk == 0 && p.w2_stride_expert % chunk == 0 &&
+                            p.w2_stride_n % chunk == 0 && aligned16(p.x) && aligned16(p.w13) && aligned16(p.w2) &&
+                            aligned16(p.act) && (!p.quant13.enabled || aligned16(p.act_quantized));
+  // A chunk must not straddle two K blocks of the block scales.
+  const bool blocks = !p.quant13.enabled || p.quant13.w_scales != ScaleGranularity::kBlock ||
+                      (p.quant13.block_k % chunk == 0 && p.quant2.block_k % chunk == 0);
   return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= kMaxSlots &&
-         p.H % kChunk == 0 && p.I % kChunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
-         rows_aligned;
+         p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
+         rows_aligned && blocks;
 }
 
 void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int stages) {
@@ -395,9 +558,9 @@ void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int 
   }
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == DType::kBFloat16) {
-    dispatch_activation<__nv_bfloat16>(p, s, stages);
+    dispatch_operands<__nv_bfloat16>(p, s, stages);
   } else {
-    dispatch_activation<__half>(p, s, stages);
+    dispatch_operands<__half>(p, s, stages);
   }
 }
 

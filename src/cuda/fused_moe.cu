@@ -106,9 +106,55 @@ ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int 
   return a_map;
 }
 
+bool quant_element_supported(DType element) {
+  const DeviceInfo& device = current_device_info();
+  const int cc = device.cc_major * 10 + device.cc_minor;
+  return element == DType::kInt8 ? cc >= 80 : element == DType::kFloat8E4M3 && cc >= 89;
+}
+
+bool fused_moe_w8a8_loadable(const detail::GemmParams& p) {
+  constexpr int64_t kElems = 16;  // 16 bytes of an 8-bit type
+  return p.K > 0 && p.K % kElems == 0 && p.a_stride_k == 1 && p.w_stride_k == 1 && p.a_stride_row % kElems == 0 &&
+         p.w_stride_n % kElems == 0 && p.w_stride_expert % kElems == 0 && aligned16(p.a) && aligned16(p.w) &&
+         (p.quant.w_scales != ScaleGranularity::kBlock || p.quant.block_k == 128);
+}
+
+namespace {
+
+// The W8A8 GEMM: the largest tile rows the block size allows (64, or 32 with block
+// scales), else 16.
+void fused_moe_w8a8(const detail::GemmParams& p, cudaStream_t stream) {
+  if (!quant_element_supported(p.quant.element)) {
+    const DeviceInfo& device = current_device_info();
+    throw Error(std::string("moelora.fused_moe: ") + dtype_name(p.quant.element) +
+                " experts need tensor cores for that type (fp8: sm_89 or newer; int8: sm_80 or newer); this device is sm_" +
+                std::to_string(device.cc_major) + std::to_string(device.cc_minor));
+  }
+  if (!fused_moe_w8a8_loadable(p)) {
+    throw Error("moelora.fused_moe: the CUDA W8A8 kernels need K a multiple of 16, unit K strides, 16-byte aligned "
+                "rows, and block_k 128 for block scales; got K " + std::to_string(p.K) + ", block_k " +
+                std::to_string(p.quant.block_k));
+  }
+  const int block_m = p.tile.block_m == 16 ? 16 : p.block_size % 64 == 0 ? 64 : p.block_size % 32 == 0 ? 32 : 16;
+  if (p.quant.element == DType::kInt8) {
+    fused_moe_w8a8_int8(p, block_m, stream);
+  } else {
+    fused_moe_w8a8_fp8(p, block_m, stream);
+  }
+}
+
+}  // namespace
+
 void fused_moe(const detail::GemmParams& p, Stream stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.max_num_blocks == 0 || p.N == 0 || p.num_slots == 0) return;
+  if (p.quant.enabled) {
+    if (p.a_rows_sorted || p.out_rows_sorted || p.lora_t != nullptr) {
+      throw std::logic_error("moelora.fused_moe: the W8A8 kernels take neither sorted rows nor the fused LoRA expand");
+    }
+    fused_moe_w8a8(p, s);
+    return;
+  }
   const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
   const bool loadable = fused_moe_tensor_core_loadable(p);
   if ((sorted_rows || p.lora_t != nullptr) && !loadable) {

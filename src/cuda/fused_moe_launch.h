@@ -20,4 +20,11 @@ void fused_moe_sm90_bf16_m128(const detail::GemmParams& p, int block_n, int clus
 void fused_moe_sm90_fp16_m64(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
 void fused_moe_sm90_fp16_m128(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
 
+// W8A8 mma.sync (issue 28): 8-bit a and w with GemmParams::quant's scales, out bf16/fp16;
+// K % 16 == 0, unit K stride, 16-byte aligned rows, quant.block_k == 128 for block scales.
+// block_m 16|32|64 dividing p.block_size (the largest instance of the scale kind at
+// most block_m runs); 128 weight rows a tile. fp8 needs sm_89+.
+void fused_moe_w8a8_fp8(const detail::GemmParams& p, int block_m, cudaStream_t stream);
+void fused_moe_w8a8_int8(const detail::GemmParams& p, int block_m, cudaStream_t stream);
+
 }  // namespace moelora::cuda

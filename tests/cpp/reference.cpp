@@ -84,6 +84,8 @@ double read_element(DType dtype, const void* data, int64_t index) {
     case DType::kBFloat16: return host::to_float(host::bf16{static_cast<const uint16_t*>(data)[index]});
     case DType::kInt32: return static_cast<const int32_t*>(data)[index];
     case DType::kInt64: return double(static_cast<const int64_t*>(data)[index]);
+    case DType::kFloat8E4M3: return host::to_float(host::fp8e4m3{static_cast<const uint8_t*>(data)[index]});
+    case DType::kInt8: return static_cast<const int8_t*>(data)[index];
   }
   throw std::invalid_argument("read_element: unknown dtype");
 }
@@ -95,6 +97,8 @@ void write_element(DType dtype, void* data, int64_t index, double value) {
     case DType::kBFloat16: static_cast<uint16_t*>(data)[index] = host::to_bf16(float(value)).bits; return;
     case DType::kInt32: static_cast<int32_t*>(data)[index] = int32_t(value); return;
     case DType::kInt64: static_cast<int64_t*>(data)[index] = int64_t(value); return;
+    case DType::kFloat8E4M3: static_cast<uint8_t*>(data)[index] = host::to_fp8e4m3(float(value)).bits; return;
+    case DType::kInt8: static_cast<int8_t*>(data)[index] = host::to_int8(float(value)); return;
   }
   throw std::invalid_argument("write_element: unknown dtype");
 }
@@ -133,6 +137,8 @@ std::vector<double> round_to(DType dtype, const std::vector<double>& values) {
       case DType::kBFloat16: out[i] = host::to_float(host::to_bf16(float(values[i]))); break;
       case DType::kInt32:
       case DType::kInt64: out[i] = std::trunc(values[i]); break;
+      case DType::kFloat8E4M3: out[i] = host::to_float(host::to_fp8e4m3(float(values[i]))); break;
+      case DType::kInt8: out[i] = host::to_int8(float(values[i])); break;
     }
   }
   return out;
@@ -221,7 +227,8 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                                             int64_t num_local_experts, int64_t H, int64_t I,
                                             const int32_t* expert_map, Activation activation, double alpha,
                                             double limit, bool apply_router_weight_on_input, bool no_combine,
-                                            double routed_scaling_factor, const RefLora* lora) {
+                                            double routed_scaling_factor, const RefLora* lora,
+                                            const RefQuant* quant) {
   const int64_t num_slots = M * top_k;
   for (int64_t s = 0; s < num_slots; ++s) {  // checked here: the workers below must not throw
     const int64_t global = topk_ids[size_t(s)];
@@ -231,33 +238,112 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                               std::to_string(local) + ", not in [-1, " + std::to_string(num_local_experts) + ")");
     }
   }
-  // Per slot h2 first (slots are independent), then the combine in slot order.
-  std::vector<double> h2(static_cast<size_t>(num_slots * H), 0.0);  // [M, top_k, H]
-  for_each_index(num_slots, [&](int64_t s) {
+  // Quantized layers see x and act quantized per chunk; the others use them as they are.
+  const int64_t chunk = quant ? std::max<int64_t>(quant->chunk_size, 1) : std::max<int64_t>(M, 1);
+  auto quantized_rows = [&](const std::vector<double>& values, int64_t rows, int64_t cols, double static_scale,
+                            int64_t rows_per_chunk) {
+    std::vector<double> out(values.size());
+    for (int64_t begin = 0; begin < rows; begin += rows_per_chunk) {
+      const int64_t n = std::min(rows_per_chunk, rows - begin);
+      const std::vector<double> part(values.begin() + begin * cols, values.begin() + (begin + n) * cols);
+      const bool per_tensor = quant->activation_scales == ScaleGranularity::kTensor;
+      const int64_t block_cols = quant->activation_scales == ScaleGranularity::kBlock ? quant->block_k : 0;
+      const std::vector<double> q =
+          reference_quantize(part, 1, n, cols, per_tensor ? 0 : 1, block_cols, quant->element, static_scale);
+      std::copy(q.begin(), q.end(), out.begin() + begin * cols);
+    }
+    return out;
+  };
+  const std::vector<double> x_used =
+      quant ? quantized_rows(hidden_states, M, H, quant->a13_scale, chunk) : std::vector<double>{};
+  const std::vector<double>& x_in = quant ? x_used : hidden_states;
+  // Per slot act first (slots are independent), then h2, then the combine in slot order.
+  std::vector<double> acts(static_cast<size_t>(num_slots * I), 0.0);  // [M, top_k, I]
+  auto local_of = [&](int64_t s) -> int64_t {
     const int64_t global = topk_ids[size_t(s)];
-    if (global == -1) return;
-    const int64_t local = expert_map ? expert_map[global] : global;
+    return global == -1 ? -1 : expert_map ? expert_map[global] : global;
+  };
+  for_each_index(num_slots, [&](int64_t s) {
+    const int64_t local = local_of(s);
     if (local == -1) return;
     const double weight = topk_weights[size_t(s)];
-    const double* x = &hidden_states[size_t((s / top_k) * H)];
+    const double* x = &x_in[size_t((s / top_k) * H)];
     const int64_t adapter = lora ? lora->token_lora[size_t(s / top_k)] : -1;
     std::vector<double> h1(static_cast<size_t>(2 * I));  // [2I]
     for (int64_t n = 0; n < 2 * I; ++n) h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H);
-    if (adapter >= 0) reference_lora_delta_row(lora->w13, adapter, local, x, lora->scale[size_t(adapter)], h1.data());
+    if (adapter >= 0) {
+      // Adapters see the unquantized hidden state.
+      reference_lora_delta_row(lora->w13, adapter, local, &hidden_states[size_t((s / top_k) * H)],
+                               lora->scale[size_t(adapter)], h1.data());
+    }
+    if (quant && quant->round_h1) h1 = round_to(quant->layer_dtype, h1);
     if (apply_router_weight_on_input) {
       for (double& v : h1) v *= weight;
     }
-    std::vector<double> act(static_cast<size_t>(I));  // [I]
-    activate_row(activation, h1.data(), I, alpha, limit, act.data());
+    activate_row(activation, h1.data(), I, alpha, limit, &acts[size_t(s * I)]);
+  });
+  std::vector<double> acts_used;
+  if (quant) acts_used = quantized_rows(round_to(quant->layer_dtype, acts), num_slots, I, quant->a2_scale, chunk * top_k);
+  const std::vector<double>& act_in = quant ? acts_used : acts;
+  std::vector<double> h2(static_cast<size_t>(num_slots * H), 0.0);  // [M, top_k, H]
+  for_each_index(num_slots, [&](int64_t s) {
+    const int64_t local = local_of(s);
+    if (local == -1) return;
+    const double weight = topk_weights[size_t(s)];
+    const int64_t adapter = lora ? lora->token_lora[size_t(s / top_k)] : -1;
+    const double* act = &act_in[size_t(s * I)];
     std::vector<double> row(static_cast<size_t>(H));  // [H]
-    for (int64_t h = 0; h < H; ++h) row[size_t(h)] = dot(act.data(), &w2[size_t((local * H + h) * I)], I);
-    if (adapter >= 0) reference_lora_delta_row(lora->w2, adapter, local, act.data(), lora->scale[size_t(adapter)], row.data());
+    for (int64_t h = 0; h < H; ++h) row[size_t(h)] = dot(act, &w2[size_t((local * H + h) * I)], I);
+    if (adapter >= 0) {
+      // The w2 adapter sees the activation before its quantization (the layer dtype's).
+      const std::vector<double> act_plain =
+          quant ? round_to(quant->layer_dtype, std::vector<double>(acts.begin() + s * I, acts.begin() + (s + 1) * I))
+                : std::vector<double>(act, act + I);
+      reference_lora_delta_row(lora->w2, adapter, local, act_plain.data(), lora->scale[size_t(adapter)], row.data());
+    }
     for (int64_t h = 0; h < H; ++h) {
       h2[size_t(s * H + h)] = apply_router_weight_on_input ? row[size_t(h)] : row[size_t(h)] * weight;
     }
   });
   if (no_combine) return h2;
   return reference_sum_reduce(h2, M, top_k, H, routed_scaling_factor);
+}
+
+std::vector<double> reference_quantize(const std::vector<double>& values, int64_t batch, int64_t rows, int64_t cols,
+                                       int64_t block_rows, int64_t block_cols, DType element, double static_scale,
+                                       std::vector<double>* scales_out) {
+  const int64_t br = block_rows > 0 ? block_rows : std::max<int64_t>(rows, 1);
+  const int64_t bc = block_cols > 0 ? block_cols : std::max<int64_t>(cols, 1);
+  const int64_t row_blocks = (rows + br - 1) / br, col_blocks = (cols + bc - 1) / bc;
+  const float qmax = quant_max(element);
+  std::vector<double> out(values.size());
+  if (scales_out) scales_out->assign(size_t(batch * row_blocks * col_blocks), 0.0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t rb = 0; rb < row_blocks; ++rb) {
+      for (int64_t cb = 0; cb < col_blocks; ++cb) {
+        const int64_t r_end = std::min(rows, (rb + 1) * br), c_end = std::min(cols, (cb + 1) * bc);
+        auto at = [&](int64_t r, int64_t c) { return size_t((b * rows + r) * cols + c); };
+        float scale = float(static_scale);
+        if (!(static_scale > 0.0)) {
+          float absmax = 0.0f;
+          for (int64_t r = rb * br; r < r_end; ++r) {
+            for (int64_t c = cb * bc; c < c_end; ++c) absmax = std::max(absmax, std::fabs(float(values[at(r, c)])));
+          }
+          scale = std::max(absmax, kQuantAbsmaxFloor) / qmax;
+        }
+        if (scales_out) (*scales_out)[size_t((b * row_blocks + rb) * col_blocks + cb)] = scale;
+        for (int64_t r = rb * br; r < r_end; ++r) {
+          for (int64_t c = cb * bc; c < c_end; ++c) {
+            const float q = std::clamp(float(values[at(r, c)]) / scale, -qmax, qmax);
+            const double rounded = element == DType::kInt8 ? double(host::to_int8(q))
+                                                           : double(host::to_float(host::to_fp8e4m3(q)));
+            out[at(r, c)] = rounded * double(scale);
+          }
+        }
+      }
+    }
+  }
+  return out;
 }
 
 std::vector<double> reference_sparse_mla_decode(const std::vector<double>& q, const std::vector<double>& kv,

@@ -99,6 +99,30 @@ struct RefLora {
 // With lora, for a token with adapter l: h1 += delta13 (before the weight on input), and
 // h2 = (a · w2[local]ᵀ + delta2) (× w).
 
+// Quantized experts (RefQuant): w13 and w2 are the dequantized weights (element × scale),
+// and the layer quantizes its activations as fused_experts does, per chunk of chunk_size
+// tokens: x before GEMM1, and act (activation(h1), rounded to layer_dtype) before GEMM2,
+// each by reference_quantize with the scheme's activation blocks (per token group of
+// block_k, per row, or per tensor over the chunk's rows, static when given). h1 is
+// rounded to layer_dtype before the activation when round_h1 (the op's path with LoRA).
+struct RefQuant {
+  DType element = DType::kFloat8E4M3;
+  ScaleGranularity activation_scales = ScaleGranularity::kBlock;
+  int64_t block_k = 128;
+  double a13_scale = 0.0, a2_scale = 0.0;  // > 0: static per-tensor scales
+  DType layer_dtype = DType::kBFloat16;
+  int64_t chunk_size = 64 * 1024;
+  bool round_h1 = false;
+};
+
+// values [batch, rows, cols] -> the dequantized values (q × scale) of moelora's quantize
+// with blocks of block_rows x block_cols (0: the whole dim), computed in float exactly as
+// the op does; scales_out (optional) gets the scales [batch, row blocks, col blocks].
+// static_scale > 0: that scale for every block.
+std::vector<double> reference_quantize(const std::vector<double>& values, int64_t batch, int64_t rows, int64_t cols,
+                                       int64_t block_rows, int64_t block_cols, DType element,
+                                       double static_scale = 0.0, std::vector<double>* scales_out = nullptr);
+
 // hidden_states [M, H], w13 [E_local, 2I, H] (gate rows first, then up; interleaved for
 // kSwigluOai), w2 [E_local, H, I], topk_weights [M, top_k], topk_ids [M, top_k] global
 // ids in [0, E_global) or -1, expert_map [E_global] (null: ids are local).
@@ -110,7 +134,8 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
                                             int64_t num_local_experts, int64_t H, int64_t I,
                                             const int32_t* expert_map, Activation activation, double alpha,
                                             double limit, bool apply_router_weight_on_input, bool no_combine,
-                                            double routed_scaling_factor, const RefLora* lora = nullptr);
+                                            double routed_scaling_factor, const RefLora* lora = nullptr,
+                                            const RefQuant* quant = nullptr);
 
 // Sparse MLA decode (sparse_mla_decode): q [T, Hq, 576], kv [S, 576], indices [T, topk].
 // Entry i of token t is valid when i < topk_length[t] (when given) and indices[t, i] is in

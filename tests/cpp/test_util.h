@@ -83,6 +83,8 @@ inline const char* dtype_short_name(DType dtype) {
     case DType::kBFloat16: return "bf16";
     case DType::kInt32: return "i32";
     case DType::kInt64: return "i64";
+    case DType::kFloat8E4M3: return "fp8";
+    case DType::kInt8: return "i8";
   }
   return "unknown";
 }
@@ -279,8 +281,9 @@ class Buffer {
     return ref::to_double(dtype_, staging.data(), count);
   }
 
-  // Poison: a NaN bit pattern for floats (0x7fc0 bf16, 0x7e00 fp16, 0x7fc00000 fp32), the
-  // largest value for ints. Fills the whole storage, host and device.
+  // Poison: a NaN bit pattern for floats (0x7fc0 bf16, 0x7e00 fp16, 0x7fc00000 fp32, 0x7f
+  // fp8 e4m3), the largest value for wide ints, -128 for int8 (symmetric quantization
+  // writes [-127, 127]). Fills the whole storage, host and device.
   void poison() {
     for (int64_t i = 0; i < size_; ++i) set_poison(i);
     upload();
@@ -292,6 +295,8 @@ class Buffer {
       case DType::kBFloat16: return reinterpret_cast<const uint16_t*>(host_)[index] == 0x7fc0u;
       case DType::kInt32: return reinterpret_cast<const int32_t*>(host_)[index] == INT32_MAX;
       case DType::kInt64: return reinterpret_cast<const int64_t*>(host_)[index] == INT64_MAX;
+      case DType::kFloat8E4M3: return reinterpret_cast<const uint8_t*>(host_)[index] == 0x7fu;
+      case DType::kInt8: return reinterpret_cast<const int8_t*>(host_)[index] == INT8_MIN;
     }
     return false;
   }
@@ -333,6 +338,8 @@ class Buffer {
       case DType::kBFloat16: reinterpret_cast<uint16_t*>(host_)[index] = 0x7fc0u; return;
       case DType::kInt32: reinterpret_cast<int32_t*>(host_)[index] = INT32_MAX; return;
       case DType::kInt64: reinterpret_cast<int64_t*>(host_)[index] = INT64_MAX; return;
+      case DType::kFloat8E4M3: reinterpret_cast<uint8_t*>(host_)[index] = 0x7fu; return;
+      case DType::kInt8: reinterpret_cast<int8_t*>(host_)[index] = INT8_MIN; return;
     }
   }
 

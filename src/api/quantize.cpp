@@ -1,0 +1,179 @@
+// The quantization API: the named schemes, their validation, and the quantize op's
+// argument checks. See include/moelora/quant.h.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "api/quant_check.h"
+#include "api/validate.h"
+#include "common/params.h"
+#include "moelora/quant.h"
+
+namespace moelora {
+
+using detail::ArgCheck;
+using detail::fail;
+
+namespace {
+
+bool power_of_two_in(int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi && (v & (v - 1)) == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+QuantScheme make_quant_scheme(QuantMethod method, int64_t block_n, int64_t block_k, bool static_activation_scales) {
+  QuantScheme s;
+  s.method = method;
+  s.block_n = block_n;
+  s.block_k = block_k;
+  switch (method) {
+    case QuantMethod::kNone: return QuantScheme{};
+    case QuantMethod::kFp8Block:
+    case QuantMethod::kInt8Block:
+      s.weight_scales = s.activation_scales = ScaleGranularity::kBlock;
+      break;
+    case QuantMethod::kFp8Channel:
+    case QuantMethod::kInt8Channel:
+      s.weight_scales = s.activation_scales = ScaleGranularity::kChannel;
+      break;
+    case QuantMethod::kFp8Tensor:
+      s.weight_scales = s.activation_scales = ScaleGranularity::kTensor;
+      s.static_activation_scales = static_activation_scales;
+      break;
+  }
+  s.element = method == QuantMethod::kInt8Block || method == QuantMethod::kInt8Channel ? DType::kInt8
+                                                                                       : DType::kFloat8E4M3;
+  detail::check_quant_scheme("make_quant_scheme", s);
+  return s;
+}
+
+const char* quant_method_name(QuantMethod method) {
+  switch (method) {
+    case QuantMethod::kNone: return "none";
+    case QuantMethod::kFp8Block: return "fp8_block";
+    case QuantMethod::kFp8Channel: return "fp8_channel";
+    case QuantMethod::kFp8Tensor: return "fp8_tensor";
+    case QuantMethod::kInt8Channel: return "int8_channel";
+    case QuantMethod::kInt8Block: return "int8_block";
+  }
+  return "unknown";
+}
+
+QuantMethod quant_method_from_name(const std::string& name) {
+  for (QuantMethod m : {QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
+                        QuantMethod::kInt8Channel, QuantMethod::kInt8Block}) {
+    if (name == quant_method_name(m)) return m;
+  }
+  throw Error("moelora.quant_scheme: unknown scheme '" + name +
+              "' (expected fp8_block, fp8_channel, fp8_tensor, int8_channel or int8_block)");
+}
+
+namespace detail {
+
+void check_quant_scheme(const char* op, const QuantScheme& s) {
+  if (!s.enabled()) return;
+  const std::string name = quant_method_name(s.method);
+  if (s.element != DType::kFloat8E4M3 && s.element != DType::kInt8) {
+    fail(op, "argument 'quant' expected element float8_e4m3fn or int8 for scheme " + name + ", got " +
+                 dtype_name(s.element));
+  }
+  const bool block = s.weight_scales == ScaleGranularity::kBlock || s.activation_scales == ScaleGranularity::kBlock;
+  if (block && !(power_of_two_in(s.block_n, 16, 1024) && power_of_two_in(s.block_k, 16, 1024))) {
+    fail(op, "argument 'quant' expected block_n and block_k powers of two in [16, 1024], got " +
+                 std::to_string(s.block_n) + " x " + std::to_string(s.block_k));
+  }
+  // Activation scales at least as fine as the K blocks of the weights: a block scale of w
+  // meets per-token-group scales of a (vLLM's pairing); channel and tensor scales pair up.
+  if ((s.weight_scales == ScaleGranularity::kBlock) != (s.activation_scales == ScaleGranularity::kBlock)) {
+    fail(op, "argument 'quant' expected block weight scales with per-token-group activation scales (both kBlock), "
+             "got scheme " + name + " mixing them");
+  }
+  if (s.static_activation_scales && s.activation_scales != ScaleGranularity::kTensor) {
+    fail(op, "argument 'quant' expected static activation scales only with per-tensor activations, got scheme " + name);
+  }
+}
+
+void check_scales_finite(const char* op, const char* name, const TensorView& scales) {
+  if (scales.device.type != DeviceType::kCPU || scales.dtype != DType::kFloat32) return;
+  int64_t index[kMaxRank] = {0, 0, 0, 0};
+  const int64_t n = scales.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t offset = 0;
+    for (int d = 0; d < scales.rank; ++d) offset += index[d] * scales.strides[d];
+    const float v = static_cast<const float*>(scales.data)[offset];
+    if (!(std::isfinite(v) && v > 0.0f)) {
+      fail(op, std::string("argument '") + name + "' expected finite scales > 0, got " + std::to_string(v) +
+                   " at flat index " + std::to_string(i));
+    }
+    for (int d = scales.rank - 1; d >= 0; --d) {
+      if (++index[d] < scales.shape[d]) break;
+      index[d] = 0;
+    }
+  }
+}
+
+void run_quantize(const QuantizeParams& p, Device device, Stream stream) {
+#ifdef MOELORA_WITH_CUDA
+  if (device.type == DeviceType::kCUDA) return cuda::quantize(p, stream);
+#endif
+  (void)device, (void)stream;
+  cpu::quantize(p);
+}
+
+}  // namespace detail
+
+void quantize(const QuantizeArgs& args, Stream stream) {
+  const char* op = "quantize";
+  const TensorView& x = args.input;
+  ArgCheck(op, "input", x).dtype_in({DType::kFloat32, DType::kFloat16, DType::kBFloat16});
+  if (x.rank != 2 && x.rank != 3) {
+    fail(op, "argument 'input' expected rank 2 [rows, cols] or 3 [batch, rows, cols], got rank " +
+                 std::to_string(x.rank) + " " + x.shape_string());
+  }
+  ArgCheck(op, "input", x).unit_stride(x.rank - 1);
+  const Device device = x.device;
+  const int r = x.rank;
+  const int64_t B = r == 3 ? x.shape[0] : 1, R = x.shape[r - 2], C = x.shape[r - 1];
+  ArgCheck out(op, "out", args.out);
+  out.rank(r).dtype_in({DType::kFloat8E4M3, DType::kInt8}).on(device, "input").unit_stride(r - 1)
+      .no_overlap(x, "input");
+  for (int d = 0; d < r; ++d) out.dim(d, x.shape[d], "the shape of 'input'");
+  if (args.block_rows < 0 || args.block_cols < 0) {
+    fail(op, "argument 'block_rows'/'block_cols' expected >= 0 (0: the whole dim), got " +
+                 std::to_string(args.block_rows) + " x " + std::to_string(args.block_cols));
+  }
+  const int64_t block_rows = args.block_rows == 0 ? std::max<int64_t>(R, 1) : args.block_rows;
+  const int64_t block_cols = args.block_cols == 0 ? std::max<int64_t>(C, 1) : args.block_cols;
+  ArgCheck scales(op, "scales", args.scales);
+  scales.rank(r).dtype(DType::kFloat32).on(device, "input").no_overlap(x, "input").no_overlap(args.out, "out");
+  if (r == 3) scales.dim(0, B, "batch, from 'input'");
+  scales.dim(r - 2, ceil_div(R, block_rows), "ceil(rows / block_rows)")
+      .dim(r - 1, ceil_div(C, block_cols), "ceil(cols / block_cols)");
+  if (args.static_scales) detail::check_scales_finite(op, "scales", args.scales);
+  if (device.type == DeviceType::kCUDA) detail::require_cuda_backend(op);
+  if (x.numel() == 0) return;
+  const detail::QuantizeParams p{
+      .input_dtype = x.dtype,
+      .input = x.data,
+      .input_stride_batch = r == 3 ? x.strides[0] : 0,
+      .input_stride_row = x.strides[r - 2],
+      .out_dtype = args.out.dtype,
+      .out = args.out.data,
+      .out_stride_batch = r == 3 ? args.out.strides[0] : 0,
+      .out_stride_row = args.out.strides[r - 2],
+      .scales = static_cast<float*>(args.scales.data),
+      .scales_stride_batch = r == 3 ? args.scales.strides[0] : 0,
+      .scales_stride_row = args.scales.strides[r - 2],
+      .scales_stride_col = args.scales.strides[r - 1],
+      .batch = B,
+      .rows = R,
+      .cols = C,
+      .block_rows = block_rows,
+      .block_cols = block_cols,
+      .static_scales = args.static_scales,
+  };
+  detail::run_quantize(p, device, stream);
+}
+
+}  // namespace moelora
