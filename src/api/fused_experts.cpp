@@ -1,0 +1,409 @@
+// The fused_experts op: its argument validation, and the orchestration that runs each
+// chunk's plan (fused_experts_plan.h) on the backend ops. Both backends share it.
+#include <algorithm>
+#include <string>
+
+#include "api/api_util.h"
+#include "api/fused_experts_plan.h"
+#include "api/fused_moe.h"
+#include "api/kernel_config.h"
+#include "api/moe_align_block_size.h"
+#include "api/moe_lora.h"
+#include "api/validate.h"
+#include "common/params.h"
+#include "moelora/ops.h"
+
+namespace moelora {
+
+using namespace detail;
+
+namespace {
+
+// What validation derives from the arguments: the call's shape (global and local experts,
+// LoRA slots and rank), the LoRA stacks and adapter state (zero without adapters), and
+// the workspace layout.
+struct ValidatedCall {
+  FusedExpertsShape shape;
+  LoraStack lora13, lora2;
+  LoraAdapterParams lora_adapters;
+  WorkspaceLayout layout;
+};
+
+// Checks every argument of fused_experts; throws moelora::Error naming the first bad one.
+ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options) {
+  const char* op = "fused_experts";
+  const TensorView& x = args.hidden_states;
+  float_dtype(ArgCheck(op, "hidden_states", x).rank(2).unit_stride(1));
+  const Device device = x.device;
+  const int64_t M = x.shape[0], H = x.shape[1];
+  ArgCheck(op, "w13", args.w13).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+      .dim(2, H, "hidden size, from 'hidden_states'");
+  if (args.w13.shape[1] % 2 != 0) {
+    fail(op, "argument 'w13' expected an even dim 1 (2 * intermediate size), got shape " + args.w13.shape_string());
+  }
+  const int64_t E_local = args.w13.shape[0], I = args.w13.shape[1] / 2;
+  if (E_local < 1 || E_local > kMaxNumExperts) {
+    fail(op, "argument 'w13' expected 1 to " + std::to_string(kMaxNumExperts) + " experts on dim 0, got shape " +
+                 args.w13.shape_string());
+  }
+  ArgCheck(op, "w2", args.w2).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+      .dim(0, E_local, "experts, from 'w13'").dim(1, H, "hidden size").dim(2, I, "intermediate size, from 'w13'");
+  ArgCheck(op, "topk_ids", args.topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64})
+      .on(device, "hidden_states").dim(0, M, "tokens, from 'hidden_states'");
+  const int64_t top_k = args.topk_ids.shape[1];
+  if (top_k < 1) fail(op, "argument 'topk_ids' expected top_k >= 1, got shape " + args.topk_ids.shape_string());
+  ArgCheck(op, "topk_weights", args.topk_weights).rank(2).dtype(DType::kFloat32).on(device, "hidden_states")
+      .dim(0, M, "tokens").dim(1, top_k, "top_k, from 'topk_ids'");
+  int64_t E_global = E_local;
+  if (args.expert_map) {
+    ArgCheck(op, "expert_map", *args.expert_map).rank(1).dtype(DType::kInt32).unit_stride(0)
+        .on(device, "hidden_states");
+    E_global = args.expert_map->shape[0];
+    if (E_global < 1 || E_global > kMaxNumExperts) {
+      fail(op, "argument 'expert_map' expected 1 to " + std::to_string(kMaxNumExperts) + " experts, got shape " +
+                   args.expert_map->shape_string());
+    }
+    check_cpu_ids(op, "expert_map", *args.expert_map, -1, E_local);
+  }
+  check_cpu_ids(op, "topk_ids", args.topk_ids, -1, E_global);
+  if (options.no_combine) {
+    ArgCheck(op, "out", args.out).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(2)
+        .dim(0, M, "tokens").dim(1, top_k, "top_k (no_combine)").dim(2, H, "hidden size");
+    if (M > 0 && top_k > 1 && args.out.strides[0] != top_k * args.out.strides[1]) {
+      fail(op, "argument 'out' expected dims 0 and 1 to merge (stride0 == top_k * stride1) with no_combine, got strides [" +
+                   std::to_string(args.out.strides[0]) + ", " + std::to_string(args.out.strides[1]) + ", 1]");
+    }
+  } else {
+    ArgCheck(op, "out", args.out).rank(2).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(1)
+        .dim(0, M, "tokens").dim(1, H, "hidden size");
+  }
+  const bool inplace = detail::same_view(args.out, x);
+  if (!inplace) ArgCheck(op, "out", args.out).no_overlap(x, "hidden_states");
+  for (const auto& [w, name] : {std::pair{&args.w13, "w13"}, std::pair{&args.w2, "w2"}}) {
+    ArgCheck(op, "out", args.out).no_overlap(*w, name);
+  }
+  if (options.chunk_size < 1) fail(op, "argument 'chunk_size' expected >= 1, got " + std::to_string(options.chunk_size));
+  if (options.block_size != 0) check_block_size(op, options.block_size, /*multiple_of_16=*/true);
+  if (options.config != nullptr) {
+    MoeKernelConfig resolved = *options.config;
+    if (options.block_size > 0) resolved.block_size = options.block_size;
+    if (resolved.block_size != 0) {
+      detail::check_kernel_config(op, "config", resolved);
+    } else if (resolved.gemm1.kernel != GemmKernel::kAuto || resolved.gemm2.kernel != GemmKernel::kAuto) {
+      fail(op, "argument 'config' expected a block_size (or options.block_size) when it names GEMM tiles, got 0");
+    }
+  }
+  if (options.activation == Activation::kSwigluOai && !(options.swiglu_limit > 0.f)) {
+    fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
+  }
+  // LoRA: the stacks of both GEMMs and the adapter state.
+  LoraStack lora13{}, lora2{};
+  detail::LoraAdapterParams lora_adapters{};
+  if (args.lora) {
+    lora13 = lora_stack(op, "w13_", args.lora->w13, E_local, H, 2 * I, x.dtype, device, "hidden_states");
+    lora2 = lora_stack(op, "w2_", args.lora->w2, E_local, I, H, x.dtype, device, "hidden_states");
+    if (lora2.num_slices != 1) {
+      fail(op, "argument 'w2_num_slices' expected 1 (w2 has one output slice), got " + std::to_string(lora2.num_slices));
+    }
+    ArgCheck(op, "w2_lora_a[0]", args.lora->w2.lora_a[0]).dim(0, lora13.max_loras, "adapter slots, from w13_lora_a");
+    // The slices of w13 follow its row order: interleaved exactly for gpt-oss's two.
+    const bool interleaved13 = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
+    if (args.lora->w13.interleaved_slices != interleaved13 || args.lora->w2.interleaved_slices) {
+      fail(op, std::string("argument 'w13_interleaved_slices' expected ") + (interleaved13 ? "true" : "false") +
+                   " (true only for swiglu_oai with two slices; w2's false), got " +
+                   (args.lora->w13.interleaved_slices ? "true" : "false") + " / w2 " +
+                   (args.lora->w2.interleaved_slices ? "true" : "false"));
+    }
+    lora_adapters = lora_adapter_params(op, args.lora->adapters, M, lora13.max_loras, device, "hidden_states");
+  }
+
+  FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype, E_local};
+  if (args.lora) {
+    shape.max_loras = lora13.max_loras;
+    shape.lora_rank = std::max(lora13.rank, lora2.rank);
+  }
+  const WorkspaceLayout layout = workspace_layout(shape, options);
+  ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
+  const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
+  if (workspace_bytes < layout.total) {
+    fail(op, "argument 'workspace' expected at least " + std::to_string(layout.total) +
+                 " bytes (fused_experts_workspace_size), got " + std::to_string(workspace_bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
+    fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
+  }
+  for (const auto* t : {&x, &args.w13, &args.w2, &args.topk_ids, &args.topk_weights, &args.out}) {
+    if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
+  }
+  if (args.lora) {
+    if (detail::views_overlap(args.workspace, args.lora->adapters.token_lora_ids) ||
+        detail::views_overlap(args.out, args.lora->adapters.token_lora_ids)) {
+      fail(op, "argument 'token_lora_ids' expected memory disjoint from 'out' and 'workspace', got an overlap");
+    }
+  }
+  if (on_cuda(x)) require_cuda_backend(op);
+  return ValidatedCall{shape, lora13, lora2, lora_adapters, layout};
+}
+
+#ifdef MOELORA_WITH_CUDA
+// The small-batch kernels' parameters for one chunk: x_chunk, ids and weights are the
+// chunk's rows; act is GEMM1's output in the workspace, out_chunk the chunk's first row.
+detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
+                                               const TensorView& x_chunk, const TensorView& ids,
+                                               const TensorView& weights, void* act, void* out_chunk,
+                                               int64_t num_experts, detail::ActivationKind kind) {
+  return detail::SmallBatchMoeParams{
+      .dtype = x_chunk.dtype,
+      .x = x_chunk.data,
+      .x_stride_token = x_chunk.strides[0],
+      .w13 = args.w13.data,
+      .w13_stride_expert = args.w13.strides[0],
+      .w13_stride_n = args.w13.strides[1],
+      .w13_stride_k = args.w13.strides[2],
+      .w2 = args.w2.data,
+      .w2_stride_expert = args.w2.strides[0],
+      .w2_stride_n = args.w2.strides[1],
+      .w2_stride_k = args.w2.strides[2],
+      .topk_ids = ids.data,
+      .topk_ids_int64 = ids.dtype == DType::kInt64,
+      .topk_ids_stride_token = ids.strides[0],
+      .topk_ids_stride_k = ids.strides[1],
+      .topk_weights = static_cast<const float*>(weights.data),
+      .topk_weights_stride_token = weights.strides[0],
+      .topk_weights_stride_k = weights.strides[1],
+      .expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr,
+      .num_tokens = x_chunk.shape[0],
+      .top_k = ids.shape[1],
+      .num_experts = num_experts,
+      .num_local_experts = args.w13.shape[0],
+      .H = x_chunk.shape[1],
+      .I = args.w2.shape[2],
+      .act = act,
+      .out = out_chunk,
+      .out_stride_token = args.out.strides[0],
+      .out_stride_k = options.no_combine ? args.out.strides[1] : 0,
+      .no_combine = options.no_combine,
+      .router_weight_on_input = options.apply_router_weight_on_input,
+      .routed_scaling_factor = options.routed_scaling_factor,
+      .activation = kind,
+      .alpha = options.swiglu_alpha,
+      .limit = options.swiglu_limit,
+  };
+}
+#endif
+
+}  // namespace
+
+void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options, Stream stream) {
+  const ValidatedCall call = validate_fused_experts(args, options);
+  const FusedExpertsShape& shape = call.shape;
+  const LoraStack& lora13 = call.lora13;
+  const LoraStack& lora2 = call.lora2;
+  const WorkspaceLayout& layout = call.layout;
+  const TensorView& x = args.hidden_states;
+  const int64_t M = shape.num_tokens;
+  if (M == 0) return;
+
+  const Device device = x.device;
+  const DType dtype = x.dtype;
+  const int64_t top_k = shape.top_k, H = shape.hidden_size, I = shape.intermediate_size;
+  const int64_t E_local = shape.num_local_experts, E_global = shape.num_experts;
+  void* ws = args.workspace.data;
+  const int64_t chunk = std::max<int64_t>(options.chunk_size, 1);
+  int32_t* block_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.block_lora_ids)) : nullptr;
+  int32_t* entry_lora_ids = args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.entry_lora_ids)) : nullptr;
+  uint64_t* block_lora_masks = args.lora ? static_cast<uint64_t*>(byte_offset(ws, layout.block_lora_masks)) : nullptr;
+  int32_t* lora_shrink_counters =
+      args.lora ? static_cast<int32_t*>(byte_offset(ws, layout.lora_shrink_counters)) : nullptr;
+  int32_t* tile_counters =
+      on_cuda(x) && options.ordered_tiles ? static_cast<int32_t*>(byte_offset(ws, layout.tile_counters)) : nullptr;
+  const ActivationKind kind = options.activation == Activation::kSilu   ? ActivationKind::kSiluAndMul
+                              : options.activation == Activation::kGelu ? ActivationKind::kGeluAndMul
+                                                                        : ActivationKind::kSwigluOai;
+  // gpt-oss keeps gate and up interleaved in w13's rows: the slices follow.
+  const bool interleaved13 = options.activation == Activation::kSwigluOai && lora13.num_slices == 2;
+
+  for (int64_t begin = 0; begin < M; begin += chunk) {
+    const FusedExpertsChunkPlan plan =
+        plan_fused_experts_chunk(args, options, shape, layout, lora13, lora2, begin, std::min(chunk, M - begin));
+    const MoeKernelConfig& config = plan.config;
+    const int64_t tokens = plan.tokens, slots = plan.slots, block_size = plan.block_size;
+    const AlignCapacity& cap = plan.capacity;
+    const TensorView& x_chunk = plan.x;
+    const TensorView& ids = plan.topk_ids;
+    const TensorView& weights = plan.topk_weights;
+    const TensorView& sorted_chunk = plan.sorted_token_ids;
+    const TensorView& expert_chunk = plan.expert_ids;
+    const TensorView& ntpp = plan.num_tokens_post_padded;
+    const TensorView& cache2 = plan.cache2;
+    LoraAdapterParams chunk_adapters = call.lora_adapters;
+    if (args.lora) chunk_adapters.token_lora_ids += begin * chunk_adapters.token_lora_ids_stride;
+    // The LoRA delta of one GEMM of this chunk, added into its output rows (by slot)
+    // before what follows reads them.
+    auto add_lora_delta = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k,
+                              const TensorView& gemm_out, bool weighted, bool aligned, bool add_inputs) {
+      LoraDelta delta(st, interleaved, a, a_top_k, E_local, gemm_out, add_inputs, weighted ? &weights : nullptr,
+                      chunk_adapters, ids, args.expert_map, E_global, byte_offset(ws, layout.lora_intermediate));
+      // Slots from the chunk's virtual alignment, or one by one from topk_ids.
+      if (aligned) {
+        delta.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
+                          static_cast<const int32_t*>(expert_chunk.data), block_lora_ids, cap.max_num_blocks,
+                          static_cast<const int32_t*>(ntpp.data), block_size);
+      }
+      run_lora_delta(delta.p, device, stream);
+    };
+    // The fused path: GEMM g's shrink over the chunk's LoRA blocks into the intermediate by
+    // entry (scaled), then g takes the expand in its K loop.
+    auto with_fused_lora = [&](GemmParams& g, const LoraStack& st, bool interleaved, const TensorView& a,
+                               int64_t a_top_k, bool a_rows_by_entry) {
+      void* lora_t = byte_offset(ws, layout.lora_intermediate);
+      LoraDelta shrink(st, interleaved, a, a_top_k, E_local, a, false, nullptr, chunk_adapters, ids, args.expert_map,
+                       E_global, lora_t);
+      shrink.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
+                         static_cast<const int32_t*>(expert_chunk.data), nullptr, cap.max_num_blocks,
+                         static_cast<const int32_t*>(ntpp.data), block_size);
+      shrink.p.entry_lora_ids = entry_lora_ids;
+      shrink.p.block_lora_masks = block_lora_masks;
+      shrink.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
+      shrink.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
+      shrink.p.segmented_entries = moe_align_block_size_capacity(slots, block_size, E_global).max_num_tokens_padded;
+      shrink.p.shrink_counters = lora_shrink_counters;
+      shrink.p.a_rows_by_entry = a_rows_by_entry;
+#ifdef MOELORA_WITH_CUDA
+      cuda::moe_lora_shrink(shrink.p, stream);
+#endif
+      g.lora_t = lora_t;
+      g.block_lora_masks = block_lora_masks;
+      g.entry_lora_ids = entry_lora_ids;
+      g.lora_t_cols = st.num_slices * st.rank;
+      g.lora_rank = st.rank;
+      g.lora_slices = st.num_slices;
+      g.lora[0] = st.slices[0];
+      g.lora[1] = st.slices[1];
+    };
+#ifdef MOELORA_WITH_CUDA
+    if (plan.small_batch) {
+      const SmallBatchMoeParams small =
+          small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind);
+      // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
+      if (cuda::fused_experts_small_batch_supported(small)) {
+        if (!args.lora) {
+          cuda::fused_experts_small_batch(small, stream);
+          continue;
+        }
+        // With adapters: each GEMM's delta per slot (no alignment) into the cache1/cache3
+        // region, added by the kernels before the activation and the routed weight.
+        // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
+        SmallBatchMoeParams with_lora = small;
+        const TensorView& delta13 = plan.cache1;
+        const TensorView& delta2 = plan.cache3;
+        const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);
+        add_lora_delta(lora13, interleaved13, x_chunk, top_k, delta13, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.gate_up_delta = delta13.data;
+        cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/1);
+        add_lora_delta(lora2, false, act, 1, delta2, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.down_delta = delta2.data;
+        cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/2);
+        continue;
+      }
+    }
+#endif
+    AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
+    align.tile_counters = tile_counters;
+    align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
+    if (args.lora) {
+      align.max_loras = lora13.max_loras;
+      align.token_lora_ids = chunk_adapters.token_lora_ids;
+      align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
+      align.adapter_enabled = chunk_adapters.adapter_enabled;
+      if (plan.fused_lora) {
+        // Segmented: the blocks of the plain expert alignment, each with its adapters'
+        // runs, so the base GEMM tiles are those without adapters (no per-adapter padding).
+        align.entry_lora_ids = entry_lora_ids;
+        align.block_lora_masks = block_lora_masks;
+        align.lora_shrink_counters = lora_shrink_counters;
+      } else {
+        align.block_lora_ids = block_lora_ids;
+      }
+    }
+    run_align(align, device, stream);
+    const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
+    if (plan.fused_activation) {
+      // GEMM1 + activation: cache2[s] = act(x[s / top_k] · w13[e]ᵀ)   [slots, I]
+      TensorView gemm1_input = x_chunk;
+      if (plan.sorted_input) {
+        gemm1_input = plan.x_sorted;
+#ifdef MOELORA_WITH_CUDA
+        cuda::moe_gather_sorted_rows(
+            GatherRowsParams{.dtype = dtype, .input = x_chunk.data, .input_stride_row = x_chunk.strides[0],
+                             .out = gemm1_input.data, .out_stride_row = H,
+                             .sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data),
+                             .num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data),
+                             .max_num_tokens_padded = cap.max_num_tokens_padded, .num_slots = slots,
+                             .top_k = top_k, .width = H},
+            stream);
+#endif
+      }
+      GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
+                                     top_k, block_size, config.gemm1);
+      gemm1.a_rows_sorted = plan.sorted_input;
+      gemm1.N = I;
+      gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
+      gemm1.out_rows_sorted = plan.sorted_activation;
+      gemm1.gated = true;
+      gemm1.activation = kind;
+      gemm1.alpha = options.swiglu_alpha;
+      gemm1.limit = options.swiglu_limit;
+      gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
+      if (plan.fused_lora) with_fused_lora(gemm1, lora13, interleaved13, x_chunk, top_k, false);
+      run_gemm(gemm1, device, stream);
+    } else {
+      // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
+      const TensorView& cache1 = plan.cache1;
+      GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights, top_k,
+                                     block_size, config.gemm1);
+      gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
+      run_gemm(gemm1, device, stream);
+      if (args.lora) {
+        add_lora_delta(lora13, interleaved13, x_chunk, top_k, cache1, options.apply_router_weight_on_input,
+                       /*aligned=*/true, /*add_inputs=*/true);
+      }
+      run_activation(ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data, .input_stride_row = 2 * I,
+                                      .out = cache2.data, .out_stride_row = I, .num_rows = slots, .width = I,
+                                      .alpha = options.swiglu_alpha, .limit = options.swiglu_limit},
+                     device, stream);
+    }
+
+    // GEMM2 into plan.gemm2_out: `out` itself when direct, else cache3 for the reduction.
+    const TensorView* gemm2_weights = options.apply_router_weight_on_input ? nullptr : &weights;
+    const TensorView& cache3 = plan.gemm2_out;
+    GemmParams gemm2 =
+        gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
+    gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
+    gemm2.a_rows_sorted = plan.sorted_activation;
+    if (plan.fused_lora) with_fused_lora(gemm2, lora2, false, cache2, 1, plan.sorted_activation);
+    run_gemm(gemm2, device, stream);
+    if (args.lora && !plan.fused_lora) {
+      add_lora_delta(lora2, false, cache2, 1, cache3, !options.apply_router_weight_on_input, /*aligned=*/true,
+                     /*add_inputs=*/true);
+    }
+
+    if (!plan.direct) {
+      run_sum_reduce(SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,
+                                     .input_stride_k = H, .out = plan.out, .out_stride_token = args.out.strides[0],
+                                     .num_tokens = tokens, .top_k = top_k, .hidden = H,
+                                     .scale = options.routed_scaling_factor},
+                     device, stream);
+    }
+  }
+}
+
+bool cuda_available() {
+#ifdef MOELORA_WITH_CUDA
+  return cuda::device_available();
+#else
+  return false;
+#endif
+}
+
+}  // namespace moelora

@@ -1,0 +1,283 @@
+// fused_experts' planning: the block size and kernel config of a call, its workspace
+// layout and size, and the plan of each chunk (FusedExpertsChunkPlan).
+#include "api/fused_experts_plan.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "api/api_util.h"
+#include "api/fused_moe.h"
+#include "api/kernel_config.h"
+
+namespace moelora {
+
+using namespace detail;
+
+// ---------------------------------------------------------------------------------
+int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                                 const FusedExpertsOptions& options) {
+  if (options.block_size > 0) return options.block_size;
+  // NOTE: monotone in num_tokens, so the first (largest) chunk's block size bounds the
+  // workspace of every later chunk. Tiles of 16 rows waste least padding when each
+  // expert sees few slots (decode); 64 once experts see dozens of slots.
+  const int64_t slots_per_expert = ceil_div(std::max<int64_t>(num_tokens, 1) * top_k, std::max<int64_t>(num_experts, 1));
+  if (slots_per_expert <= 16) return 16;
+  if (slots_per_expert <= 48) return 32;
+  return 64;
+}
+
+MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
+                                     const FusedExpertsOptions& options) {
+  const int64_t heuristic_block_size = fused_experts_block_size(shape.num_tokens, shape.top_k, shape.num_experts, options);
+  if (options.config != nullptr) {
+    MoeKernelConfig config = *options.config;
+    if (options.block_size > 0 || config.block_size == 0) config.block_size = heuristic_block_size;
+    return config;
+  }
+  MoeKernelConfig config;
+  config.block_size = heuristic_block_size;
+  if (options.block_size > 0 || device.type != DeviceType::kCUDA) return config;
+#ifdef MOELORA_WITH_CUDA
+  const detail::CudaDeviceFacts facts = cuda::current_device_facts();
+  const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
+  if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
+    const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
+    const bool runs_here = facts.sm90_kernels ||
+                           (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);
+    if (runs_here) return tuned;
+  }
+  // No table: wgmma tiles of 128 rows once experts see enough slots to fill them; the
+  // small-batch kernels while there are no more slots than experts. NOTE: that rule
+  // matches every cell the H100 tuner measured (docs/PERF_NOTES.md, issue 3 step 5):
+  // small-batch won up to 64 slots on the 64-256-expert models and up to 8 on Mixtral
+  // (8 experts), and lost beyond.
+  const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
+  const int64_t slots_per_expert = ceil_div(slots, std::max<int64_t>(shape.num_experts, 1));
+  if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
+  config.small_batch = slots <= std::min(kSmallBatchMaxSlots, shape.num_experts);
+#else
+  (void)num_local_experts;
+#endif
+  return config;
+}
+
+std::string kernel_config_file_name(int64_t num_local_experts, int64_t intermediate_size, DType dtype) {
+#ifdef MOELORA_WITH_CUDA
+  if (cuda::device_available()) {
+    return detail::kernel_config_file_name(num_local_experts, intermediate_size, dtype, cuda::current_device_facts().name);
+  }
+#endif
+  (void)num_local_experts, (void)intermediate_size, (void)dtype;
+  throw Error("moelora.kernel_config_file_name: tables are per CUDA device, and no CUDA device is available");
+}
+
+namespace {
+
+// The segmented shrink's split-K scratch: up to 32 splits (the CUDA kernel's limit) of
+// fp32 partial sums, at most 8 MB (a shrink over more padded entries splits less).
+constexpr int64_t kLoraShrinkMaxSplits = 32;
+constexpr int64_t kLoraShrinkPartialBytes = int64_t(8) << 20;
+
+// Chunks of at least this many slots get room for the activation in sorted order
+// (GemmParams::out_rows_sorted: padded entries, not slots); smaller ones keep it by slot.
+constexpr int64_t kSortedActivationMinSlots = 512;
+
+// Whether a chunk of this call may run with MoeKernelConfig::sorted_input: the caller's
+// config, else the tuned table of the current CUDA device for the full and the last
+// chunk. NOTE: the sorted input needs [padded entries, H] of workspace, up to
+// (E + 1) x 255 rows more than the slots (~0.9 GB for DeepSeek-V3 at 8192 tokens), so
+// only calls whose config may use it reserve it; a call whose table changed since the
+// query runs without it.
+bool may_sort_input(const FusedExpertsShape& s, const FusedExpertsOptions& o, int64_t chunk_tokens) {
+  if (o.config != nullptr) return o.config->sorted_input;
+#ifdef MOELORA_WITH_CUDA
+  if (o.block_size > 0 || !cuda::device_available()) return false;
+  const int64_t num_local_experts = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  const Device cuda_device{DeviceType::kCUDA, 0};  // the table follows the current device
+  for (int64_t tokens : {chunk_tokens, s.num_tokens % chunk_tokens}) {
+    FusedExpertsShape chunk = s;
+    chunk.num_tokens = tokens;
+    if (tokens > 0 && fused_experts_config(chunk, num_local_experts, cuda_device, o).sorted_input) return true;
+  }
+#else
+  (void)s, (void)chunk_tokens;
+#endif
+  return false;
+}
+
+}  // namespace
+
+namespace detail {
+
+WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+  const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
+  const int64_t slots = chunk_tokens * s.top_k;
+  // NOTE: the block size of a chunk comes from the config registry at call time, and a
+  // table may change between this query and the call ($MOELORA_CONFIG_DIR). Unless the
+  // caller fixed it, size each alignment buffer for its worst block size: padded
+  // entries peak at 256, block counts at 16. Both are small next to the GEMM caches.
+  const int64_t fixed_block_size = o.block_size > 0                              ? o.block_size
+                                   : o.config != nullptr && o.config->block_size > 0 ? o.config->block_size
+                                                                                   : 0;
+  const int64_t elem = int64_t(dtype_size(s.dtype));
+  WorkspaceLayout l{};
+  // With LoRA the alignment groups are virtual experts (expert, adapter or none).
+  const int64_t groups = s.max_loras > 0 ? lora_groups(s.num_experts, s.max_loras) : s.num_experts;
+  for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
+       block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
+    const AlignCapacity c = moe_align_block_size_capacity(slots, block_size, groups);
+    l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
+    l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
+  }
+  int64_t at = 0;
+  auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
+  l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
+  l.expert_ids = take(l.capacity.max_num_blocks * 4);
+  l.num_tokens_post_padded = take(4);
+  l.tile_counters = take(kNumTileCounters * 4);
+  l.cache2_rows = slots >= kSortedActivationMinSlots ? std::max(slots, l.capacity.max_num_tokens_padded) : slots;
+  // The sorted input ([padded entries, H], read by GEMM1 only) shares the region too: GEMM2
+  // writes cache3 after GEMM1 has finished.
+  l.sorted_input_rows =
+      slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
+  l.cache1 = l.cache3 = l.sorted_input =
+      take(std::max(slots * std::max(2 * s.intermediate_size, s.hidden_size), l.sorted_input_rows * s.hidden_size) *
+           elem);
+  l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
+  if (s.max_loras > 0) {
+    l.block_lora_ids = take(l.capacity.max_num_blocks * 4);
+    l.entry_lora_ids = take(l.capacity.max_num_tokens_padded * 4);  // the segmented alignment (fused path)
+    l.block_lora_masks = take(l.capacity.max_num_blocks * 8);
+    // Each GEMM's shrink output (w13: 2 slices at most): [slots, slices, rank], or by
+    // entry for the fused expand ([padded entries, slices * rank]). GEMM2's shrink runs
+    // after GEMM1 has read GEMM1's, so they share it.
+    l.lora_intermediate = take(std::max(slots, l.capacity.max_num_tokens_padded) * 2 * s.lora_rank * elem);
+    // The fused path's shrink splits K when few blocks hold the entries (small M): fp32
+    // partial sums by split and entry, and arrival counters.
+    l.lora_shrink_partial_rows = std::min(kLoraShrinkMaxSplits * l.capacity.max_num_tokens_padded,
+                                          kLoraShrinkPartialBytes / (2 * s.lora_rank * 4));
+    l.lora_shrink_partials = take(l.lora_shrink_partial_rows * 2 * s.lora_rank * 4);
+    // One per 16 entries of the blocks: blocks end at most 255 entries past the padded ones.
+    l.lora_shrink_counters = take((l.capacity.max_num_tokens_padded / 16 + 16) * 4);
+  }
+  l.total = at;
+  return l;
+}
+
+FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
+                                               const FusedExpertsShape& shape, const WorkspaceLayout& layout,
+                                               const LoraStack& lora13, const LoraStack& lora2, int64_t begin,
+                                               int64_t tokens) {
+  const TensorView& x = args.hidden_states;
+  const Device device = x.device;
+  const DType dtype = x.dtype;
+  const int64_t elem = int64_t(dtype_size(dtype));
+  const int64_t top_k = shape.top_k, H = shape.hidden_size, I = shape.intermediate_size, E_global = shape.num_experts;
+  void* ws = args.workspace.data;
+  FusedExpertsChunkPlan plan;
+  plan.begin = begin;
+  plan.tokens = tokens;
+  const int64_t slots = plan.slots = tokens * top_k;
+  MoeKernelConfig& config = plan.config;
+  config = fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, shape.num_local_experts,
+                                device, options);
+  check_kernel_config("fused_experts", "config", config);
+  const int64_t block_size = plan.block_size = config.block_size;
+  const AlignCapacity cap = plan.capacity =
+      args.lora ? moe_lora_align_block_size_capacity(slots, block_size, E_global, lora13.max_loras)
+                : moe_align_block_size_capacity(slots, block_size, E_global);
+  if (cap.max_num_tokens_padded > layout.capacity.max_num_tokens_padded ||
+      cap.max_num_blocks > layout.capacity.max_num_blocks) {
+    // The layout bounds every block size; this guards the workspace against a new one.
+    throw std::logic_error("moelora.fused_experts: block size " + std::to_string(block_size) +
+                           " needs more alignment workspace than fused_experts_workspace_size reserved");
+  }
+
+  plan.topk_ids = args.topk_ids;
+  plan.topk_ids.shape[0] = tokens;
+  plan.topk_ids.data =
+      byte_offset(plan.topk_ids.data, begin * plan.topk_ids.strides[0] * int64_t(dtype_size(plan.topk_ids.dtype)));
+  plan.topk_weights = args.topk_weights;
+  plan.topk_weights.shape[0] = tokens;
+  plan.topk_weights.data = byte_offset(plan.topk_weights.data, begin * plan.topk_weights.strides[0] * 4);
+  plan.x = view2d(byte_offset(x.data, begin * x.strides[0] * elem), dtype, tokens, H, x.strides[0], 1, device);
+  plan.out = byte_offset(args.out.data, begin * args.out.strides[0] * elem);
+
+  auto i32 = [&](int64_t offset, int64_t n) {
+    TensorView t = TensorView::contiguous(byte_offset(ws, offset), DType::kInt32, {n}, device);
+    return t;
+  };
+  plan.sorted_token_ids = i32(layout.sorted_token_ids, layout.capacity.max_num_tokens_padded);
+  plan.sorted_token_ids.shape[0] = cap.max_num_tokens_padded;
+  plan.expert_ids = i32(layout.expert_ids, layout.capacity.max_num_blocks);
+  plan.expert_ids.shape[0] = cap.max_num_blocks;
+  plan.num_tokens_post_padded = i32(layout.num_tokens_post_padded, 1);
+
+  // Both GEMMs on the tensor-core kernels (16-byte rows; e.g. I % 8 == 0) open two paths:
+  // - with adapters, the fused LoRA: each GEMM takes its expand as extra K steps
+  //   (GemmParams::lora_t) after a shrink kernel, on the segmented alignment, and the
+  //   activation stays fused. Otherwise the aligned path runs on the virtual alignment,
+  //   the activation as its own kernel and the delta kernels after each GEMM (the w13
+  //   delta before the activation). The small-batch kernels take per-slot deltas.
+  // - both on the sm90 kernel, the sorted activation: GEMM1 writes the activation in
+  //   sorted order (row = entry), and GEMM2 loads each tile's rows as one TMA box instead
+  //   of gathering them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of
+  //   Mixtral's layer at M = 4096 (H100; docs/PERF_NOTES.md, issue 3 step 6).
+  auto tensor_core_kernel = [](const GemmTile& t) {
+    return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90;
+  };
+  plan.tensor_core_gemms = on_cuda(x) && options.fuse_activation && tensor_core_kernel(config.gemm1) &&
+                           tensor_core_kernel(config.gemm2);
+#ifdef MOELORA_WITH_CUDA
+  if (plan.tensor_core_gemms) {
+    const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
+    const GemmParams gemm1_probe = gemm_params(plan.x, args.w13, by_slot, plan.sorted_token_ids, plan.expert_ids,
+                                               plan.num_tokens_post_padded, nullptr, top_k, block_size, config.gemm1);
+    const GemmParams gemm2_probe = gemm_params(by_slot, args.w2, by_slot, plan.sorted_token_ids, plan.expert_ids,
+                                               plan.num_tokens_post_padded, nullptr, 1, block_size, config.gemm2);
+    const bool loadable =
+        cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
+    plan.sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
+    plan.fused_lora =
+        args.lora && loadable &&
+        cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&
+        cuda::fused_moe_lora_expand_supported(gemm2_probe, lora2.rank, lora2.num_slices, lora2.slices);
+  }
+#else
+  (void)lora2;
+#endif
+  if (args.lora && !plan.fused_lora) config.sorted_input = false;  // the delta kernels read x by slot
+  plan.sorted_activation =
+      plan.sm90_rows && (!args.lora || plan.fused_lora) && cap.max_num_tokens_padded <= layout.cache2_rows;
+  // GEMM1 reads x in sorted order too (a copy by moe_gather_sorted_rows): one TMA box
+  // per tile instead of gathered rows. NOTE: a table choice: on H100 it cut Mixtral's
+  // layer 24% at M = 4096 and made DeepSeek's (I = 256) 24% slower (PERF_NOTES step 7).
+  plan.sorted_input =
+      plan.sorted_activation && config.sorted_input && cap.max_num_tokens_padded <= layout.sorted_input_rows;
+  plan.small_batch = on_cuda(x) && config.small_batch;
+  plan.fused_activation = on_cuda(x) && options.fuse_activation && (!args.lora || plan.fused_lora);
+  // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
+  plan.direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);
+
+  plan.cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
+  plan.cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
+                       plan.sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
+  plan.x_sorted = view2d(byte_offset(ws, layout.sorted_input), dtype, cap.max_num_tokens_padded, H, H, 1, device);
+  plan.cache3 = view2d(byte_offset(ws, layout.cache3), dtype, slots, H, H, 1, device);
+  if (plan.direct) {
+    const int64_t row_stride = options.no_combine ? args.out.strides[1] : args.out.strides[0];
+    plan.gemm2_out = view2d(plan.out, dtype, slots, H, top_k == 1 ? args.out.strides[0] : row_stride, 1, device);
+  } else {
+    plan.gemm2_out = plan.cache3;
+  }
+  return plan;
+}
+
+}  // namespace detail
+
+int64_t fused_experts_workspace_size(const FusedExpertsShape& shape, const FusedExpertsOptions& options) {
+  return detail::workspace_layout(shape, options).total;
+}
+
+}  // namespace moelora

@@ -1,0 +1,72 @@
+// fused_experts' planning: the workspace layout of a call, and the plan of one chunk
+// (which path it runs, with which config, in which workspace regions).
+#pragma once
+
+#include <cstdint>
+
+#include "api/moe_lora.h"
+#include "common/params.h"
+#include "moelora/ops.h"
+
+namespace moelora::detail {
+
+// GEMM1's and GEMM2's ordered-tile counters (GemmParams::tile_counter).
+constexpr int kNumTileCounters = 2;
+
+// Workspace layout, each piece 256-byte aligned. cache1 (GEMM1's [slots, 2I], only when
+// the activation runs as its own kernel) is dead once the activation has read it, before
+// GEMM2 writes cache3 ([slots, H]): the two share one region, and so does the sorted input.
+struct WorkspaceLayout {
+  int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
+      block_lora_ids, entry_lora_ids, block_lora_masks, lora_intermediate, lora_shrink_partials, lora_shrink_counters,
+      total;
+  int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
+  int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
+  int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
+  AlignCapacity capacity;
+};
+
+WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o);
+
+// What one chunk of fused_experts runs: its config, the path, and the views of its rows
+// and of the workspace regions it uses. The orchestration (fused_experts.cpp) executes it.
+struct FusedExpertsChunkPlan {
+  int64_t begin = 0, tokens = 0, slots = 0;  // tokens [begin, begin + tokens); slots = tokens * top_k
+  MoeKernelConfig config;  // resolved and checked; sorted_input cleared where the delta kernels read x by slot
+  int64_t block_size = 0;  // config.block_size
+  AlignCapacity capacity;  // of the chunk's alignment (virtual experts with adapters)
+
+  // The path. small_batch: try the small-batch kernels first (a chunk they refuse runs the
+  // aligned path). Else the alignment, then GEMM1 with the activation fused
+  // (fused_activation) or GEMM1 into cache1 and the activation kernel, then GEMM2, then
+  // moe_sum_reduce unless `direct` (GEMM2 writes `out`).
+  bool small_batch = false;
+  bool tensor_core_gemms = false;  // both GEMMs on the tensor-core kernels, activation fused
+  bool sm90_rows = false;          // ... both on sm90 and loadable: GEMM rows may go by entry
+  bool fused_lora = false;         // adapters: a shrink kernel, the expand in each GEMM's K loop
+  bool fused_activation = false;
+  bool sorted_activation = false;  // GEMM1 writes cache2 by entry; GEMM2 reads it so
+  bool sorted_input = false;       // GEMM1 reads x gathered by entry (x_sorted)
+  bool direct = false;
+
+  // The chunk's rows of the arguments.
+  TensorView x, topk_ids, topk_weights;
+  void* out = nullptr;  // the chunk's first row of `out`
+  // Workspace regions (WorkspaceLayout), sized for this chunk.
+  TensorView sorted_token_ids, expert_ids, num_tokens_post_padded;  // by `capacity`
+  TensorView cache1;     // [slots, 2I]: GEMM1's output before the activation kernel; the small-batch w13 delta
+  TensorView cache2;     // [slots, I], or [padded entries, I] with sorted_activation
+  TensorView x_sorted;   // [padded entries, H]: x by entry (sorted_input)
+  TensorView cache3;     // [slots, H]: GEMM2's output to reduce; the small-batch w2 delta
+  TensorView gemm2_out;  // cache3, or the chunk's rows of `out` when direct
+};
+
+// The plan of tokens [begin, begin + tokens) of a validated call: `shape` is the call's
+// (global experts, local experts, LoRA), `layout` its workspace, lora13 / lora2 its
+// stacks (zero without adapters). Throws on a config that fails check_kernel_config.
+FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
+                                               const FusedExpertsShape& shape, const WorkspaceLayout& layout,
+                                               const LoraStack& lora13, const LoraStack& lora2, int64_t begin,
+                                               int64_t tokens);
+
+}  // namespace moelora::detail
