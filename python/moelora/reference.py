@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 __all__ = [
+    "dequantize",
     "effective_lora_ids",
     "fused_experts",
     "fused_moe",
@@ -19,6 +20,7 @@ __all__ = [
     "moe_align_block_size",
     "moe_lora_align_block_size",
     "moe_sum_reduce",
+    "quantize",
     "silu_and_mul",
     "swiglu_oai_and_mul",
 ]
@@ -249,9 +251,61 @@ def _lora_field(lora, name):
     return getattr(lora, name, None)
 
 
+_QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+
+
+def quantize(x, block_rows, block_cols, dtype, scales=None):
+    """moelora's quantize in float32, as the op computes it: x [..., R, C] -> (q [..., R, C]
+    as float64 holding the 8-bit values, scales [..., ceil(R/br), ceil(C/bc)] float32), one
+    scale per block of block_rows x block_cols (0: the whole dim). Dynamic scales:
+    max(absmax, 1e-10) / qmax; given `scales` (static) are used as they are.
+    q = x / scale in float32, clamped to +-qmax, rounded to fp8 e4m3 (nearest even) or
+    int8 (half to even)."""
+    import ml_dtypes  # fp8 rounding
+
+    x32 = np.asarray(x).astype(np.float32)
+    lead, (rows, cols) = x32.shape[:-2], x32.shape[-2:]
+    br, bc = block_rows or max(rows, 1), block_cols or max(cols, 1)
+    nrb, ncb = -(-rows // br), -(-cols // bc)
+    qmax = np.float32(_QMAX[dtype])
+    out_scales = np.empty(lead + (nrb, ncb), np.float32) if scales is None else np.broadcast_to(
+        np.asarray(scales, np.float32), lead + (nrb, ncb))
+    q = np.empty(x32.shape, np.float64)
+    for rb in range(nrb):
+        for cb in range(ncb):
+            block = x32[..., rb * br:(rb + 1) * br, cb * bc:(cb + 1) * bc]
+            if scales is None:
+                absmax = np.abs(block).max(axis=(-2, -1)) if block.size else np.zeros(lead, np.float32)
+                out_scales[..., rb, cb] = np.maximum(absmax, np.float32(1e-10)) / qmax
+            scale = out_scales[..., rb, cb][..., None, None].astype(np.float32)
+            v = np.clip(block / scale, -qmax, qmax).astype(np.float32)
+            v = v.astype(ml_dtypes.float8_e4m3fn) if dtype == "float8_e4m3fn" else np.rint(v)
+            q[..., rb * br:(rb + 1) * br, cb * bc:(cb + 1) * bc] = v.astype(np.float64)
+    return q, np.array(out_scales)
+
+
+def dequantize(q, scales, block_rows, block_cols):
+    """q [..., R, C] times the scale of its block (scales [..., ceil(R/br), ceil(C/bc)]), float64."""
+    q = _f64(q)
+    rows, cols = q.shape[-2:]
+    br, bc = block_rows or max(rows, 1), block_cols or max(cols, 1)
+    s = _f64(scales)
+    s = np.repeat(np.repeat(s, br, axis=-2)[..., :rows, :], bc, axis=-1)[..., :cols]
+    return q * s
+
+
+def _quantized_rows(values, granularity, block_k, dtype, static_scale):
+    """Activation rows [n, K] quantized as fused_experts does (per token group of block_k,
+    per row, or per tensor; static when static_scale is given) and dequantized."""
+    shape = {"block": (1, block_k), "channel": (1, 0), "tensor": (0, 0)}[granularity]
+    scales = None if static_scale is None else np.float32(static_scale)
+    q, s = quantize(values, *shape, dtype, scales=scales)
+    return dequantize(q, s, *shape)
+
+
 def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", no_combine=False,
                   apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                  swiglu_alpha=1.702, swiglu_limit=7.0, lora=None):
+                  swiglu_alpha=1.702, swiglu_limit=7.0, lora=None, quant=None):
     """The MoE layer in float64, per slot (m, j) with expert e = topk_ids[m, j]:
     y[m, j] = act(x[m] @ w13[e].T) @ w2[e].T, weighted by topk_weights[m, j] (on GEMM1's
     output when apply_router_weight_on_input, else on y); zero for a dropped slot (e = -1)
@@ -266,6 +320,12 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     before the activation (and the router weight on input), the w2 delta before the
     routed weight. Two w13 slices are gate and up: halves of w13's rows, or with
     swiglu_oai its even and odd rows; one slice covers w13's 2I rows in their order.
+
+    quant: None, or a dict for quantized experts (one chunk): w13 / w2 are then the
+    dequantized weights, and x and the activation are quantized as the op does:
+    {"dtype": "float8_e4m3fn"|"int8", "activation_scales": "block"|"channel"|"tensor",
+    "block_k": 128, "a13_scale": None|float, "a2_scale": None|float (static scales),
+    "layer_dtype": the numpy dtype the activation is rounded to before its quantization}.
     """
     x = _f64(hidden_states)
     ids = np.asarray(topk_ids).astype(np.int64)
@@ -289,6 +349,9 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
         scale = _lora_field(lora, "adapter_scale")
         scales = np.ones(max_loras) if scale is None else _f64(scale).reshape(-1)
         interleaved = activation == "swiglu_oai" and len(w13_lora_a) == 2
+    if quant is not None:
+        return _fused_experts_quant(x, w13, w2, weights, local_ids, act, quant, no_combine,
+                                    apply_router_weight_on_input, routed_scaling_factor, swiglu_alpha, swiglu_limit)
     per_slot = np.zeros((num_tokens, top_k, hidden_size))
     for expert in np.unique(local_ids[local_ids >= 0]):
         tokens, ks = np.nonzero(local_ids == expert)
@@ -306,6 +369,34 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
             rows = slot_lora == l
             y[rows] += _apply_delta(a[rows], _lora_matrices(w2_lora_a, w2_lora_b, l, expert), scales[l], False)
         if not apply_router_weight_on_input:
+            y *= weights[tokens, ks][:, None]
+        per_slot[tokens, ks] = y
+    if no_combine:
+        return per_slot
+    return routed_scaling_factor * per_slot.sum(axis=1)
+
+
+def _fused_experts_quant(x, w13, w2, weights, local_ids, act, quant, no_combine, weight_on_input,
+                         routed_scaling_factor, swiglu_alpha, swiglu_limit):
+    """fused_experts with quantized experts (see fused_experts' `quant`), without LoRA."""
+    num_tokens, top_k = local_ids.shape
+    hidden_size, inter = w2.shape[1], w2.shape[2]
+    dtype, granularity, block_k = quant["dtype"], quant["activation_scales"], quant.get("block_k", 128)
+    xq = _quantized_rows(x, granularity, block_k, dtype, quant.get("a13_scale"))
+    acts = np.zeros((num_tokens * top_k, inter))
+    for expert in np.unique(local_ids[local_ids >= 0]):
+        tokens, ks = np.nonzero(local_ids == expert)
+        h = xq[tokens] @ _f64(w13[expert]).T
+        if weight_on_input:
+            h *= weights[tokens, ks][:, None]
+        acts[tokens * top_k + ks] = act(h, swiglu_alpha, swiglu_limit)
+    acts = _f64(acts.astype(quant["layer_dtype"]))
+    aq = _quantized_rows(acts, granularity, block_k, dtype, quant.get("a2_scale"))
+    per_slot = np.zeros((num_tokens, top_k, hidden_size))
+    for expert in np.unique(local_ids[local_ids >= 0]):
+        tokens, ks = np.nonzero(local_ids == expert)
+        y = aq[tokens * top_k + ks] @ _f64(w2[expert]).T
+        if not weight_on_input:
             y *= weights[tokens, ks][:, None]
         per_slot[tokens, ks] = y
     if no_combine:

@@ -25,6 +25,7 @@ void run_activation_op(const char* op, detail::ActivationKind kind, const Tensor
   if (on_cuda(input)) require_cuda_backend(op);
   const detail::ActivationParams p{
       .dtype = input.dtype,
+      .out_dtype = input.dtype,
       .kind = kind,
       .input = input.data,
       .input_stride_row = input.strides[0],

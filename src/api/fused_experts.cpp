@@ -9,6 +9,7 @@
 #include "api/kernel_config.h"
 #include "api/moe_align_block_size.h"
 #include "api/moe_lora.h"
+#include "api/quant_check.h"
 #include "api/validate.h"
 #include "common/params.h"
 #include "moelora/ops.h"
@@ -27,6 +28,7 @@ struct ValidatedCall {
   LoraStack lora13, lora2;
   LoraAdapterParams lora_adapters;
   WorkspaceLayout layout;
+  FusedExpertsQuantParams quant;  // quantized experts: each GEMM's scheme and weight scales
 };
 
 // Checks every argument of fused_experts; throws moelora::Error naming the first bad one.
@@ -36,7 +38,10 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   float_dtype(ArgCheck(op, "hidden_states", x).rank(2).unit_stride(1));
   const Device device = x.device;
   const int64_t M = x.shape[0], H = x.shape[1];
-  ArgCheck(op, "w13", args.w13).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+  // Quantized experts hold the scheme's 8-bit elements; the others the layer's dtype.
+  if (args.quant) check_quant_scheme(op, args.quant->scheme);
+  const DType weight_dtype = args.quant ? args.quant->scheme.element : x.dtype;
+  ArgCheck(op, "w13", args.w13).rank(3).dtype(weight_dtype).on(device, "hidden_states")
       .dim(2, H, "hidden size, from 'hidden_states'");
   if (args.w13.shape[1] % 2 != 0) {
     fail(op, "argument 'w13' expected an even dim 1 (2 * intermediate size), got shape " + args.w13.shape_string());
@@ -46,8 +51,10 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     fail(op, "argument 'w13' expected 1 to " + std::to_string(kMaxNumExperts) + " experts on dim 0, got shape " +
                  args.w13.shape_string());
   }
-  ArgCheck(op, "w2", args.w2).rank(3).same_dtype(x, "hidden_states").on(device, "hidden_states")
+  ArgCheck(op, "w2", args.w2).rank(3).dtype(weight_dtype).on(device, "hidden_states")
       .dim(0, E_local, "experts, from 'w13'").dim(1, H, "hidden size").dim(2, I, "intermediate size, from 'w13'");
+  FusedExpertsQuantParams quant{};
+  if (args.quant) quant = check_fused_experts_quant(op, args, E_local, H, I);
   ArgCheck(op, "topk_ids", args.topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64})
       .on(device, "hidden_states").dim(0, M, "tokens, from 'hidden_states'");
   const int64_t top_k = args.topk_ids.shape[1];
@@ -118,6 +125,7 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   }
 
   FusedExpertsShape shape{M, top_k, E_global, H, I, x.dtype, E_local};
+  if (args.quant) shape.quant = args.quant->scheme;
   if (args.lora) {
     shape.max_loras = lora13.max_loras;
     shape.lora_rank = std::max(lora13.rank, lora2.rank);
@@ -135,6 +143,13 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   for (const auto* t : {&x, &args.w13, &args.w2, &args.topk_ids, &args.topk_weights, &args.out}) {
     if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
   }
+  if (args.quant) {
+    for (const TensorView* t : {&args.quant->w13_scale, &args.quant->w2_scale, args.quant->a13_scale, args.quant->a2_scale}) {
+      if (t && (detail::views_overlap(args.workspace, *t) || detail::views_overlap(args.out, *t))) {
+        fail(op, "argument 'quant' expected scales disjoint from 'out' and 'workspace', got an overlap");
+      }
+    }
+  }
   if (args.lora) {
     if (detail::views_overlap(args.workspace, args.lora->adapters.token_lora_ids) ||
         detail::views_overlap(args.out, args.lora->adapters.token_lora_ids)) {
@@ -142,7 +157,7 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     }
   }
   if (on_cuda(x)) require_cuda_backend(op);
-  return ValidatedCall{shape, lora13, lora2, lora_adapters, layout};
+  return ValidatedCall{shape, lora13, lora2, lora_adapters, layout, quant};
 }
 
 #ifdef MOELORA_WITH_CUDA

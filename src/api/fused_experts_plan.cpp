@@ -141,9 +141,11 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // writes cache3 after GEMM1 has finished.
   l.sorted_input_rows =
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
+  // Quantized experts on the CPU keep GEMM1's [slots, 2I] in fp32 (4 bytes an element).
+  const int64_t cache1_elem = s.quant.enabled() ? 4 : elem;
   l.cache1 = l.cache3 = l.sorted_input =
-      take(std::max(slots * std::max(2 * s.intermediate_size, s.hidden_size), l.sorted_input_rows * s.hidden_size) *
-           elem);
+      take(std::max({slots * 2 * s.intermediate_size * cache1_elem, slots * s.hidden_size * elem,
+                     l.sorted_input_rows * s.hidden_size * elem}));
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
   if (s.max_loras > 0) {
     l.block_lora_ids = take(l.capacity.max_num_blocks * 4);
@@ -160,6 +162,20 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     l.lora_shrink_partials = take(l.lora_shrink_partial_rows * 2 * s.lora_rank * 4);
     // One per 16 entries of the blocks: blocks end at most 255 entries past the padded ones.
     l.lora_shrink_counters = take((l.capacity.max_num_tokens_padded / 16 + 16) * 4);
+  }
+  if (s.quant.enabled()) {
+    // One fp32 scale per token group (block), per row (channel) or per chunk (tensor).
+    auto scales = [&](int64_t rows, int64_t cols) {
+      switch (s.quant.activation_scales) {
+        case ScaleGranularity::kBlock: return rows * ceil_div(cols, s.quant.block_k) * 4;
+        case ScaleGranularity::kChannel: return rows * 4;
+        default: return int64_t(4);
+      }
+    };
+    l.quant_x = take(chunk_tokens * s.hidden_size);
+    l.quant_x_scales = take(scales(chunk_tokens, s.hidden_size));
+    l.quant_act = take(slots * s.intermediate_size);
+    l.quant_act_scales = take(scales(slots, s.intermediate_size));
   }
   l.total = at;
   return l;
@@ -227,8 +243,10 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   auto tensor_core_kernel = [](const GemmTile& t) {
     return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90;
   };
-  plan.tensor_core_gemms = on_cuda(x) && options.fuse_activation && tensor_core_kernel(config.gemm1) &&
-                           tensor_core_kernel(config.gemm2);
+  // Quantized experts run the W8A8 kernels: none of the 16-bit tensor-core paths below.
+  plan.quantized = args.quant != nullptr;
+  plan.tensor_core_gemms = on_cuda(x) && options.fuse_activation && !plan.quantized &&
+                           tensor_core_kernel(config.gemm1) && tensor_core_kernel(config.gemm2);
 #ifdef MOELORA_WITH_CUDA
   if (plan.tensor_core_gemms) {
     const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
@@ -247,7 +265,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
 #else
   (void)lora2;
 #endif
-  if (args.lora && !plan.fused_lora) config.sorted_input = false;  // the delta kernels read x by slot
+  if ((args.lora && !plan.fused_lora) || plan.quantized) config.sorted_input = false;  // x is read by slot
   plan.sorted_activation =
       plan.sm90_rows && (!args.lora || plan.fused_lora) && cap.max_num_tokens_padded <= layout.cache2_rows;
   // GEMM1 reads x in sorted order too (a copy by moe_gather_sorted_rows): one TMA box
@@ -260,7 +278,11 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
   plan.direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);
 
-  plan.cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
+  // GEMM1's result before the activation kernel: fp32 for quantized experts on the CPU,
+  // so the activation and its quantization see the unrounded values, as the CUDA
+  // epilogue does (with adapters it stays in the layer dtype: the delta kernels add there).
+  const DType cache1_dtype = plan.quantized && !on_cuda(x) && !args.lora ? DType::kFloat32 : dtype;
+  plan.cache1 = view2d(byte_offset(ws, layout.cache1), cache1_dtype, slots, 2 * I, 2 * I, 1, device);
   plan.cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
                        plan.sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
   plan.x_sorted = view2d(byte_offset(ws, layout.sorted_input), dtype, cap.max_num_tokens_padded, H, H, 1, device);
@@ -270,6 +292,23 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     plan.gemm2_out = view2d(plan.out, dtype, slots, H, top_k == 1 ? args.out.strides[0] : row_stride, 1, device);
   } else {
     plan.gemm2_out = plan.cache3;
+  }
+  if (plan.quantized) {
+    const QuantScheme& q = args.quant->scheme;
+    plan.quant_block_rows = q.activation_scales == ScaleGranularity::kTensor ? 0 : 1;
+    plan.quant_block_cols = q.activation_scales == ScaleGranularity::kBlock ? q.block_k : 0;
+    auto scale_cols = [&](int64_t cols) {
+      return q.activation_scales == ScaleGranularity::kBlock ? ceil_div(cols, q.block_k) : int64_t(1);
+    };
+    auto scales = [&](int64_t offset, const TensorView* given, int64_t rows, int64_t cols) {
+      if (given) return view2d(given->data, DType::kFloat32, 1, 1, 1, 1, device);  // static: the caller's [1]
+      const int64_t scale_rows = q.activation_scales == ScaleGranularity::kTensor ? 1 : rows;
+      return view2d(byte_offset(ws, offset), DType::kFloat32, scale_rows, scale_cols(cols), scale_cols(cols), 1, device);
+    };
+    plan.x_quantized = view2d(byte_offset(ws, layout.quant_x), q.element, tokens, H, H, 1, device);
+    plan.x_scales = scales(layout.quant_x_scales, args.quant->a13_scale, tokens, H);
+    plan.act_quantized = view2d(byte_offset(ws, layout.quant_act), q.element, slots, I, I, 1, device);
+    plan.act_scales = scales(layout.quant_act_scales, args.quant->a2_scale, slots, I);
   }
   return plan;
 }

@@ -20,6 +20,9 @@ struct WorkspaceLayout {
   int64_t sorted_token_ids, expert_ids, num_tokens_post_padded, tile_counters, cache1, cache2, cache3, sorted_input,
       block_lora_ids, entry_lora_ids, block_lora_masks, lora_intermediate, lora_shrink_partials, lora_shrink_counters,
       total;
+  // Quantized experts: the chunk's 8-bit hidden rows [tokens, H] and activation [slots, I],
+  // and their scales (QuantScheme::activation_scales' layout).
+  int64_t quant_x, quant_x_scales, quant_act, quant_act_scales;
   int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
@@ -59,6 +62,16 @@ struct FusedExpertsChunkPlan {
   TensorView x_sorted;   // [padded entries, H]: x by entry (sorted_input)
   TensorView cache3;     // [slots, H]: GEMM2's output to reduce; the small-batch w2 delta
   TensorView gemm2_out;  // cache3, or the chunk's rows of `out` when direct
+
+  // Quantized experts (FusedExpertsArgs::quant): the 8-bit GEMM inputs and their scales,
+  // and how each is quantized (QuantizeParams' blocks: rows x cols, 0 = the whole dim).
+  // cache1 is fp32 on the CPU then: the activation reads GEMM1's unrounded result there.
+  bool quantized = false;
+  TensorView x_quantized;    // [tokens, H]
+  TensorView x_scales;       // [tokens, ceil(H / block_k)], [tokens, 1] or [1, 1] (a13_scale when static)
+  TensorView act_quantized;  // [slots, I]
+  TensorView act_scales;     // [slots, ceil(I / block_k)], [slots, 1] or [1, 1] (a2_scale when static)
+  int64_t quant_block_rows = 1, quant_block_cols = 0;
 };
 
 // The plan of tokens [begin, begin + tokens) of a validated call: `shape` is the call's

@@ -19,4 +19,15 @@ void check_scales_finite(const char* op, const char* name, const TensorView& sca
 // Runs quantize on `device`'s backend.
 void run_quantize(const QuantizeParams& p, Device device, Stream stream);
 
+// fused_experts on quantized experts (FusedExpertsArgs::quant): checks the scheme, the
+// layer dtype (bf16/fp16), w13/w2's element type, the weight scales' layouts, the static
+// activation scales, and on CUDA that the device and the kernels take the scheme. Returns
+// GEMM1's and GEMM2's GemmQuantParams with the weight scales set (the activation scales
+// are each chunk's, set by the orchestration). E: local experts of w13.
+struct FusedExpertsQuantParams {
+  GemmQuantParams gemm1, gemm2;
+};
+FusedExpertsQuantParams check_fused_experts_quant(const char* op, const FusedExpertsArgs& args, int64_t E, int64_t H,
+                                                  int64_t I);
+
 }  // namespace moelora::detail

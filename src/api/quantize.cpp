@@ -113,6 +113,90 @@ void check_scales_finite(const char* op, const char* name, const TensorView& sca
   }
 }
 
+namespace {
+
+// A weight scale tensor in the scheme's layout for w [E, N, K]; returns the params' view.
+void check_weight_scales(const char* op, const char* name, const TensorView& scales, const QuantScheme& s, int64_t E,
+                         int64_t N, int64_t K, const Device& device, GemmQuantParams* q) {
+  ArgCheck c(op, name, scales);
+  c.dtype(DType::kFloat32).on(device, "hidden_states");
+  switch (s.weight_scales) {
+    case ScaleGranularity::kBlock:
+      c.rank(3).dim(0, E, "experts").dim(1, (N + s.block_n - 1) / s.block_n, "ceil(N / block_n) (N: the GEMM's weight rows)")
+          .dim(2, (K + s.block_k - 1) / s.block_k, "ceil(K / block_k)");
+      q->w_scale_stride_k = scales.strides[2];
+      q->w_scale_stride_n = scales.strides[1];
+      break;
+    case ScaleGranularity::kChannel:
+      c.rank(2).dim(0, E, "experts").dim(1, N, "N, one per output channel");
+      q->w_scale_stride_n = scales.strides[1];
+      break;
+    case ScaleGranularity::kTensor:
+      c.rank(1).dim(0, E, "experts, one per expert");
+      break;
+  }
+  q->w_scale_stride_expert = scales.strides[0];
+  q->w_scale = static_cast<const float*>(scales.data);
+  check_scales_finite(op, name, scales);
+}
+
+}  // namespace
+
+FusedExpertsQuantParams check_fused_experts_quant(const char* op, const FusedExpertsArgs& args, int64_t E, int64_t H,
+                                                  int64_t I) {
+  const FusedExpertsQuant& quant = *args.quant;
+  const QuantScheme& s = quant.scheme;
+  if (!s.enabled()) fail(op, "argument 'quant' expected a scheme (method other than none), got none");
+  check_quant_scheme(op, s);
+  const Device device = args.hidden_states.device;
+  ArgCheck(op, "hidden_states", args.hidden_states).dtype_in({DType::kBFloat16, DType::kFloat16});
+  FusedExpertsQuantParams p;
+  for (GemmQuantParams* q : {&p.gemm1, &p.gemm2}) {
+    q->enabled = true;
+    q->element = s.element;
+    q->a_scales = s.activation_scales;
+    q->w_scales = s.weight_scales;
+    q->block_n = s.block_n;
+    q->block_k = s.block_k;
+  }
+  check_weight_scales(op, "w13_scale", quant.w13_scale, s, E, 2 * I, H, device, &p.gemm1);
+  check_weight_scales(op, "w2_scale", quant.w2_scale, s, E, H, I, device, &p.gemm2);
+  const std::pair<const TensorView*, const char*> static_scales[] = {{quant.a13_scale, "a13_scale"},
+                                                                     {quant.a2_scale, "a2_scale"}};
+  for (const auto& [scale, name] : static_scales) {
+    if (!s.static_activation_scales) {
+      if (scale) {
+        fail(op, std::string("argument '") + name + "' expected none: scheme " + quant_method_name(s.method) +
+                     " quantizes activations dynamically (static_activation_scales is false), got a tensor");
+      }
+      continue;
+    }
+    if (!scale) fail(op, std::string("argument '") + name + "' expected a [1] float32 static scale, got none");
+    ArgCheck(op, name, *scale).rank(1).dtype(DType::kFloat32).dim(0, 1, "one scale").on(device, "hidden_states");
+    check_scales_finite(op, name, *scale);
+  }
+  if (device.type == DeviceType::kCUDA) {
+#ifdef MOELORA_WITH_CUDA
+    if (!cuda::quant_element_supported(s.element)) {
+      const CudaDeviceFacts facts = cuda::current_device_facts();
+      fail(op, std::string("argument 'quant' expected a scheme this GPU runs: ") + quant_method_name(s.method) +
+                   " needs " + (s.element == DType::kInt8 ? "int8 tensor cores (sm_80+)" : "fp8 tensor cores (sm_89+)") +
+                   ", got " + facts.name + " (sm_" + std::to_string(facts.cc_major) + std::to_string(facts.cc_minor) +
+                   ")");
+    }
+#endif
+    if (s.weight_scales == ScaleGranularity::kBlock && s.block_k != 128) {
+      fail(op, "argument 'quant' expected block_k 128 on CUDA (the W8A8 kernels' K tile is one scale block), got " +
+                   std::to_string(s.block_k));
+    }
+    if (H % 16 != 0 || I % 16 != 0) {
+      fail(op, "argument 'w13' expected a hidden size and an intermediate size that are multiples of 16 for quantized "
+               "experts on CUDA (16-byte rows), got H = " + std::to_string(H) + ", I = " + std::to_string(I));
+    }
+  }
+  return p;
+}
+
 void run_quantize(const QuantizeParams& p, Device device, Stream stream) {
 #ifdef MOELORA_WITH_CUDA
   if (device.type == DeviceType::kCUDA) return cuda::quantize(p, stream);

@@ -278,7 +278,8 @@ struct SmallBatchMoeParams {
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
 struct ActivationParams {
-  DType dtype;
+  DType dtype;      // of input
+  DType out_dtype;  // of out: dtype, or (CPU, quantized experts) the layer's from fp32
   ActivationKind kind;
   const void* input;
   int64_t input_stride_row;

@@ -44,7 +44,7 @@ void activation(const detail::ActivationParams& p) {
         }
         break;
     }
-    store_row(p.dtype, out.data(), width, element_ptr(p.dtype, p.out, row * p.out_stride_row), 1);
+    store_row(p.out_dtype, out.data(), width, element_ptr(p.out_dtype, p.out, row * p.out_stride_row), 1);
   }, rows_per_thread);
 }
 

@@ -2,6 +2,8 @@
 // loads and stores when rows are aligned, fp32 math.
 #include <algorithm>
 
+#include <stdexcept>
+
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/gated_activation.cuh"
@@ -80,6 +82,9 @@ void launch(const ActivationParams& p, cudaStream_t stream) {
 void activation(const ActivationParams& p, Stream stream) {
   if (p.num_rows == 0 || p.width == 0) return;
   const auto s = static_cast<cudaStream_t>(stream);
+  if (p.out_dtype != p.dtype) {
+    throw std::logic_error("moelora.activation: the CUDA kernel writes its input's dtype");
+  }
   dispatch_float(p.dtype, [&](auto t) {
     using T = decltype(t);
     switch (p.kind) {

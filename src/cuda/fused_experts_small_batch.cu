@@ -156,8 +156,19 @@ struct Chunk<__nv_fp8_e4m3> {
   // GEMM1 (ptxas: 584 B of spill stores at 4 slots x 4 chunks in flight).
   using Vec = uint4;
   static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
+  // NOTE: volatile, so the compiler converts at each use: left to CSE, it kept every
+  // weight chunk converted across the slot loop (2 rows x 4 chunks x 16 floats) and GEMM1
+  // spilled 572-588 B (ptxas, sm_90a). sm_89+ has the one-instruction cvt; older parts
+  // convert in software.
   static __device__ __forceinline__ float2 pair(uint32_t word, int half) {
-    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * half)), __NV_E4M3)));
+    const uint16_t bits = uint16_t(word >> (16 * half));
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    uint32_t h2;
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(bits));
+    return __half22float2(reinterpret_cast<const __half2&>(h2));
+#else
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bits), __NV_E4M3)));
+#endif
   }
   static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
