@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing moelora needs, from the package registries, at
-# pinned versions: the Python tools (requirements-dev.txt), GoogleTest (Debian package,
-# when missing) and, when nvcc is present, the CUTLASS headers into .deps/cutlass.
+# pinned versions: the Python tools (requirements-dev.txt), torch for the torch ops' tests
+# (requirements-torch.txt; MOELORA_TORCH=0 skips it), GoogleTest (Debian package, when
+# missing) and, when nvcc is present, the CUTLASS headers into .deps/cutlass.
 # Safe to run again: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,28 @@ PYTHON=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore
 
 "$PYTHON" -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+
+# torch is a multi-GB download: only when a pinned version is missing, and without a copy
+# in pip's cache.
+if [ "${MOELORA_TORCH:-1}" != 0 ] && ! "$PYTHON" - requirements-torch.txt <<'PY'
+import sys
+from importlib import metadata
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if line:
+        name, version = line.split("==")
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed = None
+        if installed != version:
+            sys.exit(1)
+PY
+then
+  echo "install_deps: installing $(grep -E '^[A-Za-z]' requirements-torch.txt | paste -sd' ') from PyPI" \
+       "(with its CUDA runtime wheels: ~2.6 GB, a minute or more)"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-cache-dir -r requirements-torch.txt
+fi
 
 if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
   echo "install_deps: GoogleTest headers missing; installing libgtest-dev"

@@ -7,7 +7,8 @@
 #   bash tools/run.sh --model mixtral-8x7b --tokens 1,16,256 --lora-rank 16,64
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ "${MOELORA_SKIP_INSTALL:-0}" = 1 ] || bash tools/install_deps.sh >/dev/null
+# The benchmark needs no torch: skip its multi-GB install here (tools/test.sh does it).
+[ "${MOELORA_SKIP_INSTALL:-0}" = 1 ] || MOELORA_TORCH=${MOELORA_TORCH:-0} bash tools/install_deps.sh >/dev/null
 bash tools/build.sh >/dev/null
 [ $# -gt 0 ] || set -- --lora-rank 16
 exec "${MOELORA_BUILD_DIR:-build}/moelora_bench" "$@"
