@@ -160,6 +160,24 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   return ValidatedCall{shape, lora13, lora2, lora_adapters, layout, quant};
 }
 
+// Quantizes a chunk's rows input [rows, cols] into out [rows, cols] and scales, with the
+// plan's activation blocks (per token group, per row, or per tensor over the chunk; the
+// caller's static scale when static_scales).
+void quantize_rows(const TensorView& input, const TensorView& out, const TensorView& scales,
+                   const FusedExpertsChunkPlan& plan, bool static_scales, Device device, Stream stream) {
+  const int64_t rows = input.shape[0], cols = input.shape[1];
+  run_quantize(QuantizeParams{.input_dtype = input.dtype, .input = input.data, .input_stride_batch = 0,
+                              .input_stride_row = input.strides[0], .out_dtype = out.dtype, .out = out.data,
+                              .out_stride_batch = 0, .out_stride_row = out.strides[0],
+                              .scales = static_cast<float*>(scales.data), .scales_stride_batch = 0,
+                              .scales_stride_row = scales.strides[0], .scales_stride_col = scales.strides[1],
+                              .batch = 1, .rows = rows, .cols = cols,
+                              .block_rows = plan.quant_block_rows > 0 ? plan.quant_block_rows : std::max<int64_t>(rows, 1),
+                              .block_cols = plan.quant_block_cols > 0 ? plan.quant_block_cols : std::max<int64_t>(cols, 1),
+                              .static_scales = static_scales},
+               device, stream);
+}
+
 #ifdef MOELORA_WITH_CUDA
 // The small-batch kernels' parameters for one chunk: x_chunk, ids and weights are the
 // chunk's rows; act is GEMM1's output in the workspace, out_chunk the chunk's first row.
@@ -296,14 +314,45 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       g.lora[0] = st.slices[0];
       g.lora[1] = st.slices[1];
     };
+    // Quantized experts: x's rows quantized first; each GEMM's scales point at its input's.
+    GemmQuantParams quant1 = call.quant.gemm1, quant2 = call.quant.gemm2;
+    const bool static_scales = args.quant && args.quant->scheme.static_activation_scales;
+    if (plan.quantized) {
+      quantize_rows(x_chunk, plan.x_quantized, plan.x_scales, plan, static_scales, device, stream);
+      quant1.a_scale = static_cast<const float*>(plan.x_scales.data);
+      quant1.a_scale_stride_row = plan.x_scales.strides[0];
+      quant1.a_scale_stride_k = plan.x_scales.strides[1];
+      quant2.a_scale = static_cast<const float*>(plan.act_scales.data);
+      quant2.a_scale_stride_row = plan.act_scales.strides[0];
+      quant2.a_scale_stride_k = plan.act_scales.strides[1];
+    }
+    // GEMM2's input: the activation (cache2), quantized into act_quantized for quantized experts.
+    auto gemm2_input = [&]() -> const TensorView& {
+      if (!plan.quantized) return cache2;
+      quantize_rows(cache2, plan.act_quantized, plan.act_scales, plan, static_scales, device, stream);
+      return plan.act_quantized;
+    };
 #ifdef MOELORA_WITH_CUDA
     if (plan.small_batch) {
-      const SmallBatchMoeParams small =
+      SmallBatchMoeParams small =
           small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind);
+      if (plan.quantized) {
+        small.x = plan.x_quantized.data;
+        small.x_stride_token = plan.x_quantized.strides[0];
+        small.quant13 = quant1;
+        small.quant2 = quant2;
+        small.act_quantized = plan.act_quantized.data;
+      }
       // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
       if (cuda::fused_experts_small_batch_supported(small)) {
-        if (!args.lora) {
+        if (!args.lora && !plan.quantized) {
           cuda::fused_experts_small_batch(small, stream);
+          continue;
+        }
+        if (!args.lora) {
+          cuda::fused_experts_small_batch(small, stream, /*stages=*/1);
+          gemm2_input();
+          cuda::fused_experts_small_batch(small, stream, /*stages=*/2);
           continue;
         }
         // With adapters: each GEMM's delta per slot (no alignment) into the cache1/cache3
@@ -318,6 +367,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/1);
         add_lora_delta(lora2, false, act, 1, delta2, false, /*aligned=*/false, /*add_inputs=*/false);
         with_lora.down_delta = delta2.data;
+        gemm2_input();
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/2);
         continue;
       }
@@ -359,8 +409,11 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
             stream);
 #endif
       }
+      if (plan.quantized) gemm1_input = plan.x_quantized;
       GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                      top_k, block_size, config.gemm1);
+      gemm1.dtype = dtype;  // of out (a and w are 8-bit with quant)
+      gemm1.quant = quant1;
       gemm1.a_rows_sorted = plan.sorted_input;
       gemm1.N = I;
       gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
@@ -375,25 +428,30 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     } else {
       // GEMM1: cache1[s] = x[s / top_k] · w13[e]ᵀ   [slots, 2I]; then cache2 = act(cache1)   [slots, I]
       const TensorView& cache1 = plan.cache1;
-      GemmParams gemm1 = gemm_params(x_chunk, args.w13, cache1, sorted_chunk, expert_chunk, ntpp, gemm1_weights, top_k,
-                                     block_size, config.gemm1);
+      GemmParams gemm1 = gemm_params(plan.quantized ? plan.x_quantized : x_chunk, args.w13, cache1, sorted_chunk,
+                                     expert_chunk, ntpp, gemm1_weights, top_k, block_size, config.gemm1);
+      gemm1.dtype = cache1.dtype;  // of out (a and w are 8-bit with quant; cache1 fp32 on the CPU then)
+      gemm1.quant = quant1;
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
       if (args.lora) {
         add_lora_delta(lora13, interleaved13, x_chunk, top_k, cache1, options.apply_router_weight_on_input,
                        /*aligned=*/true, /*add_inputs=*/true);
       }
-      run_activation(ActivationParams{.dtype = dtype, .kind = kind, .input = cache1.data, .input_stride_row = 2 * I,
-                                      .out = cache2.data, .out_stride_row = I, .num_rows = slots, .width = I,
-                                      .alpha = options.swiglu_alpha, .limit = options.swiglu_limit},
+      run_activation(ActivationParams{.dtype = cache1.dtype, .out_dtype = dtype, .kind = kind, .input = cache1.data,
+                                      .input_stride_row = 2 * I, .out = cache2.data, .out_stride_row = I,
+                                      .num_rows = slots, .width = I, .alpha = options.swiglu_alpha,
+                                      .limit = options.swiglu_limit},
                      device, stream);
     }
 
     // GEMM2 into plan.gemm2_out: `out` itself when direct, else cache3 for the reduction.
     const TensorView* gemm2_weights = options.apply_router_weight_on_input ? nullptr : &weights;
     const TensorView& cache3 = plan.gemm2_out;
-    GemmParams gemm2 =
-        gemm_params(cache2, args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1, block_size, config.gemm2);
+    GemmParams gemm2 = gemm_params(gemm2_input(), args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1,
+                                   block_size, config.gemm2);
+    gemm2.dtype = dtype;
+    gemm2.quant = quant2;
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = plan.sorted_activation;
     if (plan.fused_lora) with_fused_lora(gemm2, lora2, false, cache2, 1, plan.sorted_activation);

@@ -269,16 +269,20 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
     const double weight = topk_weights[size_t(s)];
     const double* x = &x_in[size_t((s / top_k) * H)];
     const int64_t adapter = lora ? lora->token_lora[size_t(s / top_k)] : -1;
+    // h1 = (base + delta) (× weight on input). With round_h1 (the op's path through a
+    // layer-dtype cache1) as the op rounds: the weighted base, then the sum with the delta.
+    const bool round_h1 = quant && quant->round_h1;
+    const double w_in = apply_router_weight_on_input ? weight : 1.0;
     std::vector<double> h1(static_cast<size_t>(2 * I));  // [2I]
-    for (int64_t n = 0; n < 2 * I; ++n) h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H);
+    for (int64_t n = 0; n < 2 * I; ++n) h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H) * w_in;
+    if (round_h1) h1 = round_to(quant->layer_dtype, h1);
     if (adapter >= 0) {
       // Adapters see the unquantized hidden state.
+      std::vector<double> delta(h1.size(), 0.0);
       reference_lora_delta_row(lora->w13, adapter, local, &hidden_states[size_t((s / top_k) * H)],
-                               lora->scale[size_t(adapter)], h1.data());
-    }
-    if (quant && quant->round_h1) h1 = round_to(quant->layer_dtype, h1);
-    if (apply_router_weight_on_input) {
-      for (double& v : h1) v *= weight;
+                               lora->scale[size_t(adapter)], delta.data());
+      for (size_t n = 0; n < h1.size(); ++n) h1[n] += delta[n] * w_in;
+      if (round_h1) h1 = round_to(quant->layer_dtype, h1);
     }
     activate_row(activation, h1.data(), I, alpha, limit, &acts[size_t(s * I)]);
   });
