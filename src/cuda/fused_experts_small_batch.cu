@@ -156,19 +156,10 @@ struct Chunk<__nv_fp8_e4m3> {
   // GEMM1 (ptxas: 584 B of spill stores at 4 slots x 4 chunks in flight).
   using Vec = uint4;
   static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
-  // NOTE: volatile, so the compiler converts at each use: left to CSE, it kept every
-  // weight chunk converted across the slot loop (2 rows x 4 chunks x 16 floats) and GEMM1
-  // spilled 572-588 B (ptxas, sm_90a). sm_89+ has the one-instruction cvt; older parts
-  // convert in software.
+  // fp8 pairs convert exactly to f16x2 (one cvt on sm_89+), then to fp32.
   static __device__ __forceinline__ float2 pair(uint32_t word, int half) {
     const uint16_t bits = uint16_t(word >> (16 * half));
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    uint32_t h2;
-    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(bits));
-    return __half22float2(reinterpret_cast<const __half2&>(h2));
-#else
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bits), __NV_E4M3)));
-#endif
   }
   static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
     const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
@@ -202,44 +193,6 @@ struct Chunk<int8_t> {
 struct NoChunkScale {
   static constexpr bool kActive = false;
 };
-
-// The scale of a chunk of W8A8 operands: w_scale(row r, k) · a_scale(vector v, k). Each
-// row and vector points at its scales; block scales step along k once per block_k,
-// channel and tensor scales do not (stride 0), so one code path serves every scheme.
-template <int kRows, int kVecs>
-struct QuantChunkScale {
-  static constexpr bool kActive = true;
-  const float* w[kRows];
-  const float* a[kVecs];
-  int64_t w_stride_k, a_stride_k;
-  int block_shift;  // log2(block_k)
-  __device__ __forceinline__ float operator()(int r, int v, int k) const {
-    const int kb = k >> block_shift;
-    return w[r][kb * w_stride_k] * a[v][kb * a_stride_k];
-  }
-};
-
-// The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
-__device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
-  const float* base = q.w_scale + expert * q.w_scale_stride_expert;
-  switch (q.w_scales) {
-    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
-    case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
-    default: return base;
-  }
-}
-__device__ __forceinline__ const float* activation_scales(const detail::GemmQuantParams& q, int64_t row) {
-  return q.a_scales == ScaleGranularity::kTensor ? q.a_scale : q.a_scale + row * q.a_scale_stride_row;
-}
-template <int kRows, int kVecs>
-__device__ __forceinline__ QuantChunkScale<kRows, kVecs> chunk_scale(const detail::GemmQuantParams& q) {
-  QuantChunkScale<kRows, kVecs> s;
-  const bool block = q.w_scales == ScaleGranularity::kBlock;
-  s.w_stride_k = block ? q.w_scale_stride_k : 0;
-  s.a_stride_k = block ? q.a_scale_stride_k : 0;
-  s.block_shift = block ? __ffsll(q.block_k) - 1 : 0;
-  return s;
-}
 
 // acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp
 // (each chunk's product times scale(r, v, k) when Scale::kActive: block scales).
@@ -309,6 +262,67 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
   }
 }
 
+// The block scale of a chunk of W8A8 operands: w_scale(row r, k) · a_scale(vector v, k),
+// one scale a block_k of K. The kRows rows of a warp item share kWRows weight-scale rows:
+// GEMM1's gate and up rows have one each, GEMM2's 4 or 16 consecutive rows lie in one
+// block of block_n (>= 16) rows and share one.
+// NOTE: channel and tensor scales are not applied per chunk but to the finished sums
+// (scale_sums): a pointer per row here spilled GEMM2 (16 rows: 1 KB of spill stores).
+template <int kRows, int kWRows, int kVecs>
+struct BlockChunkScale {
+  static constexpr bool kActive = true;
+  const float* w[kWRows];
+  const float* a[kVecs];
+  int64_t w_stride_k, a_stride_k;
+  int block_shift;  // log2(block_k)
+  __device__ __forceinline__ float operator()(int r, int v, int k) const {
+    const int kb = k >> block_shift;
+    return w[r * kWRows / kRows][kb * w_stride_k] * a[v][kb * a_stride_k];
+  }
+};
+
+// The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
+__device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
+  const float* base = q.w_scale + expert * q.w_scale_stride_expert;
+  switch (q.w_scales) {
+    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
+    case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
+    default: return base;
+  }
+}
+__device__ __forceinline__ const float* activation_scales(const detail::GemmQuantParams& q, int64_t row) {
+  return q.a_scales == ScaleGranularity::kTensor ? q.a_scale : q.a_scale + row * q.a_scale_stride_row;
+}
+
+// acc[r][v] = rows[r] · vecs[v] for W8A8 operands with q's scales: per chunk for block
+// scales, on the sums for channel and tensor scales. row_index(r): w's row of item row r;
+// vec_row(v): a's row (its scales) of vector v.
+template <class E, int kRows, int kWRows, int kUnroll, int kVecs, class RowIndex, class VecRow>
+__device__ __forceinline__ void warp_dot_quantized(const detail::GemmQuantParams& q, int64_t expert,
+                                                   const E* const (&rows)[kRows], const E* const (&vecs)[kVecs],
+                                                   int num_vecs, int K, float (&acc)[kRows][kVecs],
+                                                   RowIndex row_index, VecRow vec_row) {
+  if (q.w_scales == ScaleGranularity::kBlock) {
+    BlockChunkScale<kRows, kWRows, kVecs> scale;
+#pragma unroll
+    for (int i = 0; i < kWRows; ++i) scale.w[i] = weight_scales(q, expert, row_index(i * kRows / kWRows));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) scale.a[v] = activation_scales(q, vec_row(v));
+    scale.w_stride_k = q.w_scale_stride_k;
+    scale.a_stride_k = q.a_scale_stride_k;
+    scale.block_shift = __ffsll(q.block_k) - 1;
+    warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc, scale);
+    return;
+  }
+  warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float w_scale = *weight_scales(q, expert, row_index(r));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[r][v] *= w_scale * *activation_scales(q, vec_row(v));
+  }
+}
+
 // acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
 // indexing.
 template <int kRows, int kVecs>
@@ -328,8 +342,11 @@ __device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int
 // every slot s with a local expert (× its routed weight before the activation when
 // router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
 // E: the operands' type: T, or an 8-bit type (W8A8: x and w13 quantized, quant13's scales).
+// NOTE: one CTA an SM for 8-bit operands: under the two-CTA cap (128 registers) the fp8
+// conversions spilled 576-916 B.
 template <class T, class E, ActivationKind kAct>
-__global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 2 : 1)
+    small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
   constexpr bool kQuant = !std::is_same_v<T, E>;
   __shared__ SlotTables t;
   wait_for_previous_kernel();
@@ -369,14 +386,9 @@ __global__ void __launch_bounds__(kThreads, 2) small_batch_gemm1_kernel(const Sm
       for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
       float acc[2][kSlotsPerPass];
       if constexpr (kQuant) {
-        auto scale = chunk_scale<2, kSlotsPerPass>(p.quant13);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) scale.w[r] = weight_scales(p.quant13, t.distinct_expert[d], row_index[r]);
-#pragma unroll
-        for (int v = 0; v < kSlotsPerPass; ++v) {
-          scale.a[v] = activation_scales(p.quant13, t.sorted_slot[g + min(v, n - 1)] / top_k);
-        }
-        warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc, scale);
+        warp_dot_quantized<E, 2, 2, kUnrollGemm1, kSlotsPerPass>(
+            p.quant13, t.distinct_expert[d], rows, vecs, n, H, acc, [&](int r) { return row_index[r]; },
+            [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)] / top_k); });
       } else {
         warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
       }
@@ -406,8 +418,10 @@ template <class T, class E, int kRowsPerItem, int kUnroll>
 __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
                                                                          int rows_per_cta) {
   constexpr bool kQuant = !std::is_same_v<T, E>;
-  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators).
-  constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
+  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators). fp8 rows take one
+  // slot a pass: with more, the compiler keeps every row's chunk converted to fp32 across
+  // the slots (16 rows x 16 floats) and spilled 904-996 B even at 255 registers.
+  constexpr int kVecs = std::is_same_v<E, __nv_fp8_e4m3> ? 1 : kRowsPerItem > 4 ? 2 : kSlotsPerPass;
   __shared__ SlotTables t;
   __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
   // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
@@ -439,14 +453,10 @@ __global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const Sm
         for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
         float acc[kRowsPerItem][kVecs];
         if constexpr (kQuant) {
-          auto scale = chunk_scale<kRowsPerItem, kVecs>(p.quant2);
-#pragma unroll
-          for (int r = 0; r < kRowsPerItem; ++r) {
-            scale.w[r] = weight_scales(p.quant2, t.distinct_expert[d], min(h0 + row0 + r, H - 1));
-          }
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) scale.a[v] = activation_scales(p.quant2, t.sorted_slot[g + min(v, n - 1)]);
-          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc, scale);
+          warp_dot_quantized<E, kRowsPerItem, 1, kUnroll, kVecs>(
+              p.quant2, t.distinct_expert[d], rows, vecs, n, I, acc,
+              [&](int r) { return int64_t(min(h0 + row0 + r, H - 1)); },
+              [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)]); });
         } else {
           warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
         }

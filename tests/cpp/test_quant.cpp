@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/params.h"
 #include "lora_testing.h"
 #include "test_util.h"
 

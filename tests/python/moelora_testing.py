@@ -80,6 +80,9 @@ def to_backend(array, backend):
     if array.dtype.name == "bfloat16":
         # Exact: every bfloat16 value is a float32 value.
         tensor = torch.from_numpy(np.ascontiguousarray(array.astype(np.float32))).to(torch.bfloat16)
+    elif array.dtype.name == "float8_e4m3fn":
+        # The same bits, reinterpreted (torch cannot import ml_dtypes' fp8).
+        tensor = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8)).view(torch.float8_e4m3fn)
     else:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
     # A copy even on the CPU: the reference's numpy inputs must not change when an op
