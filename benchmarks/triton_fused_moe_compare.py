@@ -722,6 +722,11 @@ def selftest(dev, scheme="bf16"):
         cases = [(4, 2, 272, 160, 9), (2, 2, 256, 128, 33), (8, 3, 80, 48, 37)]
         cfgs = [cfg(16, 32, 32, 1, 4, 2), cfg(16, 64, 128, 4, 4, 2), cfg(32, 16, 64, 4, 4, 2),
                 cfg(16, 256, 128, 2, 4, 2)]
+    # GEMMs alone: exact products, so only summation order differs (1e-5), except fp8 on the
+    # GPU: on sm_90 Triton's fp8 dot keeps Hopper's reduced-precision accumulation
+    # (max_num_imprecise_acc defaults to 2**30 there, as vLLM launches it), so 1e-3 there;
+    # a wrong scale or row index costs >= 6e-2 on these cases.
+    gemm_tol = 1e-3 if fp8 and not INTERPRET else 1e-5
     worst = 0.0
     for E, top_k, H, I, M in cases:
         w13 = quant_weights((0.05 * torch.randn(E, 2 * I, H, device=dev)).to(torch.bfloat16), scheme)
@@ -750,7 +755,7 @@ def selftest(dev, scheme="bf16"):
             gemm_launcher(act, w2, out2, al, 1, c, wts.reshape(-1).contiguous())()
             e1, e2 = [((o - r).norm() / r.norm()).item() for o, r in ((out1, ref1), (out2, ref2))]
             print(f"selftest {scheme} GEMMs alone, fp32 C, {short(c)}: rel_err {e1:.1e} / {e2:.1e}")
-            if not max(e1, e2) <= 1e-5:
+            if not max(e1, e2) <= gemm_tol:
                 sys.exit("selftest FAILED (GEMM indexing)")
         for c1 in cfgs:
             for c2 in cfgs[::-1][:2]:
