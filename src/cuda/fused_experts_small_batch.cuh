@@ -1,0 +1,585 @@
+// fused_experts' small-batch path (MoeKernelConfig::small_batch): two kernels straight
+// from topk_ids, for chunks of at most kSmallBatchMaxSlots slots. The kernels and their
+// launchers; fused_experts_small_batch{,_fp8,_int8}.cu instantiate them.
+//
+// At a few tokens the layer is a stream of the routed experts' weights (Qwen3-30B at
+// M = 1: 8 experts, 75 MB, 25 us at the copy rate), and the aligned path's fixed costs
+// weigh on it: the alignment launch (6-7 us at M = 1 on H100), tiles padded to 16 rows
+// for one slot, GEMM2's [slots, H] round trip and the reduce launch. Here:
+//   GEMM1 (+ activation): one warp per unit (routed expert, output column j) takes the
+//     gate and up rows of j against the hidden row of every slot on that expert. The
+//     units are spread over every warp the device holds at once, so any expert count
+//     and intermediate size balance to within one unit per warp.
+//   GEMM2 (+ the top-k sum): one CTA per block of output rows h. Its warps take (expert,
+//     4 rows) items and leave each slot's dot products in shared memory; then every
+//     token's sum over its slots, in slot order (deterministic, no atomics).
+// Both kernels first build the same slot tables in shared memory: the local expert of
+// each slot (-1: dropped, out of range or not on this rank), the distinct experts in
+// order of first occurrence, and the slots of each. A weight row is read once per
+// kSlotsPerPass slots of its expert: once at decode, where experts rarely repeat.
+// Weights stream through L2 only (ld.global.nc.L1::no_allocate); hidden rows and
+// activations go through L1, where every warp working on one expert finds them.
+// W8A8 (issue 28, quant13.enabled): the same kernels on 8-bit operands (Chunk<E>: a
+// 16-byte load holds 16 of them), x and act already quantized by the caller; block
+// scales multiply each chunk's dot product (a chunk never straddles a K block: block_k
+// >= 16), channel and tensor scales the finished sums.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <string>
+
+#include <cuda_fp8.h>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/gated_activation.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda::small_batch {
+
+using detail::ActivationKind;
+using detail::SmallBatchMoeParams;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxSlots = int(kSmallBatchMaxSlots);
+static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables");
+constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows (GEMM2's 16-row items: 2)
+constexpr int kChunkBytes = 16;  // one 16-byte load a lane
+// 16-byte loads in flight per lane: GEMM1 2 rows x 4 (x 8 spilled once the input
+// vector's chunks were batched too, under the 128-register cap); GEMM2 4 rows x 4, or 16 rows x 1
+// when I <= 512 (a row of I = 256 is one chunk a lane: 4-row items left 2 KB in flight
+// per warp, and DeepSeek's M = 2 ran slower than the aligned path). NOTE: ~64 KB in
+// flight per SM (GEMM1: two CTAs of 8 warps; GEMM2: one), above the ~25 KB that HBM
+// latency x the per-SM share of the copy rate asks for.
+constexpr int kUnrollGemm1 = 4;
+constexpr int kGemm2MaxRows = 64;  // output rows of one GEMM2 CTA
+
+struct SlotTables {
+  int32_t expert[kMaxSlots];           // local expert of slot s, -1: no contribution
+  int32_t first[kMaxSlots];            // first slot with the same expert; kMaxSlots when expert is -1
+  int32_t distinct_expert[kMaxSlots];  // d -> local expert, d in order of first occurrence
+  int32_t group_begin[kMaxSlots + 1];  // slots of d: sorted_slot[group_begin[d] .. group_begin[d + 1])
+  int32_t sorted_slot[kMaxSlots];
+  int32_t num_distinct;
+};
+
+// Every thread of the CTA calls this; it ends with a barrier. O(slots^2) shared reads,
+// 64 slots at most.
+__device__ void build_slot_tables(const SmallBatchMoeParams& p, SlotTables& t) {
+  const int num_slots = int(p.num_tokens * p.top_k);
+  const int s = int(threadIdx.x);
+  if (s < num_slots) {
+    const int token = s / int(p.top_k), j = s - token * int(p.top_k);
+    const int64_t offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
+    const int64_t id = p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
+                                        : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+    int64_t e = -1;
+    if (id >= 0 && id < p.num_experts) e = p.expert_map ? int64_t(p.expert_map[id]) : id;
+    t.expert[s] = e >= 0 && e < p.num_local_experts ? int32_t(e) : -1;
+  }
+  __syncthreads();
+  int first = kMaxSlots, earlier = 0;  // earlier: slots before s on the same expert
+  if (s < num_slots && t.expert[s] >= 0) {
+    first = s;
+    for (int q = s - 1; q >= 0; --q) {
+      if (t.expert[q] == t.expert[s]) {
+        first = q;
+        ++earlier;
+      }
+    }
+  }
+  if (s < kMaxSlots) t.first[s] = first;
+  __syncthreads();
+  if (s < num_slots && first < kMaxSlots) {
+    // Experts are ranked by first occurrence; a group starts after every slot of the
+    // experts ranked before it.
+    int rank = 0, begin = 0;
+    for (int q = 0; q < num_slots; ++q) {
+      const int first_q = t.first[q];
+      rank += first_q == q && q < first;
+      begin += first_q < first;
+    }
+    t.sorted_slot[begin + earlier] = s;
+    if (earlier == 0) {
+      t.distinct_expert[rank] = t.expert[s];
+      t.group_begin[rank] = begin;
+    }
+  }
+  if (s == 0) {
+    int distinct = 0, valid = 0;
+    for (int q = 0; q < num_slots; ++q) {
+      distinct += t.first[q] == q;
+      valid += t.first[q] < kMaxSlots;
+    }
+    t.num_distinct = distinct;
+    t.group_begin[distinct] = valid;
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ uint4 load_streaming(const void* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+// The elements of a 16-byte chunk of operand type E, and the dot product of a weight
+// chunk with a vector chunk: 8 bf16/fp16 values in fp32; 16 fp8 values (each product
+// exact in fp32); 16 int8 values by dp4a (exact in int32).
+template <class E>
+struct Chunk {
+  static constexpr int kElems = 8;
+  // The vector's chunk, converted once and reused against every row.
+  using Vec = float[8];
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) {
+    const Vec16<E>& chunk = reinterpret_cast<const Vec16<E>&>(v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = to_float(chunk.v[i]);
+  }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    Vec wf;
+    load(w, wf);
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc = fmaf(wf[i], x[i], acc);
+    return acc;
+  }
+};
+template <>
+struct Chunk<__nv_fp8_e4m3> {
+  static constexpr int kElems = 16;
+  // Kept packed, converted a pair at a time in dot(): 16 floats per vector chunk spilled
+  // GEMM1 (ptxas: 584 B of spill stores at 4 slots x 4 chunks in flight).
+  using Vec = uint4;
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
+  // fp8 pairs convert exactly to f16x2 (one cvt on sm_89+), then to fp32.
+  static __device__ __forceinline__ float2 pair(uint32_t word, int half) {
+    const uint16_t bits = uint16_t(word >> (16 * half));
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bits), __NV_E4M3)));
+  }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
+    float acc = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 a = pair(ws[i], h), b = pair(xs[i], h);
+        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+      }
+    }
+    return acc;
+  }
+};
+template <>
+struct Chunk<int8_t> {
+  static constexpr int kElems = 16;
+  using Vec = uint4;  // kept packed: dp4a takes four int8 pairs a word
+  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
+  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
+    int acc = __dp4a(int(w.x), int(x.x), 0);
+    acc = __dp4a(int(w.y), int(x.y), acc);
+    acc = __dp4a(int(w.z), int(x.z), acc);
+    acc = __dp4a(int(w.w), int(x.w), acc);
+    return float(acc);
+  }
+};
+
+// No per-chunk scale: bf16/fp16 operands.
+struct NoChunkScale {
+  static constexpr bool kActive = false;
+};
+
+// acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp
+// (each chunk's product times scale(r, v, k) when Scale::kActive: block scales).
+// Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of every row are loaded
+// before the first is used. K a multiple of a chunk; rows and vecs 16-byte aligned.
+template <class T, int kRows, int kUnroll, int kVecs, class Scale = NoChunkScale>
+__device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kVecs], int num_vecs,
+                                         int K, float (&acc)[kRows][kVecs], const Scale& scale = {}) {
+  constexpr int kChunk = Chunk<T>::kElems;
+  constexpr int kWarpChunk = 32 * kChunk;
+  const int lane = int(threadIdx.x) % 32;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[r][v] = 0.f;
+  }
+  for (int k0 = lane * kChunk; k0 < K; k0 += kWarpChunk * kUnroll) {
+    uint4 w[kRows][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kWarpChunk;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) w[r][u] = k < K ? load_streaming(rows[r] + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      if (v >= num_vecs) break;
+      // NOTE: all of the vector's chunks in flight before the first use. A load next to
+      // each use (with a break at K) left them serialised in the SASS, one L1/L2 round
+      // trip per chunk, and the kernels streamed at 36-57% of peak (ncu, H100, M = 1).
+      uint4 xv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = k0 + u * kWarpChunk;
+        xv[u] = k < K ? *reinterpret_cast<const uint4*>(vecs[v] + k) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        typename Chunk<T>::Vec x;
+        Chunk<T>::load(xv[u], x);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if constexpr (Scale::kActive) {
+            const int k = k0 + u * kWarpChunk;  // past K the chunk is zeros and its scale not read
+            acc[r][v] = fmaf(Chunk<T>::dot(w[r][u], x), k < K ? scale(r, v, k) : 0.f, acc[r][v]);
+          } else if constexpr (Chunk<T>::kElems == 8) {
+            // NOTE: the 16-bit path keeps its single FMA chain per (r, v), as measured
+            // (docs/PERF_NOTES.md, issue 3 step 5).
+            float wf[8];
+            Chunk<T>::load(w[r][u], wf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
+          } else {
+            acc[r][v] += Chunk<T>::dot(w[r][u], x);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) acc[r][v] += __shfl_xor_sync(0xffffffffu, acc[r][v], offset);
+    }
+  }
+}
+
+// The block scale of a chunk of W8A8 operands: w_scale(row r, k) · a_scale(vector v, k),
+// one scale a block_k of K. The kRows rows of a warp item share kWRows weight-scale rows:
+// GEMM1's gate and up rows have one each, GEMM2's 4 or 16 consecutive rows lie in one
+// block of block_n (>= 16) rows and share one.
+// NOTE: channel and tensor scales are not applied per chunk but to the finished sums
+// (scale_sums): a pointer per row here spilled GEMM2 (16 rows: 1 KB of spill stores).
+template <int kRows, int kWRows, int kVecs>
+struct BlockChunkScale {
+  static constexpr bool kActive = true;
+  const float* w[kWRows];
+  const float* a[kVecs];
+  int64_t w_stride_k, a_stride_k;
+  int block_shift;  // log2(block_k)
+  __device__ __forceinline__ float operator()(int r, int v, int k) const {
+    const int kb = k >> block_shift;
+    return w[r * kWRows / kRows][kb * w_stride_k] * a[v][kb * a_stride_k];
+  }
+};
+
+// The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
+__device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
+  const float* base = q.w_scale + expert * q.w_scale_stride_expert;
+  switch (q.w_scales) {
+    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
+    case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
+    default: return base;
+  }
+}
+__device__ __forceinline__ const float* activation_scales(const detail::GemmQuantParams& q, int64_t row) {
+  return q.a_scales == ScaleGranularity::kTensor ? q.a_scale : q.a_scale + row * q.a_scale_stride_row;
+}
+
+// acc[r][v] = rows[r] · vecs[v] for W8A8 operands with q's scales: per chunk for block
+// scales, on the sums for channel and tensor scales. row_index(r): w's row of item row r;
+// vec_row(v): a's row (its scales) of vector v.
+template <class E, int kRows, int kWRows, int kUnroll, int kVecs, class RowIndex, class VecRow>
+__device__ __forceinline__ void warp_dot_quantized(const detail::GemmQuantParams& q, int64_t expert,
+                                                   const E* const (&rows)[kRows], const E* const (&vecs)[kVecs],
+                                                   int num_vecs, int K, float (&acc)[kRows][kVecs],
+                                                   RowIndex row_index, VecRow vec_row) {
+  if (q.w_scales == ScaleGranularity::kBlock) {
+    BlockChunkScale<kRows, kWRows, kVecs> scale;
+#pragma unroll
+    for (int i = 0; i < kWRows; ++i) scale.w[i] = weight_scales(q, expert, row_index(i * kRows / kWRows));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) scale.a[v] = activation_scales(q, vec_row(v));
+    scale.w_stride_k = q.w_scale_stride_k;
+    scale.a_stride_k = q.a_scale_stride_k;
+    scale.block_shift = __ffsll(q.block_k) - 1;
+    warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc, scale);
+    return;
+  }
+  warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc);
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float w_scale = *weight_scales(q, expert, row_index(r));
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[r][v] *= w_scale * *activation_scales(q, vec_row(v));
+  }
+}
+
+// acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
+// indexing.
+template <int kRows, int kVecs>
+__device__ __forceinline__ float lane_value(const float (&acc)[kRows][kVecs], int r, int lane) {
+  float value = 0.f;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) value = lane == v ? acc[r][v] : value;
+  return value;
+}
+
+__device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int slot) {
+  const int token = slot / int(p.top_k), j = slot - token * int(p.top_k);
+  return p.topk_weights[token * p.topk_weights_stride_token + j * p.topk_weights_stride_k];
+}
+
+// GEMM1 + activation: act[s][j] = act(x[s / top_k] · gate_j, x[s / top_k] · up_j) for
+// every slot s with a local expert (× its routed weight before the activation when
+// router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
+// E: the operands' type: T, or an 8-bit type (W8A8: x and w13 quantized, quant13's scales).
+template <class T, class E, ActivationKind kAct>
+__device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) {
+  constexpr bool kQuant = !std::is_same_v<T, E>;
+  __shared__ SlotTables t;
+  wait_for_previous_kernel();
+  // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
+  // and take the SM slots these CTAs free.
+  allow_next_kernel_launch();
+  build_slot_tables(p, t);
+  const E* x = static_cast<const E*>(p.x);
+  const E* w13 = static_cast<const E*>(p.w13);
+  T* act = static_cast<T*>(p.act);
+  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if constexpr (kQuant) {
+    // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
+    // of slots without a local expert get zeros, which move no absmax.
+    if (blockIdx.x == 0) {
+      const int num_slots = int(p.num_tokens) * top_k;
+      for (int i = int(threadIdx.x); i < num_slots * I; i += kThreads) {
+        if (t.expert[i / I] < 0) act[i] = from_float<T>(0.f);
+      }
+    }
+  }
+  const int64_t num_units = int64_t(t.num_distinct) * I;
+  // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
+    const int d = int(unit / I), j = int(unit - int64_t(d) * I);
+    const E* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
+    // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
+    const bool interleaved = kAct == ActivationKind::kSwigluOai;
+    const int64_t row_index[2] = {interleaved ? 2 * j : j, interleaved ? 2 * j + 1 : I + j};
+    const E* const rows[2] = {w + row_index[0] * p.w13_stride_n, w + row_index[1] * p.w13_stride_n};
+    const int end = t.group_begin[d + 1];
+    for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
+      const int n = min(kSlotsPerPass, end - g);
+      const E* vecs[kSlotsPerPass];
+#pragma unroll
+      for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
+      float acc[2][kSlotsPerPass];
+      if constexpr (kQuant) {
+        warp_dot_quantized<E, 2, 2, kUnrollGemm1, kSlotsPerPass>(
+            p.quant13, t.distinct_expert[d], rows, vecs, n, H, acc, [&](int r) { return row_index[r]; },
+            [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)] / top_k); });
+      } else {
+        warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
+      }
+      if (lane < n) {
+        const int slot = t.sorted_slot[g + lane];
+        const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
+        float gate = lane_value(acc, 0, lane), up = lane_value(acc, 1, lane);
+        if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
+          const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
+          gate += to_float(delta[interleaved ? 2 * j : j]);
+          up += to_float(delta[interleaved ? 2 * j + 1 : I + j]);
+        }
+        const float out = gated_activation<kAct>(gate * w_in, up * w_in, p.alpha, p.limit);
+        act[int64_t(slot) * I + j] = from_float<T>(out);
+      }
+    }
+  }
+}
+
+// GEMM2 + the top-k sum: out[m][h] = routed_scaling_factor × Σ_j w_mj × (act[m·top_k + j] ·
+// w2[e_mj][h]) over the slots with a local expert (w_mj = 1 when router_weight_on_input);
+// with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
+// kRowsPerItem x kUnroll: the rows a warp item takes and the chunks of each loaded before
+// use. NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads.
+// E: as GEMM1's; W8A8 reads act_quantized (by slot) with quant2's scales.
+template <class T, class E, int kRowsPerItem, int kUnroll>
+__device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, int rows_per_cta) {
+  constexpr bool kQuant = !std::is_same_v<T, E>;
+  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators). fp8 rows take one
+  // slot a pass: with more, the compiler keeps every row's chunk converted to fp32 across
+  // the slots (16 rows x 16 floats) and spilled 904-996 B even at 255 registers.
+  constexpr int kVecs = std::is_same_v<E, __nv_fp8_e4m3> ? 1 : kRowsPerItem > 4 ? 2 : kSlotsPerPass;
+  __shared__ SlotTables t;
+  __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
+  // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
+  // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
+  // kernel that wrote them has completed.
+  build_slot_tables(p, t);
+  wait_for_previous_kernel();
+  const E* w2 = static_cast<const E*>(p.w2);
+  const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
+  T* out = static_cast<T*>(p.out);
+  const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
+  const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int row_groups = rows_per_cta / kRowsPerItem;
+  for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
+    const int items = t.num_distinct * row_groups;
+    for (int item = warp; item < items; item += kWarps) {
+      const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
+      const E* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
+      const E* rows[kRowsPerItem];
+      // Rows past H (the last block) repeat row H - 1; their sums are never read.
+#pragma unroll
+      for (int r = 0; r < kRowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
+      const int end = t.group_begin[d + 1];
+      for (int g = t.group_begin[d]; g < end; g += kVecs) {
+        const int n = min(kVecs, end - g);
+        const E* vecs[kVecs];
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
+        float acc[kRowsPerItem][kVecs];
+        if constexpr (kQuant) {
+          warp_dot_quantized<E, kRowsPerItem, 1, kUnroll, kVecs>(
+              p.quant2, t.distinct_expert[d], rows, vecs, n, I, acc,
+              [&](int r) { return int64_t(min(h0 + row0 + r, H - 1)); },
+              [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)]); });
+        } else {
+          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
+        }
+        if (lane < n) {
+          const int slot = t.sorted_slot[g + lane];
+          const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+#pragma unroll
+          for (int r = 0; r < kRowsPerItem; ++r) {
+            // LoRA: the slot's delta joins before the routed weight.
+            partial[slot][row0 + r] =
+                lane_value(acc, r, lane) + (delta ? to_float(delta[min(h0 + row0 + r, H - 1)]) : 0.f);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const int rows_here = min(rows_per_cta, H - h0);
+    if (p.no_combine) {
+      for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kThreads) {
+        const int slot = i / rows_here, r = i - slot * rows_here;
+        const int token = slot / top_k, j = slot - token * top_k;
+        const float w = p.router_weight_on_input ? 1.f : routed_weight(p, slot);
+        const float value = t.expert[slot] >= 0 ? w * partial[slot][r] : 0.f;
+        out[token * p.out_stride_token + j * p.out_stride_k + h0 + r] = from_float<T>(value);
+      }
+    } else {
+      for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kThreads) {
+        const int token = i / rows_here, r = i - token * rows_here;
+        float sum = 0.f;
+        for (int j = 0; j < top_k; ++j) {
+          const int slot = token * top_k + j;
+          if (t.expert[slot] < 0) continue;
+          sum += (p.router_weight_on_input ? 1.f : routed_weight(p, slot)) * partial[slot][r];
+        }
+        out[token * p.out_stride_token + h0 + r] = from_float<T>(p.routed_scaling_factor * sum);
+      }
+    }
+    __syncthreads();  // partial is rewritten by the next block
+  }
+  allow_next_kernel_launch();
+}
+
+// fp8 operands run on sm_89+ only (the API refuses fp8 schemes below): the sm_80 build
+// of their kernels is a trap, which also spares ptxas the software fp8 conversions
+// (the sm_80 pass of these kernels ran past 8 minutes on a 16-core build machine).
+template <class E>
+__device__ constexpr bool operands_run_here() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  return !std::is_same_v<E, __nv_fp8_e4m3>;
+#else
+  return true;
+#endif
+}
+
+// NOTE: one CTA an SM for 8-bit operands: under the two-CTA cap (128 registers) the fp8
+// conversions spilled 576-916 B.
+template <class T, class E, ActivationKind kAct>
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 2 : 1)
+    small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
+  if constexpr (operands_run_here<E>()) {
+    small_batch_gemm1<T, E, kAct>(p);
+  } else {
+    __trap();
+  }
+}
+
+template <class T, class E, int kRowsPerItem, int kUnroll>
+__global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
+                                                                         int rows_per_cta) {
+  if constexpr (operands_run_here<E>()) {
+    small_batch_gemm2<T, E, kRowsPerItem, kUnroll>(p, rows_per_cta);
+  } else {
+    __trap();
+  }
+}
+
+// CTAs of `kernel` the device holds at once (occupancy query, cached per device; one
+// cache per kernel instance through the template).
+template <auto kKernel>
+int resident_ctas() {
+  static std::atomic<int> cache[64] = {};
+  return cached_per_device(cache, [](const DeviceInfo& device) {
+    int per_sm = 0;
+    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+    return std::max(1, per_sm) * device.num_sms;
+  });
+}
+
+// GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave
+// covers H.
+template <auto kKernel, int kRowsPerItem>
+void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream) {
+  const int64_t resident = resident_ctas<kKernel>();
+  const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
+  const int rows_per_cta = int((rows + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem);
+  const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
+  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
+}
+
+template <class T, class E, ActivationKind kAct>
+void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
+  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  if (!(stages & 2)) return;
+  // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16); 8-bit rows are
+  // half as many bytes, so the 16-row items reach twice as far.
+  if (p.I * int64_t(sizeof(E)) <= 1024) {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
+  } else {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4>(p, stream);
+  }
+}
+
+template <class T, class E>
+void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  switch (p.activation) {
+    case ActivationKind::kSiluAndMul: return launch_small_batch<T, E, ActivationKind::kSiluAndMul>(p, stream, stages);
+    case ActivationKind::kGeluAndMul: return launch_small_batch<T, E, ActivationKind::kGeluAndMul>(p, stream, stages);
+    case ActivationKind::kSwigluOai: return launch_small_batch<T, E, ActivationKind::kSwigluOai>(p, stream, stages);
+  }
+}
+
+// The launchers of the 8-bit operand instances (one translation unit each, compiled in
+// parallel): layer dtype bf16 or fp16 (p.dtype), fp8 e4m3 or int8 operands.
+void launch_fp8(const SmallBatchMoeParams& p, cudaStream_t stream, int stages);
+void launch_int8(const SmallBatchMoeParams& p, cudaStream_t stream, int stages);
+
+}  // namespace moelora::cuda::small_batch
