@@ -69,7 +69,7 @@ struct SlotTables {
 
 // Every thread of the CTA calls this; it ends with a barrier. O(slots^2) shared reads,
 // 64 slots at most.
-__device__ void build_slot_tables(const SmallBatchMoeParams& p, SlotTables& t) {
+__device__ inline void build_slot_tables(const SmallBatchMoeParams& p, SlotTables& t) {
   const int num_slots = int(p.num_tokens * p.top_k);
   const int s = int(threadIdx.x);
   if (s < num_slots) {
