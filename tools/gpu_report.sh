@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine with no package registry: builds everything with the CUDA backend,
 # runs all C++ and Python tests (CUDA ones included), measures the copy and bf16 matmul
-# ceilings, benchmarks the MoE layer over the brief's workloads and writes the JSON
-# report of DESIGN.md ("GPU reports") to ${OUT:-reports/gpu}/.
+# ceilings (and the fp8/int8 GEMM rates), benchmarks the MoE layer over the brief's
+# workloads, bf16 and 8-bit experts, and writes the JSON report of DESIGN.md ("GPU
+# reports") to ${OUT:-reports/gpu}/.
 #   MOELORA_COMMIT   sha of the code measured (the device copy has no .git)
 #   BENCH_TOKENS     token counts for the grid (default: the brief's, 1 to 8192)
 #   BENCH_MODELS     model name or "all" (default all); "none" skips the layer bench
@@ -20,6 +21,13 @@
 #                    LORA_ADAPTERS (--adapters, default 4) and LORA_SHARE (--lora-share,
 #                    default 1.0) are passed through. Each rank adds a timed and checked
 #                    row per cell: narrow BENCH_TOKENS/BENCH_MODELS to fit 10 minutes.
+#   QUANT_SCHEMES    8-bit experts (quant_bench --scheme; default
+#                    "fp8_block,fp8_channel,fp8_tensor,int8_channel"; "none" skips) over
+#                    QUANT_MODELS (default all) and QUANT_TOKENS (default
+#                    1,2,4,8,16,32,64,256,1024,4096,8192), with the fp8/int8 ceilings;
+#                    QUANT_LORA_RANKS (e.g. "16") adds LoRA rows to the fp8_block cells.
+#                    Another grid of its own: with the layer bench, split the run
+#                    (BENCH_MODELS=none QUANT_SCHEMES=none) to fit 10 minutes.
 # CUTLASS headers must be in .deps/cutlass (tools/install_deps.sh here, then carry .deps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +88,18 @@ if [ "${BENCH_MODELS:-all}" != none ]; then
     --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" --ceilings --baseline \
     ${LORA_ARGS[@]+"${LORA_ARGS[@]}"} --json "$OUT_DIR/bench.json" 2>&1 | tee -a "$LOG"
   BENCH_JSONS+=("$OUT_DIR/bench.json")
+fi
+if [ "${QUANT_SCHEMES:-}" != none ]; then
+  step quant_bench
+  QUANT_LORA_ARGS=()
+  [ -n "${QUANT_LORA_RANKS:-}" ] && QUANT_LORA_ARGS+=(--lora-rank "$QUANT_LORA_RANKS")
+  rm -f "$OUT_DIR/quant.json"
+  "$BUILD_DIR/quant_bench" --device cuda --model "${QUANT_MODELS:-all}" \
+    --scheme "${QUANT_SCHEMES:-fp8_block,fp8_channel,fp8_tensor,int8_channel}" \
+    --tokens "${QUANT_TOKENS:-1,2,4,8,16,32,64,256,1024,4096,8192}" --ceilings \
+    ${QUANT_LORA_ARGS[@]+"${QUANT_LORA_ARGS[@]}"} --json "$OUT_DIR/quant.json" 2>&1 | tee -a "$LOG"
+  # It writes the rows that ran even when some failed (and says which, exit 1).
+  [ -f "$OUT_DIR/quant.json" ] && BENCH_JSONS+=("$OUT_DIR/quant.json")
 fi
 if [ "${SKIP_MLA:-0}" != 1 ]; then
   step sparse_mla_bench

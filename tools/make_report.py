@@ -2,11 +2,13 @@
 
 Usage: make_report.py --commit SHA --ctest ctest.xml --pytest pytest.xml --bench bench.json [more.json...]
                       [--sanitizer-logs LOG...] --out report.json
-The rows of every bench file (moelora_bench, sparse_mla_bench) go into report.json as
-the benches wrote them; the ceilings are the first file's. Prints a short table of the
-layer rows last, then, when there are LoRA rows (moelora_bench --lora-rank; "lora" not
-null, with "lora_tax" and "tax_floor"), the LoRA tax per model and M at each rank, then
-the sparse MLA rows against issue 5's targets.
+The rows of every bench file (moelora_bench, quant_bench, sparse_mla_bench) go into
+report.json as the benches wrote them (quant_bench's with their "quant" object); the
+ceilings are the first file's, with the 8-bit GEMM rates (fp8_tflops, int8_tops) of the
+first file that has them (quant_bench). Prints a short table of the bf16/fp16 layer rows
+last, then, when there are LoRA rows (--lora-rank; "lora" not null, with "lora_tax" and
+"tax_floor"), the LoRA tax per model and M at each rank, then the quantized layer rows
+per scheme (and their LoRA tax), then the sparse MLA rows against issue 5's targets.
 """
 import argparse
 import datetime
@@ -53,9 +55,12 @@ def main():
     nvcc = query(["nvcc", "--version"])
     cuda = nvcc.split("release ")[-1].split(",")[0] if "release" in nvcc else "unknown"
     bench = None
+    ceilings_8bit = {}
     for path in args.bench:
         with open(path) as f:
             part = json.load(f)
+        if not ceilings_8bit and "fp8_tflops" in part["ceilings"]:
+            ceilings_8bit = {k: part["ceilings"][k] for k in ("fp8_tflops", "int8_tops")}
         if bench is None:
             bench = part
         else:
@@ -75,7 +80,7 @@ def main():
         "gpu": gpu,
         "driver": driver,
         "cuda": cuda,
-        "ceilings": {k: bench["ceilings"][k] for k in ("copy_tbps", "bf16_tflops")},
+        "ceilings": {**{k: bench["ceilings"][k] for k in ("copy_tbps", "bf16_tflops")}, **ceilings_8bit},
         "ceilings_measured": bench["ceilings"].get("measured", False),
         "tests": {"passed": c_pass + p_pass, "failed": c_fail + p_fail, "skipped": c_skip + p_skip},
         "tests_by_suite": {
@@ -88,11 +93,15 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"{gpu} | driver {driver} | cuda {cuda} | commit {args.commit[:12]}")
-    print(f"ceilings: copy {report['ceilings']['copy_tbps']:.2f} TB/s, bf16 {report['ceilings']['bf16_tflops']:.0f} TFLOP/s")
+    rates_8bit = (f", fp8 {ceilings_8bit['fp8_tflops']:.0f} TFLOP/s, int8 {ceilings_8bit['int8_tops']:.0f} TOP/s"
+                  if ceilings_8bit else "")
+    print(f"ceilings: copy {report['ceilings']['copy_tbps']:.2f} TB/s, bf16 {report['ceilings']['bf16_tflops']:.0f} TFLOP/s"
+          + rates_8bit)
     print(f"tests: ctest {c_pass} passed {c_fail} failed {c_skip} skipped | pytest {p_pass} passed {p_fail} failed {p_skip} skipped")
     for name, line in sanitizer.items():
         print(f"{name}: {line}")
-    layer_rows = [r for r in bench["rows"] if r.get("op", "fused_experts") == "fused_experts"]
+    all_layer_rows = [r for r in bench["rows"] if r.get("op", "fused_experts") == "fused_experts"]
+    layer_rows = [r for r in all_layer_rows if r.get("quant") is None]
     base_rows = [r for r in layer_rows if r.get("lora") is None]
     print(f"{'model':16} {'M':>5} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} {'TFLOP/s':>8} "
           f"{'rel_err':>9} {'base_us':>10} {'speedup':>7}")
@@ -119,6 +128,7 @@ def main():
         print(f"M >= 4096: min {min(r['pct_floor'] for r in large):.1f}% of floor "
               f"({sum(r['pct_floor'] >= 75 for r in large)}/{len(large)} cells >= 75%)")
     print_lora_tax(layer_rows)
+    print_quant([r for r in all_layer_rows if r.get("quant") is not None])
     print_sparse_mla([r for r in bench["rows"] if r.get("op") == "sparse_mla_decode"])
 
 
@@ -148,9 +158,38 @@ def print_sparse_mla(rows):
             print(f"sparse MLA {name}: {sum(ok(r) for r in cells)}/{len(cells)} cells" + (f"; missed: {worst}" if worst else ""))
 
 
-def print_lora_tax(rows):
+def print_quant(rows):
+    """The quantized layer rows (quant_bench) per scheme: time against the 8-bit floor, the
+    error against the quantized reference and against the bf16 layer; then per scheme the
+    share of the floor reached and the largest error; then the LoRA tax on 8-bit experts."""
+    if not rows:
+        return
+    label = lambda r: r["quant"]["scheme"] + ("/static" if r["quant"].get("activations") == "static" else "")
+    schemes = list(dict.fromkeys(label(r) for r in rows))
+    err = lambda v: "-" if v is None else f"{v:.2e}"
+    print(f"{'model':16} {'M':>5} {'scheme':18} {'time_us':>10} {'floor_us':>9} {'%floor':>7} {'TB/s':>6} "
+          f"{'TFLOP/s':>8} {'rel_err':>9} {'vs bf16':>9}")
+    for r in rows:
+        if r.get("lora") is None:
+            print(f"{r['model']:16} {r['M']:>5} {label(r):18} {r['time_us']:>10.1f} {r['floor_us']:>9.1f} "
+                  f"{r['pct_floor']:>7.1f} {r['tbps']:>6.2f} {r['tflops']:>8.1f} {err(r['rel_err']):>9} "
+                  f"{err(r.get('rel_err_bf16')):>9}")
+    for scheme in schemes:
+        cells = [r for r in rows if label(r) == scheme and r.get("lora") is None]
+        if not cells:
+            continue
+        pct = sorted(r["pct_floor"] for r in cells)
+        errs = [r["rel_err"] for r in cells if r["rel_err"] is not None]
+        print(f"{scheme}: % of floor min {pct[0]:.1f}, median {pct[len(pct) // 2]:.1f}, max {pct[-1]:.1f} over "
+              f"{len(cells)} cells" + (f"; max rel_err {max(errs):.2e}" if errs else ""))
+    for scheme in schemes:
+        print_lora_tax([r for r in rows if label(r) == scheme], f" on {scheme} experts")
+
+
+def print_lora_tax(rows, title=""):
     """Per model and M: the base time and the tax (time with LoRA / time without) at each
-    rank, the floor's tax in brackets; then each rank's geomean and the LoRA rows' error."""
+    rank, the floor's tax in brackets; then each rank's geomean and the LoRA rows' error.
+    rows: one kind of expert (bf16/fp16, or one quantization scheme), named by title."""
     lora_rows = [r for r in rows if r.get("lora")]
     if not lora_rows:
         return
@@ -165,17 +204,20 @@ def print_lora_tax(rows):
         if r.get("lora") is None and (r["model"], r["M"]) not in cells:
             cells.append((r["model"], r["M"]))
     setting = f", {columns[0][1]} adapters, share {columns[0][2]}" if one_setting else ""
-    print(f"LoRA tax: time with LoRA / time without (floor's ratio){setting}")
+    print(f"LoRA tax{title}: time with LoRA / time without (floor's ratio){setting}")
     width = max(16, max(len(label(c)) for c in columns) + 2)
     print(f"{'model':16} {'M':>5} {'base_us':>10}" + "".join(f"{label(c):>{width}}" for c in columns))
     for model, M in cells:
         cols = []
         for c in columns:
             r = tax.get((model, M, c))
-            cols.append("-" if r is None else f"{r['lora_tax']:.3f} ({r['tax_floor']:.3f})")
+            # lora_tax null: the cell's row without LoRA failed (quant_bench)
+            cols.append("-" if r is None or r["lora_tax"] is None else f"{r['lora_tax']:.3f} ({r['tax_floor']:.3f})")
         print(f"{model:16} {M:>5} {base[(model, M)]['time_us']:>10.1f}" + "".join(f"{x:>{width}}" for x in cols))
     for c in columns:
-        taxes = [r["lora_tax"] for r in lora_rows if key(r) == c]
+        taxes = [r["lora_tax"] for r in lora_rows if key(r) == c and r["lora_tax"] is not None]
+        if not taxes:
+            continue
         geomean = math.exp(sum(math.log(x) for x in taxes) / len(taxes))
         print(f"{label(c)}: tax geomean {geomean:.3f}, min {min(taxes):.3f}, max {max(taxes):.3f} over {len(taxes)} cells")
     errs = [r["rel_err"] for r in lora_rows if r.get("rel_err") is not None]

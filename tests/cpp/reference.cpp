@@ -37,8 +37,11 @@ void for_each_index(int64_t count, F fn) {
 // reduction is latency-bound); the result is still a double-precision sum.
 double dot(const double* x, const double* y, int64_t count) {
   double partial[4] = {0, 0, 0, 0};
+  // NOTE: the bound computed once (not i + 4 <= count) spares GCC 12 a false
+  // -Waggressive-loop-optimizations warning where dot inlines with a constant count.
+  const int64_t lanes_end = count - count % 4;
   int64_t i = 0;
-  for (; i + 4 <= count; i += 4) {
+  for (; i < lanes_end; i += 4) {
     for (int lane = 0; lane < 4; ++lane) partial[lane] += x[i + lane] * y[i + lane];
   }
   double sum = (partial[0] + partial[1]) + (partial[2] + partial[3]);
@@ -74,6 +77,8 @@ void activate_row(Activation activation, const double* gate_up, int64_t width, d
 }
 
 }  // namespace
+
+double dot_product(const double* x, const double* y, int64_t count) { return dot(x, y, count); }
 
 // ---- data ----------------------------------------------------------------------------
 
@@ -240,22 +245,8 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
   }
   // Quantized layers see x and act quantized per chunk; the others use them as they are.
   const int64_t chunk = quant ? std::max<int64_t>(quant->chunk_size, 1) : std::max<int64_t>(M, 1);
-  auto quantized_rows = [&](const std::vector<double>& values, int64_t rows, int64_t cols, double static_scale,
-                            int64_t rows_per_chunk) {
-    std::vector<double> out(values.size());
-    for (int64_t begin = 0; begin < rows; begin += rows_per_chunk) {
-      const int64_t n = std::min(rows_per_chunk, rows - begin);
-      const std::vector<double> part(values.begin() + begin * cols, values.begin() + (begin + n) * cols);
-      const bool per_tensor = quant->activation_scales == ScaleGranularity::kTensor;
-      const int64_t block_cols = quant->activation_scales == ScaleGranularity::kBlock ? quant->block_k : 0;
-      const std::vector<double> q =
-          reference_quantize(part, 1, n, cols, per_tensor ? 0 : 1, block_cols, quant->element, static_scale);
-      std::copy(q.begin(), q.end(), out.begin() + begin * cols);
-    }
-    return out;
-  };
   const std::vector<double> x_used =
-      quant ? quantized_rows(hidden_states, M, H, quant->a13_scale, chunk) : std::vector<double>{};
+      quant ? reference_quantize_activations(hidden_states, M, H, chunk, *quant, quant->a13_scale) : std::vector<double>{};
   const std::vector<double>& x_in = quant ? x_used : hidden_states;
   // Per slot act first (slots are independent), then h2, then the combine in slot order.
   std::vector<double> acts(static_cast<size_t>(num_slots * I), 0.0);  // [M, top_k, I]
@@ -287,7 +278,10 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
     activate_row(activation, h1.data(), I, alpha, limit, &acts[size_t(s * I)]);
   });
   std::vector<double> acts_used;
-  if (quant) acts_used = quantized_rows(round_to(quant->layer_dtype, acts), num_slots, I, quant->a2_scale, chunk * top_k);
+  if (quant) {
+    acts_used = reference_quantize_activations(round_to(quant->layer_dtype, acts), num_slots, I, chunk * top_k, *quant,
+                                               quant->a2_scale);
+  }
   const std::vector<double>& act_in = quant ? acts_used : acts;
   std::vector<double> h2(static_cast<size_t>(num_slots * H), 0.0);  // [M, top_k, H]
   for_each_index(num_slots, [&](int64_t s) {
@@ -346,6 +340,21 @@ std::vector<double> reference_quantize(const std::vector<double>& values, int64_
         }
       }
     }
+  }
+  return out;
+}
+
+std::vector<double> reference_quantize_activations(const std::vector<double>& values, int64_t rows, int64_t cols,
+                                                   int64_t rows_per_chunk, const RefQuant& quant, double static_scale) {
+  std::vector<double> out(values.size());
+  const bool per_tensor = quant.activation_scales == ScaleGranularity::kTensor;
+  const int64_t block_cols = quant.activation_scales == ScaleGranularity::kBlock ? quant.block_k : 0;
+  for (int64_t begin = 0; begin < rows; begin += rows_per_chunk) {
+    const int64_t n = std::min(rows_per_chunk, rows - begin);
+    const std::vector<double> part(values.begin() + begin * cols, values.begin() + (begin + n) * cols);
+    const std::vector<double> q =
+        reference_quantize(part, 1, n, cols, per_tensor ? 0 : 1, block_cols, quant.element, static_scale);
+    std::copy(q.begin(), q.end(), out.begin() + begin * cols);
   }
   return out;
 }

@@ -35,6 +35,9 @@ std::vector<double> to_double(DType dtype, const void* data, int64_t count);
 // Rounds every value to `dtype` and back (what storing then loading does).
 std::vector<double> round_to(DType dtype, const std::vector<double>& values);
 
+// Σ x[i] · y[i] over count elements in double, in the references' fixed order of sums.
+double dot_product(const double* x, const double* y, int64_t count);
+
 // ||out - ref||_2 / ||ref||_2. +inf when out holds a NaN or an inf, or the sizes differ;
 // ||out||_2 when ref is all zeros (so an all-zero reference wants an all-zero output).
 double rel_error(const std::vector<double>& out, const std::vector<double>& ref);
@@ -122,6 +125,13 @@ struct RefQuant {
 std::vector<double> reference_quantize(const std::vector<double>& values, int64_t batch, int64_t rows, int64_t cols,
                                        int64_t block_rows, int64_t block_cols, DType element,
                                        double static_scale = 0.0, std::vector<double>* scales_out = nullptr);
+
+// values [rows, cols]: a layer's activations (x, or act by slot) -> the dequantized values
+// of fused_experts' quantization of them, chunk by chunk of rows_per_chunk rows: per token
+// group of quant.block_k, per row, or per tensor over the chunk's rows (static_scale > 0:
+// that scale).
+std::vector<double> reference_quantize_activations(const std::vector<double>& values, int64_t rows, int64_t cols,
+                                                   int64_t rows_per_chunk, const RefQuant& quant, double static_scale);
 
 // hidden_states [M, H], w13 [E_local, 2I, H] (gate rows first, then up; interleaved for
 // kSwigluOai), w2 [E_local, H, I], topk_weights [M, top_k], topk_ids [M, top_k] global
