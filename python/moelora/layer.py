@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import ops as _ops
+from . import quant_checkpoint
 from . import torch_ops  # noqa: F401  (registers torch.ops.moelora.*)
 
 __all__ = ["FusedMoE"]
@@ -29,6 +30,21 @@ class FusedMoE(torch.nn.Module):
     local index in w13/w2, or -1 for an expert held by another rank (those slots
     contribute zero here and the ranks' outputs are summed by the caller).
 
+    Quantized experts (quant: 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel',
+    'int8_block' or a moelora.QuantScheme): w13 / w2 hold the scheme's 8-bit elements
+    (torch.float8_e4m3fn or torch.int8) and the layer has the float32 parameters
+        w13_weight_scale, w2_weight_scale: [E_local, ceil(N/128), ceil(K/128)] (block),
+            [E_local, N] (channel) or [E_local] (tensor),
+        w13_input_scale, w2_input_scale [1]: static activation scales (fp8_tensor with
+            static_activation_scales), else absent;
+    `dtype` is then the activations' (bf16 or fp16). load_weights takes the 8-bit weights
+    with their scales, or bf16/fp16 weights that it quantizes; load_quantized_experts
+    reads DeepSeek-V3 (weight_scale_inv) or per-tensor/per-channel (weight_scale,
+    input_scale) checkpoints.
+
+    The weights are allocated uninitialised (torch.empty): the layer's output is
+    meaningless until load_weights (or load_quantized_experts) has filled them.
+
     Multi-LoRA (max_loras > 0): L = max_loras adapter slots of rank up to
     r = max_lora_rank, allocated once as buffers (the layer's dtype and device):
         w13_lora_a [2, L, E_local, r, H]   (slice 0 = gate, 1 = up)
@@ -44,7 +60,8 @@ class FusedMoE(torch.nn.Module):
 
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size, activation="silu",
                  renormalize=True, routed_scaling_factor=1.0, expert_map=None, chunk_size=65536,
-                 swiglu_alpha=1.702, swiglu_limit=7.0, dtype=None, device=None, max_loras=0, max_lora_rank=0):
+                 swiglu_alpha=1.702, swiglu_limit=7.0, dtype=None, device=None, max_loras=0, max_lora_rank=0,
+                 quant=None):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"FusedMoE: activation expected one of {_ACTIVATIONS}, got {activation!r}")
@@ -73,13 +90,37 @@ class FusedMoE(torch.nn.Module):
             self.register_buffer("expert_map", expert_map)
 
         factory = dict(dtype=dtype, device=device)
+        self.quant_scheme = None if quant is None else _ops.quant_scheme(quant)
+        weights = factory if quant is None else dict(dtype=getattr(torch, self.quant_scheme.element), device=device)
         self.w13 = torch.nn.Parameter(
-            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **factory),
+            torch.empty(self.num_local_experts, 2 * intermediate_size, hidden_size, **weights),
             requires_grad=False)
         self.w2 = torch.nn.Parameter(
-            torch.empty(self.num_local_experts, hidden_size, intermediate_size, **factory),
+            torch.empty(self.num_local_experts, hidden_size, intermediate_size, **weights),
             requires_grad=False)
+        self._init_quant(device)
         self._init_lora(max_loras, max_lora_rank, factory)
+
+    def _scale_shape(self, rows, cols):
+        """The weight-scale shape of an [E_local, rows, cols] weight under the scheme."""
+        q, E = self.quant_scheme, self.num_local_experts
+        if q.weight_scales == _ops._ext.ScaleGranularity.block:
+            return (E, -(-rows // q.block_n), -(-cols // q.block_k))
+        return (E, rows) if q.weight_scales == _ops._ext.ScaleGranularity.channel else (E,)
+
+    def _init_quant(self, device):
+        names = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
+        if self.quant_scheme is None:
+            for name in names:
+                self.register_parameter(name, None)
+            return
+        H, I = self.hidden_size, self.intermediate_size
+        shapes = [self._scale_shape(2 * I, H), self._scale_shape(H, I)]
+        shapes += [(1,), (1,)] if self.quant_scheme.static_activation_scales else [None, None]
+        for name, shape in zip(names, shapes):
+            value = None if shape is None else torch.nn.Parameter(
+                torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+            self.register_parameter(name, value)
 
     def _init_lora(self, max_loras, max_lora_rank, factory):
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
@@ -118,17 +159,85 @@ class FusedMoE(torch.nn.Module):
                 f"renormalize={self.renormalize}, routed_scaling_factor={self.routed_scaling_factor}")
         if self.max_loras:
             text += f", max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}"
+        if self.quant_scheme is not None:
+            text += f", quant={self.quant_scheme.name}"
         return text
 
     @torch.no_grad()
-    def load_weights(self, w13, w2):
-        """Copy w13 [E_local, 2I, H] and w2 [E_local, H, I] (any dtype/device) into the layer."""
-        for name, param, value in (("w13", self.w13, w13), ("w2", self.w2, w2)):
-            value = torch.as_tensor(value)
+    def load_weights(self, w13, w2, w13_scale=None, w2_scale=None, w13_input_scale=None, w2_input_scale=None):
+        """Copy w13 [E_local, 2I, H] and w2 [E_local, H, I] (any dtype/device) into the layer.
+
+        Quantized layers: the scheme's 8-bit w13/w2 with their scales (the layouts of the
+        w13_weight_scale / w2_weight_scale parameters, and the input scales for static
+        activation scales), or float weights without scales, quantized here with
+        moelora.quantize_weights on the layer's device. Scales must be finite and > 0.
+        Nothing is written when an argument is refused."""
+        values = {"w13": torch.as_tensor(w13), "w2": torch.as_tensor(w2)}
+        for name, value in values.items():
+            if value.shape != getattr(self, name).shape:
+                raise ValueError(f"FusedMoE.load_weights: {name} expected shape {list(getattr(self, name).shape)}, "
+                                 f"got {list(value.shape)}")
+        if self.quant_scheme is None:
+            for name, value in values.items():
+                getattr(self, name).copy_(value)
+            return
+        given = {"w13_weight_scale": w13_scale, "w2_weight_scale": w2_scale, "w13_input_scale": w13_input_scale,
+                 "w2_input_scale": w2_input_scale}
+        if w13_scale is None and w2_scale is None and values["w13"].is_floating_point() and \
+                values["w13"].dtype != self.w13.dtype:
+            # Float weights: quantized on load, on the layer's device.
+            for name in ("w13", "w2"):
+                q, scale = _ops.quantize_weights(values[name].to(self.w13.device), self.quant_scheme)
+                values[name], given[f"{name}_weight_scale"] = q, scale
+        for name, value in values.items():
+            if value.dtype != self.w13.dtype:
+                raise ValueError(f"FusedMoE.load_weights: {name} expected {self.w13.dtype} (scheme "
+                                 f"{self.quant_scheme.name}) with its scales, or float weights to quantize, "
+                                 f"got {value.dtype}")
+        for name, value in given.items():
+            param = getattr(self, name)
+            if (param is None) != (value is None):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected "
+                                 f"{'none' if param is None else 'a tensor of shape ' + str(list(param.shape))}"
+                                 f" for scheme {self.quant_scheme!r}, got {'none' if value is None else 'a tensor'}")
+            if value is None:
+                continue
+            value = torch.as_tensor(value).to(device=param.device, dtype=torch.float32)
             if value.shape != param.shape:
                 raise ValueError(f"FusedMoE.load_weights: {name} expected shape {list(param.shape)}, "
                                  f"got {list(value.shape)}")
-            param.copy_(value)
+            if not bool(torch.isfinite(value).all()) or not bool((value > 0).all()):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected finite scales > 0, got NaN, inf or <= 0")
+            given[name] = value
+        for name, value in values.items():
+            getattr(self, name).copy_(value)
+        for name, value in given.items():
+            if value is not None:
+                getattr(self, name).copy_(value)
+
+    @torch.no_grad()
+    def load_quantized_experts(self, source, prefix):
+        """Load this layer's quantized experts from a checkpoint (a .safetensors file, or a
+        dict name -> tensor) in the DeepSeek-V3 layout (fp8 `weight` + `weight_scale_inv`
+        per 128x128 block) or the per-tensor / per-channel layout (`weight_scale`,
+        `input_scale`): see moelora.quant_checkpoint. prefix: the MoE block's module path
+        (e.g. "model.layers.3.mlp"); experts are global ids (expert_map picks this rank's)."""
+        if self.quant_scheme is None:
+            raise ValueError("FusedMoE.load_quantized_experts: the layer has no quantization scheme (quant=None)")
+        tensors = source if isinstance(source, dict) else _load_tensor_file(os.fspath(source))
+        w13, w2, s13, s2, a13, a2 = quant_checkpoint.read_quantized_experts(
+            tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,
+            self.intermediate_size)
+        self.load_weights(w13, w2, s13, s2, a13, a2)
+
+    def _quant_args(self):
+        """The quantization arguments of the torch ops (empty for a bf16/fp16 layer)."""
+        q = self.quant_scheme
+        if q is None:
+            return {}
+        return dict(quant=q.name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
+                    a13_scale=self.w13_input_scale, a2_scale=self.w2_input_scale, quant_block_n=q.block_n,
+                    quant_block_k=q.block_k)
 
     def route(self, router_logits):
         """router_logits [M, num_experts] -> (topk_weights [M, top_k] float32,
@@ -157,7 +266,12 @@ class FusedMoE(torch.nn.Module):
                        expert_map=self.expert_map, chunk_size=self.chunk_size, swiglu_alpha=self.swiglu_alpha,
                        swiglu_limit=self.swiglu_limit)
         x = hidden_states.reshape(-1, self.hidden_size)
-        if token_lora_ids is None:
+        if token_lora_ids is None and self.quant_scheme is not None:
+            quant = self._quant_args()
+            out = torch.ops.moelora.fused_experts_quant(
+                x, self.w13, self.w2, topk_weights.float(), topk_ids, quant.pop("quant"), quant.pop("w13_scale"),
+                quant.pop("w2_scale"), **quant, **options)
+        elif token_lora_ids is None:
             out = torch.ops.moelora.fused_experts(x, self.w13, self.w2, topk_weights.float(), topk_ids, **options)
         else:
             if self.max_loras == 0:
@@ -172,7 +286,7 @@ class FusedMoE(torch.nn.Module):
             out = torch.ops.moelora.fused_experts_lora(
                 x, self.w13, self.w2, topk_weights.float(), topk_ids, lora_ids, list(self.w13_lora_a.unbind(0)),
                 list(self.w13_lora_b.unbind(0)), self.w2_lora_a, self.w2_lora_b, self.adapter_enabled,
-                self.adapter_scale, **options)
+                self.adapter_scale, **options, **self._quant_args())
         return out.reshape(*leading, self.hidden_size)
 
     # ---- multi-LoRA adapter slots ----------------------------------------------------
@@ -302,7 +416,7 @@ _ExpertShape = collections.namedtuple(
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 
 

@@ -275,11 +275,21 @@ def _layer_out_fake(hidden_states, topk_ids, no_combine):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
-def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, *args, no_combine=False, **kwargs):
+# NOTE: full signatures: opcheck passes every schema argument positionally, so no_combine
+# must be found by position too.
+def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
+                             w2_lora_a, w2_lora_b, adapter_enabled=None, adapter_scale=None, activation="silu",
+                             apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                             chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
+                             w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
+                             quant_block_k=128):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 
-def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, *args, no_combine=False, **kwargs):
+def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
+                              a13_scale=None, a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
+                              apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
+                              chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 
