@@ -79,6 +79,18 @@ inline float to_float(fp8e4m3 v) {
   return sign * std::ldexp(float(8 + man), exp - 10);
 }
 
+// The same through a table of all 256 codes (the CPU backend decodes fp8 weights with it:
+// to_float's ldexp per element made the CPU fp8 layer ~5x slower than int8).
+inline float to_float_table(fp8e4m3 v) {
+  static const struct Table {
+    float values[256];
+    Table() {
+      for (int code = 0; code < 256; ++code) values[code] = to_float(fp8e4m3{uint8_t(code)});
+    }
+  } table;
+  return table.values[v.bits];
+}
+
 // Round to nearest even, saturating to +-448 (cvt.rn.satfinite.e4m3x2.f32); NaN -> 0x7f.
 inline fp8e4m3 to_fp8e4m3(float f) {
   if (std::isnan(f)) return fp8e4m3{0x7f};

@@ -32,7 +32,7 @@ inline void load_row(DType dtype, const void* src, int64_t stride, int64_t count
     }
     case DType::kFloat8E4M3: {
       const uint8_t* s = static_cast<const uint8_t*>(src);
-      for (int64_t i = 0; i < count; ++i) dst[i] = host::to_float(host::fp8e4m3{s[i * stride]});
+      for (int64_t i = 0; i < count; ++i) dst[i] = host::to_float_table(host::fp8e4m3{s[i * stride]});
       return;
     }
     case DType::kInt8: {

@@ -50,7 +50,10 @@ void apply_scales(const detail::GemmQuantParams& q, bool weight, int64_t expert,
   const int64_t stride_k = weight ? q.w_scale_stride_k : q.a_scale_stride_k;
   if (g == ScaleGranularity::kBlock) {
     const float* scales = base + (weight ? row / q.block_n : row) * stride_row;
-    for (int64_t k = 0; k < K; ++k) values[k] *= scales[(k / q.block_k) * stride_k];
+    for (int64_t k0 = 0, kb = 0; k0 < K; k0 += q.block_k, ++kb) {
+      const float scale = scales[kb * stride_k];
+      for (int64_t k = k0; k < std::min(K, k0 + q.block_k); ++k) values[k] *= scale;
+    }
     return;
   }
   const float scale = g == ScaleGranularity::kChannel ? base[row * stride_row] : base[0];
