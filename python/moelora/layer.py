@@ -267,10 +267,8 @@ class FusedMoE(torch.nn.Module):
                        swiglu_limit=self.swiglu_limit)
         x = hidden_states.reshape(-1, self.hidden_size)
         if token_lora_ids is None and self.quant_scheme is not None:
-            quant = self._quant_args()
-            out = torch.ops.moelora.fused_experts_quant(
-                x, self.w13, self.w2, topk_weights.float(), topk_ids, quant.pop("quant"), quant.pop("w13_scale"),
-                quant.pop("w2_scale"), **quant, **options)
+            out = torch.ops.moelora.fused_experts_quant(x, self.w13, self.w2, topk_weights.float(), topk_ids,
+                                                        **self._quant_args(), **options)
         elif token_lora_ids is None:
             out = torch.ops.moelora.fused_experts(x, self.w13, self.w2, topk_weights.float(), topk_ids, **options)
         else:

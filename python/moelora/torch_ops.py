@@ -125,14 +125,16 @@ def _moe_sum_reduce(input, routed_scaling_factor=1.0):
     return _ops.moe_sum_reduce(input, routed_scaling_factor=routed_scaling_factor)
 
 
+# lora and quant are not schema arguments: fused_experts_lora and fused_experts_quant
+# build them from theirs and run the same layer call.
 def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
                    apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                   chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+                   chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, lora=None, quant=None):
     return _ops.fused_experts(
         hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
         apply_router_weight_on_input=apply_router_weight_on_input,
         routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora, quant=quant)
 
 
 def _inplace_fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
@@ -183,24 +185,20 @@ def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lo
                         quant_block_k=128):
     lora = _ops.MoeLora(token_lora_ids, list(w13_lora_a), list(w13_lora_b), w2_lora_a, w2_lora_b,
                         adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
-    return _ops.fused_experts(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora,
-        quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n, quant_block_k))
+    return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+                          routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
+                          lora=lora, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                                                      quant_block_k))
 
 
 def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, a13_scale=None,
                          a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
                          apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                          chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
-    return _ops.fused_experts(
-        hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
-        apply_router_weight_on_input=apply_router_weight_on_input,
-        routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-        quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n, quant_block_k))
+    return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
+                          routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
+                          quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                                           quant_block_k))
 
 
 def _per_token_group_quant(x, group_size=128, dtype="float8_e4m3fn", column_major_scales=False):

@@ -70,5 +70,8 @@ inline void run_sum_reduce(const SumReduceParams& p, Device device, Stream strea
 inline void run_lora_delta(const LoraDeltaParams& p, Device device, Stream stream) {
   MOELORA_BACKEND_CALL(moe_lora_delta, p, device, stream);
 }
+inline void run_quantize(const QuantizeParams& p, Device device, Stream stream) {
+  MOELORA_BACKEND_CALL(quantize, p, device, stream);
+}
 
 }  // namespace moelora::detail

@@ -165,16 +165,8 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
 // caller's static scale when static_scales).
 void quantize_rows(const TensorView& input, const TensorView& out, const TensorView& scales,
                    const FusedExpertsChunkPlan& plan, bool static_scales, Device device, Stream stream) {
-  const int64_t rows = input.shape[0], cols = input.shape[1];
-  run_quantize(QuantizeParams{.input_dtype = input.dtype, .input = input.data, .input_stride_batch = 0,
-                              .input_stride_row = input.strides[0], .out_dtype = out.dtype, .out = out.data,
-                              .out_stride_batch = 0, .out_stride_row = out.strides[0],
-                              .scales = static_cast<float*>(scales.data), .scales_stride_batch = 0,
-                              .scales_stride_row = scales.strides[0], .scales_stride_col = scales.strides[1],
-                              .batch = 1, .rows = rows, .cols = cols,
-                              .block_rows = plan.quant_block_rows > 0 ? plan.quant_block_rows : std::max<int64_t>(rows, 1),
-                              .block_cols = plan.quant_block_cols > 0 ? plan.quant_block_cols : std::max<int64_t>(cols, 1),
-                              .static_scales = static_scales},
+  run_quantize(quantize_params(QuantizeArgs{input, out, scales, plan.quant_block_rows, plan.quant_block_cols,
+                                            static_scales}),
                device, stream);
 }
 
@@ -412,7 +404,6 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       if (plan.quantized) gemm1_input = plan.x_quantized;
       GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                      top_k, block_size, config.gemm1);
-      gemm1.dtype = dtype;  // of out (a and w are 8-bit with quant)
       gemm1.quant = quant1;
       gemm1.a_rows_sorted = plan.sorted_input;
       gemm1.N = I;
@@ -430,7 +421,6 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       const TensorView& cache1 = plan.cache1;
       GemmParams gemm1 = gemm_params(plan.quantized ? plan.x_quantized : x_chunk, args.w13, cache1, sorted_chunk,
                                      expert_chunk, ntpp, gemm1_weights, top_k, block_size, config.gemm1);
-      gemm1.dtype = cache1.dtype;  // of out (a and w are 8-bit with quant; cache1 fp32 on the CPU then)
       gemm1.quant = quant1;
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
@@ -450,7 +440,6 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     const TensorView& cache3 = plan.gemm2_out;
     GemmParams gemm2 = gemm_params(gemm2_input(), args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1,
                                    block_size, config.gemm2);
-    gemm2.dtype = dtype;
     gemm2.quant = quant2;
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = plan.sorted_activation;

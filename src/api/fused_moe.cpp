@@ -20,7 +20,7 @@ GemmParams gemm_params(const TensorView& a, const TensorView& w, const TensorVie
                        const TensorView& num_tokens_post_padded, const TensorView* topk_weights,
                        int64_t top_k, int64_t block_size, GemmTile tile) {
   return GemmParams{
-      .dtype = a.dtype,
+      .dtype = out.dtype,  // a's and w's too, unless they are 8-bit (quant)
       .a = a.data,
       .a_stride_row = a.strides[0],
       .a_stride_k = a.strides[1],

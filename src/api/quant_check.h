@@ -16,8 +16,10 @@ void check_quant_scheme(const char* op, const QuantScheme& scheme);
 // be read without a host synchronisation; the Python layer checks them on load.)
 void check_scales_finite(const char* op, const char* name, const TensorView& scales);
 
-// Runs quantize on `device`'s backend.
-void run_quantize(const QuantizeParams& p, Device device, Stream stream);
+// The backend parameters of quantize(args) for views already checked (a rank-2 or rank-3
+// input, out and scales of matching shapes); block sizes of 0 become the whole dim.
+// The quantize op and fused_experts' per-chunk quantization both build them here.
+QuantizeParams quantize_params(const QuantizeArgs& args);
 
 // fused_experts on quantized experts (FusedExpertsArgs::quant): checks the scheme, the
 // layer dtype (bf16/fp16), w13/w2's element type, the weight scales' layouts, the static

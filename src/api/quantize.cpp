@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "api/api_util.h"
 #include "api/quant_check.h"
 #include "api/validate.h"
 #include "common/params.h"
@@ -12,13 +13,12 @@
 namespace moelora {
 
 using detail::ArgCheck;
+using detail::ceil_div;
 using detail::fail;
 
 namespace {
 
 bool power_of_two_in(int64_t v, int64_t lo, int64_t hi) { return v >= lo && v <= hi && (v & (v - 1)) == 0; }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
@@ -197,12 +197,30 @@ FusedExpertsQuantParams check_fused_experts_quant(const char* op, const FusedExp
   return p;
 }
 
-void run_quantize(const QuantizeParams& p, Device device, Stream stream) {
-#ifdef MOELORA_WITH_CUDA
-  if (device.type == DeviceType::kCUDA) return cuda::quantize(p, stream);
-#endif
-  (void)device, (void)stream;
-  cpu::quantize(p);
+QuantizeParams quantize_params(const QuantizeArgs& args) {
+  const TensorView& x = args.input;
+  const int r = x.rank;
+  const int64_t R = x.shape[r - 2], C = x.shape[r - 1];
+  return QuantizeParams{
+      .input_dtype = x.dtype,
+      .input = x.data,
+      .input_stride_batch = r == 3 ? x.strides[0] : 0,
+      .input_stride_row = x.strides[r - 2],
+      .out_dtype = args.out.dtype,
+      .out = args.out.data,
+      .out_stride_batch = r == 3 ? args.out.strides[0] : 0,
+      .out_stride_row = args.out.strides[r - 2],
+      .scales = static_cast<float*>(args.scales.data),
+      .scales_stride_batch = r == 3 ? args.scales.strides[0] : 0,
+      .scales_stride_row = args.scales.strides[r - 2],
+      .scales_stride_col = args.scales.strides[r - 1],
+      .batch = r == 3 ? x.shape[0] : 1,
+      .rows = R,
+      .cols = C,
+      .block_rows = args.block_rows == 0 ? std::max<int64_t>(R, 1) : args.block_rows,
+      .block_cols = args.block_cols == 0 ? std::max<int64_t>(C, 1) : args.block_cols,
+      .static_scales = args.static_scales,
+  };
 }
 
 }  // namespace detail
@@ -237,27 +255,7 @@ void quantize(const QuantizeArgs& args, Stream stream) {
   if (args.static_scales) detail::check_scales_finite(op, "scales", args.scales);
   if (device.type == DeviceType::kCUDA) detail::require_cuda_backend(op);
   if (x.numel() == 0) return;
-  const detail::QuantizeParams p{
-      .input_dtype = x.dtype,
-      .input = x.data,
-      .input_stride_batch = r == 3 ? x.strides[0] : 0,
-      .input_stride_row = x.strides[r - 2],
-      .out_dtype = args.out.dtype,
-      .out = args.out.data,
-      .out_stride_batch = r == 3 ? args.out.strides[0] : 0,
-      .out_stride_row = args.out.strides[r - 2],
-      .scales = static_cast<float*>(args.scales.data),
-      .scales_stride_batch = r == 3 ? args.scales.strides[0] : 0,
-      .scales_stride_row = args.scales.strides[r - 2],
-      .scales_stride_col = args.scales.strides[r - 1],
-      .batch = B,
-      .rows = R,
-      .cols = C,
-      .block_rows = block_rows,
-      .block_cols = block_cols,
-      .static_scales = args.static_scales,
-  };
-  detail::run_quantize(p, device, stream);
+  detail::run_quantize(detail::quantize_params(args), device, stream);
 }
 
 }  // namespace moelora

@@ -195,13 +195,6 @@ TEST_P(FusedExpertsTest, MatchesReference) {
   RecordProperty("rel_error", std::to_string(error));
 }
 
-std::string sanitized(std::string name) {
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
 std::vector<LayerCase> layer_cases() {
   std::vector<LayerCase> cases;
   auto add = [&](const std::string& name, LayerCase c, std::vector<Backend> backends = all_backends()) {

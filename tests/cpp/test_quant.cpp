@@ -21,13 +21,6 @@ using ::testing::HasSubstr;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-std::string sanitized(std::string name) {
-  for (char& ch : name) {
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  }
-  return name;
-}
-
 // ---- quantize ----------------------------------------------------------------------------
 
 struct QuantizeCase {

@@ -16,6 +16,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -75,6 +76,14 @@ inline const std::vector<Backend>& all_backends() {
       GTEST_SKIP() << ::moelora::test::backend_name(backend) << " backend not built or no device";     \
     }                                                                                                   \
   } while (0)
+
+// A test name gtest accepts: every character but letters and digits becomes '_'.
+inline std::string sanitized(std::string name) {
+  for (char& ch : name) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return name;
+}
 
 inline const char* dtype_short_name(DType dtype) {
   switch (dtype) {
