@@ -5,7 +5,7 @@
 //
 //   quant_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--scheme S[,S...]]
 //               [--static-act] [--device auto|cpu|cuda] [--iters N] [--no-check]
-//               [--check-tokens N] [--ceilings] [--json PATH]
+//               [--check-tokens N] [--ceilings] [--json PATH] [--grouped on|off]
 //               [--lora-rank R[,R...]] [--adapters N] [--lora-share S]
 //
 // Schemes (DESIGN.md, "Quantized experts"): fp8_block, fp8_channel, fp8_tensor,
@@ -34,6 +34,10 @@
 // R: --adapters slots (4) of bf16 adapters on a share --lora-share (1.0) of the tokens, as
 // moelora_bench's; its floor adds the stacks' bytes and their FLOPs over bf16_tflops, and
 // lora_tax = time / time of the cell's row without LoRA.
+// --grouped on|off forces MoeKernelConfig::grouped_gemm (CUTLASS grouped GEMMs) on or off
+// in every cell (a caller's config: no small-batch kernels, the heuristic block size), for
+// the crossover against the W8A8 tile kernels; without it the layer's heuristic decides.
+// The JSON row's "grouped" key says which ("auto" without the flag).
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -61,13 +65,14 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N]";
+constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off]";
 
 struct Options : LayerBenchOptions {
   std::vector<QuantMethod> schemes{QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
                                    QuantMethod::kInt8Channel};
   bool static_act = false;   // fp8_tensor: static activation scales
   int64_t check_tokens = 64;  // most tokens a check reads
+  std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
 };
 
 [[noreturn]] void usage(const std::string& why) { exit_with_usage("quant_bench", why, kOwnFlags); }
@@ -89,10 +94,12 @@ Options parse(int argc, char** argv) {
                              }
                            } else if (arg == "--static-act") o.static_act = true;
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
+                           else if (arg == "--grouped") o.grouped = value();
                            else return false;
                            return true;
                          });
   if (o.check_tokens < 2) usage("--check-tokens takes 2 or more");
+  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
   return o;
 }
 
@@ -396,7 +403,9 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
                           const std::vector<uint16_t>& w2_bf16, const Ceilings& ceilings, Bf16Refs& bf16_refs) {
   LayerCell cell(m, M, kDtype, cuda, q.w13->values.ptr(), q.w2->values.ptr(), stacks, o.lora_adapters, o.lora_share,
                  &q.args);
-  const moelora::FusedExpertsOptions fo = cell.options(nullptr);
+  static const moelora::MoeKernelConfig kGroupedOn{.grouped_gemm = true}, kGroupedOff{.grouped_gemm = false};
+  const moelora::FusedExpertsOptions fo =
+      cell.options(o.grouped == "on" ? &kGroupedOn : o.grouped == "off" ? &kGroupedOff : nullptr);
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
   const double rate = q.scheme.element == DType::kInt8 ? ceilings.int8_tops : ceilings.fp8_tflops;
   std::vector<Row> rows;
@@ -502,11 +511,11 @@ std::string json_row(const Row& r, const Options& o) {
   return format("{\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"bf16\", \"lora\": %s, "
                 "\"quant\": %s, \"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, "
                 "\"tbps\": %.4f, \"tflops\": %.3f, \"rel_err\": %s, \"rel_err_bf16\": %s, \"checked_tokens\": %lld, "
-                "\"check_chunk\": %s%s}",
+                "\"check_chunk\": %s, \"grouped\": \"%s\"%s}",
                 r.model->name, (long long)r.M, lora.c_str(), quant.c_str(), r.device.c_str(), r.time_us, r.floor_us,
                 100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e6), r.flops / (r.time_us * 1e6),
                 number(r.rel_err).c_str(), number(r.rel_err_bf16).c_str(), (long long)r.checked_tokens,
-                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", lora_keys.c_str());
+                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", o.grouped.c_str(), lora_keys.c_str());
 }
 
 }  // namespace

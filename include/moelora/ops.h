@@ -147,7 +147,16 @@ struct MoeKernelConfig {
   // gathering them. Costs a write and a read of [slots, H]: it pays where GEMM1 reads
   // each row many times (wide intermediate sizes, many slots per expert).
   bool sorted_input = false;
+  // fused_experts on CUDA with quantized experts (sm_90a; no LoRA, no no_combine, routed
+  // weight on the output): both GEMMs as CUTLASS grouped GEMMs over rows gathered into
+  // expert order, one group per expert (docs/CUTLASS_GROUPED_FP8.md), for chunks of at
+  // least kGroupedMinSlots slots. The heuristic turns it on for those chunks; a chunk or
+  // scheme the path does not take runs the W8A8 tile kernels.
+  bool grouped_gemm = false;
 };
+// Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its
+// buffers only for calls whose chunks reach it.
+constexpr int64_t kGroupedMinSlots = 1024;
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch.
 constexpr int64_t kSmallBatchMaxSlots = 64;
 

@@ -215,6 +215,67 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
       .limit = options.swiglu_limit,
   };
 }
+
+// The grouped path of one chunk (FusedExpertsChunkPlan::grouped), after x's quantization
+// by token: the alignment in blocks of 16 with per-expert offsets and per-slot entries,
+// the GEMMs' device arrays, x's rows and scales gathered into expert order, GEMM1, the
+// activation quantized by entry, GEMM2, and the weighted top-k sum through the entries.
+void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
+                       const FusedExpertsOptions& options, ActivationKind kind, Stream stream) {
+  const GroupedExpertsParams& g = plan.grouped_params;
+  const QuantScheme& scheme = args.quant->scheme;
+  const Device device = args.hidden_states.device;
+  const int64_t H = g.H, I = g.I, top_k = plan.topk_ids.shape[1];
+  const int64_t entries = plan.capacity.max_num_tokens_padded;
+  const auto* sorted = static_cast<const int32_t*>(plan.sorted_token_ids.data);
+  const auto* ntpp = static_cast<const int32_t*>(plan.num_tokens_post_padded.data);
+  AlignParams align = align_params(plan.topk_ids, plan.block_size, g.num_groups, args.expert_map, plan.sorted_token_ids,
+                                   plan.expert_ids, plan.num_tokens_post_padded);
+  align.group_entry_offsets = plan.grouped_entry_offsets;
+  align.group_sizes = plan.grouped_sizes;
+  align.slot_entries = plan.slot_entries;
+  run_align(align, device, stream);
+  cuda::grouped_experts_args(g, stream);
+  // x's 8-bit rows by entry, and their scales (none to gather for one tensor scale).
+  cuda::moe_gather_sorted_rows(
+      GatherRowsParams{.dtype = scheme.element, .input = plan.x_quantized.data,
+                       .input_stride_row = plan.x_quantized.strides[0], .out = g.a, .out_stride_row = H,
+                       .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
+                       .num_slots = plan.slots, .top_k = top_k, .width = H},
+      stream);
+  if (scheme.activation_scales != ScaleGranularity::kTensor) {
+    const int64_t scale_cols = plan.x_scales.shape[1];
+    cuda::moe_gather_sorted_rows(
+        GatherRowsParams{.dtype = DType::kFloat32, .input = plan.x_scales.data,
+                         .input_stride_row = plan.x_scales.strides[0], .out = g.a_scales, .out_stride_row = scale_cols,
+                         .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
+                         .num_slots = plan.slots, .top_k = top_k, .width = scale_cols},
+        stream);
+  }
+  cuda::grouped_experts_gemm(g, 1, stream);
+  const bool tensor = scheme.activation_scales == ScaleGranularity::kTensor;
+  cuda::moe_activation_quantize(
+      ActivationQuantizeParams{.dtype = g.dtype, .kind = kind, .alpha = options.swiglu_alpha,
+                               .limit = options.swiglu_limit, .input = g.d, .element = scheme.element, .out = g.a,
+                               .granularity = scheme.activation_scales,
+                               .scales = tensor ? const_cast<float*>(g.act_tensor_scale) : g.a_scales,
+                               .static_scale = scheme.static_activation_scales, .amax = g.act_amax,
+                               .sorted_token_ids = sorted,
+                               .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
+                               .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
+                               .num_slots = plan.slots, .block_size = plan.block_size, .width = I},
+      stream);
+  cuda::grouped_experts_gemm(g, 2, stream);
+  const TensorView& weights = plan.topk_weights;
+  cuda::moe_sum_reduce(SumReduceParams{.dtype = g.dtype, .input = g.d, .input_stride_token = 0, .input_stride_k = H,
+                                       .out = plan.out, .out_stride_token = args.out.strides[0],
+                                       .num_tokens = plan.tokens, .top_k = top_k, .hidden = H,
+                                       .scale = options.routed_scaling_factor, .slot_entries = plan.slot_entries,
+                                       .topk_weights = static_cast<const float*>(weights.data),
+                                       .topk_weights_stride_token = weights.strides[0],
+                                       .topk_weights_stride_k = weights.strides[1]},
+                       stream);
+}
 #endif
 
 }  // namespace
@@ -250,7 +311,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
 
   for (int64_t begin = 0; begin < M; begin += chunk) {
     const FusedExpertsChunkPlan plan =
-        plan_fused_experts_chunk(args, options, shape, layout, lora13, lora2, begin, std::min(chunk, M - begin));
+        plan_fused_experts_chunk(args, options, shape, layout, lora13, lora2, call.quant, begin, std::min(chunk, M - begin));
     const MoeKernelConfig& config = plan.config;
     const int64_t tokens = plan.tokens, slots = plan.slots, block_size = plan.block_size;
     const AlignCapacity& cap = plan.capacity;
@@ -325,6 +386,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       return plan.act_quantized;
     };
 #ifdef MOELORA_WITH_CUDA
+    if (plan.grouped) {
+      run_grouped_chunk(plan, args, options, kind, stream);
+      continue;
+    }
     if (plan.small_batch) {
       SmallBatchMoeParams small =
           small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind);

@@ -40,12 +40,21 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   if (options.block_size > 0 || device.type != DeviceType::kCUDA) return config;
 #ifdef MOELORA_WITH_CUDA
   const detail::CudaDeviceFacts facts = cuda::current_device_facts();
+  // Quantized experts: the grouped GEMMs once the chunk has kGroupedMinSlots slots.
+  // NOTE: the threshold is a first guess; docs/PERF_NOTES.md (issue 28, step 2) has the
+  // measured crossover against the W8A8 tile kernels.
+  config.grouped_gemm = shape.quant.enabled() && facts.sm90_kernels &&
+                        std::max<int64_t>(shape.num_tokens, 1) * shape.top_k >= kGroupedMinSlots;
   const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
   if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
     const bool runs_here = facts.sm90_kernels ||
                            (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);
-    if (runs_here) return tuned;
+    if (runs_here) {
+      MoeKernelConfig with_grouped = tuned;
+      with_grouped.grouped_gemm = config.grouped_gemm;
+      return with_grouped;
+    }
   }
   // No table: wgmma tiles of 128 rows once experts see enough slots to fill them; the
   // small-batch kernels while there are no more slots than experts. NOTE: that rule
@@ -110,6 +119,62 @@ bool may_sort_input(const FusedExpertsShape& s, const FusedExpertsOptions& o, in
 
 namespace detail {
 
+namespace {
+
+// Whether the chunk takes the grouped path (MoeKernelConfig::grouped_gemm), and its
+// parameters; then the alignment runs in blocks of 16 (the grouped GEMMs take any row
+// count per expert, so the least padding), and no small-batch kernel.
+void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args, const FusedExpertsOptions& options,
+                       const WorkspaceLayout& layout, const FusedExpertsQuantParams& quant, int64_t E_global,
+                       int64_t H, int64_t I) {
+#ifdef MOELORA_WITH_CUDA
+  if (!plan.quantized || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
+      args.lora || options.no_combine || options.apply_router_weight_on_input || args.w13.strides[2] != 1 ||
+      args.w2.strides[2] != 1) {
+    return;
+  }
+  void* ws = args.workspace.data;
+  GroupedExpertsParams& g = plan.grouped_params;
+  g.dtype = args.hidden_states.dtype;
+  g.quant13 = quant.gemm1;
+  g.quant2 = quant.gemm2;
+  g.num_groups = E_global;
+  g.expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr;
+  plan.grouped_entry_offsets = static_cast<int32_t*>(byte_offset(ws, layout.grouped_entry_offsets));
+  plan.grouped_sizes = static_cast<int32_t*>(byte_offset(ws, layout.grouped_sizes));
+  plan.slot_entries = static_cast<int32_t*>(byte_offset(ws, layout.grouped_slot_entries));
+  g.group_entry_offsets = plan.grouped_entry_offsets;
+  g.group_sizes = plan.grouped_sizes;
+  g.H = H;
+  g.I = I;
+  g.w13 = args.w13.data;  // 8-bit: strides in elements are bytes
+  g.w13_stride_expert = args.w13.strides[0];
+  g.w13_stride_n = args.w13.strides[1];
+  g.w2 = args.w2.data;
+  g.w2_stride_expert = args.w2.strides[0];
+  g.w2_stride_n = args.w2.strides[1];
+  g.a = byte_offset(ws, layout.grouped_a);
+  g.a_scales = static_cast<float*>(byte_offset(ws, layout.grouped_a_scales));
+  float* tensor_scales = static_cast<float*>(byte_offset(ws, layout.grouped_tensor_scales));
+  const bool static_scales = args.quant->scheme.static_activation_scales;
+  g.act_amax = static_scales ? nullptr : tensor_scales;
+  g.act_tensor_scale = static_scales ? static_cast<const float*>(args.quant->a2_scale->data) : tensor_scales + 1;
+  g.d = byte_offset(ws, layout.cache1);
+  g.args = byte_offset(ws, layout.grouped_args);
+  g.cutlass_workspace = byte_offset(ws, layout.grouped_cutlass_workspace);
+  g.cutlass_workspace_bytes = kGroupedExpertsCutlassWorkspaceBytes;
+  plan.grouped = cuda::grouped_experts_supported(g);
+  if (plan.grouped) {
+    plan.config.block_size = 16;
+    plan.config.small_batch = false;
+  }
+#else
+  (void)plan, (void)args, (void)options, (void)layout, (void)quant, (void)E_global, (void)H, (void)I;
+#endif
+}
+
+}  // namespace
+
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
@@ -143,9 +208,15 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
   // Quantized experts on the CPU keep GEMM1's [slots, 2I] in fp32 (4 bytes an element).
   const int64_t cache1_elem = s.quant.enabled() ? 4 : elem;
+  // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16: its rows
+  // are the padded entries of that alignment.
+  const bool grouped = s.quant.enabled() && s.max_loras == 0 && slots >= kGroupedMinSlots;
+  l.grouped_rows = grouped ? moe_align_block_size_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
+  // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
       take(std::max({slots * 2 * s.intermediate_size * cache1_elem, slots * s.hidden_size * elem,
-                     l.sorted_input_rows * s.hidden_size * elem}));
+                     l.sorted_input_rows * s.hidden_size * elem,
+                     l.grouped_rows * std::max(2 * s.intermediate_size, s.hidden_size) * elem}));
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
   if (s.max_loras > 0) {
     l.block_lora_ids = take(l.capacity.max_num_blocks * 4);
@@ -176,6 +247,18 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     l.quant_x_scales = take(scales(chunk_tokens, s.hidden_size));
     l.quant_act = take(slots * s.intermediate_size);
     l.quant_act_scales = take(scales(slots, s.intermediate_size));
+    if (grouped) {
+      const int64_t E = s.num_experts;
+      l.grouped_entry_offsets = take(E * 4);
+      l.grouped_sizes = take(E * 4);
+      l.grouped_slot_entries = take(slots * 4);
+      l.grouped_args = take(grouped_experts_args_bytes(E));
+      l.grouped_cutlass_workspace = take(kGroupedExpertsCutlassWorkspaceBytes);
+      l.grouped_tensor_scales = take(2 * 4);  // the activation's absmax and scale (kTensor)
+      // GEMM1's input [entries, H], then GEMM2's [entries, I], 8-bit, and their scales.
+      l.grouped_a = take(l.grouped_rows * std::max(s.hidden_size, s.intermediate_size));
+      l.grouped_a_scales = take(std::max(scales(l.grouped_rows, s.hidden_size), scales(l.grouped_rows, s.intermediate_size)));
+    }
   }
   l.total = at;
   return l;
@@ -183,8 +266,8 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
 
 FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                                                const FusedExpertsShape& shape, const WorkspaceLayout& layout,
-                                               const LoraStack& lora13, const LoraStack& lora2, int64_t begin,
-                                               int64_t tokens) {
+                                               const LoraStack& lora13, const LoraStack& lora2,
+                                               const FusedExpertsQuantParams& quant, int64_t begin, int64_t tokens) {
   const TensorView& x = args.hidden_states;
   const Device device = x.device;
   const DType dtype = x.dtype;
@@ -196,9 +279,12 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   plan.tokens = tokens;
   const int64_t slots = plan.slots = tokens * top_k;
   MoeKernelConfig& config = plan.config;
-  config = fused_experts_config(FusedExpertsShape{tokens, top_k, E_global, H, I, x.dtype}, shape.num_local_experts,
-                                device, options);
+  FusedExpertsShape chunk_shape{tokens, top_k, E_global, H, I, x.dtype};
+  chunk_shape.quant = shape.quant;
+  config = fused_experts_config(chunk_shape, shape.num_local_experts, device, options);
   check_kernel_config("fused_experts", "config", config);
+  plan.quantized = args.quant != nullptr;
+  plan_grouped_path(plan, args, options, layout, quant, E_global, H, I);
   const int64_t block_size = plan.block_size = config.block_size;
   const AlignCapacity cap = plan.capacity =
       args.lora ? moe_lora_align_block_size_capacity(slots, block_size, E_global, lora13.max_loras)
@@ -244,7 +330,6 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90;
   };
   // Quantized experts run the W8A8 kernels: none of the 16-bit tensor-core paths below.
-  plan.quantized = args.quant != nullptr;
   plan.tensor_core_gemms = on_cuda(x) && options.fuse_activation && !plan.quantized &&
                            tensor_core_kernel(config.gemm1) && tensor_core_kernel(config.gemm2);
 #ifdef MOELORA_WITH_CUDA
@@ -309,6 +394,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     plan.x_scales = scales(layout.quant_x_scales, args.quant->a13_scale, tokens, H);
     plan.act_quantized = view2d(byte_offset(ws, layout.quant_act), q.element, slots, I, I, 1, device);
     plan.act_scales = scales(layout.quant_act_scales, args.quant->a2_scale, slots, I);
+    plan.grouped_params.x_tensor_scale = static_cast<const float*>(plan.x_scales.data);
   }
   return plan;
 }

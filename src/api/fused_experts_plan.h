@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "api/moe_lora.h"
+#include "api/quant_check.h"
 #include "common/params.h"
 #include "moelora/ops.h"
 
@@ -23,6 +24,13 @@ struct WorkspaceLayout {
   // Quantized experts: the chunk's 8-bit hidden rows [tokens, H] and activation [slots, I],
   // and their scales (QuantScheme::activation_scales' layout).
   int64_t quant_x, quant_x_scales, quant_act, quant_act_scales;
+  // The grouped path (GroupedExpertsParams), when a chunk may take it (grouped_rows > 0):
+  // the alignment's per-expert offsets and sizes and per-slot entries, the GEMMs' device
+  // arrays and CUTLASS workspace, the 8-bit rows by entry and their scales. GEMM outputs
+  // by entry go in the cache1/cache3 region.
+  int64_t grouped_rows;  // padded entries of the alignment with blocks of 16
+  int64_t grouped_entry_offsets, grouped_sizes, grouped_slot_entries, grouped_args, grouped_cutlass_workspace,
+      grouped_tensor_scales, grouped_a, grouped_a_scales;
   int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
@@ -72,14 +80,24 @@ struct FusedExpertsChunkPlan {
   TensorView act_quantized;  // [slots, I]
   TensorView act_scales;     // [slots, ceil(I / block_k)], [slots, 1] or [1, 1] (a2_scale when static)
   int64_t quant_block_rows = 1, quant_block_cols = 0;
+
+  // The grouped path (MoeKernelConfig::grouped_gemm, quantized experts on sm_90a): the
+  // alignment in blocks of 16 with per-expert offsets and sizes and per-slot entries, then
+  // both GEMMs as CUTLASS grouped GEMMs (GroupedExpertsParams, its regions in the workspace).
+  bool grouped = false;
+  GroupedExpertsParams grouped_params{};
+  int32_t* grouped_entry_offsets = nullptr;  // = grouped_params' group_entry_offsets, writable
+  int32_t* grouped_sizes = nullptr;
+  int32_t* slot_entries = nullptr;           // [slots]
 };
 
 // The plan of tokens [begin, begin + tokens) of a validated call: `shape` is the call's
 // (global experts, local experts, LoRA), `layout` its workspace, lora13 / lora2 its
-// stacks (zero without adapters). Throws on a config that fails check_kernel_config.
+// stacks (zero without adapters), quant its GEMMs' weight scales (quantized experts).
+// Throws on a config that fails check_kernel_config.
 FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                                                const FusedExpertsShape& shape, const WorkspaceLayout& layout,
-                                               const LoraStack& lora13, const LoraStack& lora2, int64_t begin,
-                                               int64_t tokens);
+                                               const LoraStack& lora13, const LoraStack& lora2,
+                                               const FusedExpertsQuantParams& quant, int64_t begin, int64_t tokens);
 
 }  // namespace moelora::detail

@@ -51,6 +51,12 @@ struct AlignParams {
   // Segmented: the LoRA shrink's arrival counters, one per 16 entries of the blocks
   // [max_num_blocks * block_size / 16], zeroed here (LoraDeltaParams::shrink_counters).
   int32_t* lora_shrink_counters = nullptr;
+  // fused_experts' grouped path (CUDA, max_loras == 0): each expert's first entry and its
+  // slot count [num_experts], and each slot's entry [num_tokens * top_k] (-1 for a slot
+  // whose expert is out of range or not local under expert_map).
+  int32_t* group_entry_offsets = nullptr;
+  int32_t* group_sizes = nullptr;
+  int32_t* slot_entries = nullptr;
 };
 
 // The adapter of token m: token_lora_ids[m] when in [0, max_loras) and enabled, else -1.
@@ -300,6 +306,12 @@ struct SumReduceParams {
   int64_t out_stride_token;
   int64_t num_tokens, top_k, hidden;
   float scale;
+  // CUDA, fused_experts' grouped path: the input holds one row per entry; slot
+  // (t, j)'s row is slot_entries[t * top_k + j] (-1: none, adds nothing), weighted by
+  // topk_weights[t, j] before the sum. input_stride_k is then the entry row stride.
+  const int32_t* slot_entries = nullptr;
+  const float* topk_weights = nullptr;
+  int64_t topk_weights_stride_token = 0, topk_weights_stride_k = 0;
 };
 
 // fused_experts' input in sorted order (CUDA only; GEMM1 then loads each tile's rows as
@@ -308,7 +320,7 @@ struct SumReduceParams {
 // as they are: a GEMM's output rows depend only on their own A rows, and padding rows are
 // never stored.
 struct GatherRowsParams {
-  DType dtype;                            // 16-bit float types; rows 16-byte aligned
+  DType dtype;                            // any; rows 4-byte aligned (16-byte: faster)
   const void* input;                      // [num_slots / top_k, width]
   int64_t input_stride_row;
   void* out;                              // [max_num_tokens_padded, width]
@@ -319,6 +331,72 @@ struct GatherRowsParams {
   int64_t num_slots;                      // the padding sentinel
   int64_t top_k;
   int64_t width;
+};
+
+// fused_experts' grouped path (CUDA, sm_90a; quantized experts, many slots per expert):
+// both expert GEMMs as CUTLASS grouped GEMMs, one group per (global) expert, over rows in
+// entry order of the alignment (each expert's slots contiguous from its first entry):
+//   x quantized by token -> rows and scales gathered by entry into `a` -> GEMM1 -> d [entries, 2I]
+//   -> activation + quantization by entry into `a` (moe_activation_quantize) -> GEMM2 -> d [entries, H]
+//   -> moe_sum_reduce through slot_entries, with the routed weights.
+// `a`/`a_scales` and `d` hold GEMM1's operands, then GEMM2's (each GEMM's input is dead once
+// it has run). The arrays CUTLASS reads (problem sizes, pointers, strides) are written on the
+// device by moe_grouped_gemm_args, so nothing waits for the host.
+struct GroupedExpertsParams {
+  DType dtype;                       // of d (the layer's)
+  GemmQuantParams quant13, quant2;   // scheme and weight scales of each GEMM (a_scale unused)
+  int64_t num_groups;                // global experts
+  const int32_t* expert_map;         // [num_groups] -> local expert or -1; null = identity
+  const int32_t* group_entry_offsets, *group_sizes;  // AlignParams' [num_groups]
+  int64_t H, I;
+  const void* w13;                   // [E_local, 2I, H]
+  int64_t w13_stride_expert, w13_stride_n;
+  const void* w2;                    // [E_local, H, I]
+  int64_t w2_stride_expert, w2_stride_n;
+  void* a;                           // [entries, max(H, I)] 8-bit
+  float* a_scales;                   // kBlock [entries, ceil(K / 128)], kChannel [entries]
+  const float* x_tensor_scale;       // kTensor activations: x's scale (GEMM1)
+  const float* act_tensor_scale;     // kTensor activations: the activation's (GEMM2)
+  float* act_amax;                   // kTensor dynamic: moe_activation_quantize's absmax, zeroed by the args
+  void* d;                           // [entries, max(2I, H)] in dtype
+  void* args;                        // grouped_experts_args_bytes(num_groups)
+  void* cutlass_workspace;
+  int64_t cutlass_workspace_bytes;
+};
+// The device arrays of both GEMMs: per GEMM, problem sizes (3 int32 a group, 16-byte
+// rounded), then eight 8-byte arrays (a, b, d pointers; their row strides; a and w scale
+// pointers).
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int64_t grouped_gemm_args_bytes(int64_t num_groups) {
+  return (num_groups * 12 + 15) / 16 * 16 + 8 * 8 * num_groups;
+}
+inline int64_t grouped_experts_args_bytes(int64_t num_groups) { return 2 * grouped_gemm_args_bytes(num_groups); }
+// CUTLASS's own workspace for the grouped GEMMs: TMA descriptors, 4 of 128 bytes per SM,
+// reserved for up to 256 SMs (checked against Gemm::get_workspace_size at each run).
+constexpr int64_t kGroupedExpertsCutlassWorkspaceBytes = 256 * 4 * 128;
+
+// fused_experts' grouped path: GEMM2's input, the activation of GEMM1's rows by entry,
+// quantized. Row e is real when e < *num_tokens_post_padded, its slot is real and its
+// block's expert is local; others are not read nor written. Scales as GemmQuantParams'
+// activation scales; kTensor dynamic: *amax collects the absmax (one launch), then the
+// second writes *scales and the elements.
+struct ActivationQuantizeParams {
+  DType dtype;                       // of input
+  ActivationKind kind;
+  float alpha, limit;                // swiglu_oai only
+  const void* input;                 // [entries, 2I]
+  DType element;                     // kFloat8E4M3 or kInt8
+  void* out;                         // [entries, I]
+  ScaleGranularity granularity;      // kBlock (block_k 128), kChannel or kTensor
+  float* scales;                     // kBlock [entries, ceil(I / 128)], kChannel [entries], kTensor [1]
+  bool static_scale;                 // kTensor: *scales is the caller's
+  float* amax;                       // kTensor dynamic: [1] scratch
+  const int32_t* sorted_token_ids;
+  const int32_t* expert_ids;
+  const int32_t* num_tokens_post_padded;
+  int64_t max_num_tokens_padded, num_slots, block_size, width;  // width = I
 };
 
 // sparse_mla_decode. See include/moelora/ops.h for the contract. Strides in elements.
@@ -386,6 +464,13 @@ bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);
+// fused_experts' grouped path (GroupedExpertsParams): whether this build and device run it
+// for these shapes and scales, and its steps. grouped_experts_args writes both GEMMs' arrays
+// (after the alignment); grouped_experts_gemm runs GEMM 1 or 2.
+bool grouped_experts_supported(const detail::GroupedExpertsParams& p);
+void grouped_experts_args(const detail::GroupedExpertsParams& p, Stream stream);
+void grouped_experts_gemm(const detail::GroupedExpertsParams& p, int gemm, Stream stream);
+void moe_activation_quantize(const detail::ActivationQuantizeParams& p, Stream stream);
 void quantize(const detail::QuantizeParams& p, Stream stream);
 // Whether the device runs p.quant's element type on its tensor cores (fp8: sm_89+,
 // int8: sm_80+); fused_moe throws for a quantized call otherwise.

@@ -179,7 +179,8 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   // cursors, and the block table entries of the groups g with g % count == rank.
   int total_padded = 0;
   for (int pass = 0; pass < num_groups; pass += kAlignGroupsPerPass) {
-    int padded[kAlignItemsPerThread], offset[kAlignItemsPerThread], before[kAlignItemsPerThread];
+    int padded[kAlignItemsPerThread], offset[kAlignItemsPerThread], before[kAlignItemsPerThread],
+        totals[kAlignItemsPerThread];
 #pragma unroll
     for (int i = 0; i < kAlignItemsPerThread; ++i) {
       const int g = pass + threadIdx.x * kAlignItemsPerThread + i;
@@ -192,6 +193,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
           if (r < ctas.rank) before[i] += count;
         }
       }
+      totals[i] = total;
       padded[i] = (total + block_size - 1) / block_size * block_size;
       if (segmented && g < num_groups - 1) {
         // Unpadded inside an expert; its last group pads the expert's sum (every expert
@@ -213,6 +215,10 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
       const int start = total_padded + offset[i];
       group_cursor[g] = start + before[i];
       if (g % ctas.count != ctas.rank) continue;
+      if (p.group_sizes && g < num_groups - 1) {
+        p.group_entry_offsets[g] = start;
+        p.group_sizes[g] = totals[i];
+      }
       // Block -> expert (and adapter) table for this group's blocks.
       int expert = -1, lora = -1;
       if (g < num_groups - 1) {
@@ -256,7 +262,14 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     for (int i = 0; i < kAlignBatch; ++i) {
       if (g[i] < 0) continue;
       const int entry = atomicAdd(&group_cursor[g[i]], 1);
-      p.sorted_token_ids[entry] = s0 + i * kAlignThreads + int(threadIdx.x);
+      const int slot = s0 + i * kAlignThreads + int(threadIdx.x);
+      p.sorted_token_ids[entry] = slot;
+      if (p.slot_entries) {
+        // Plain alignment (groups are experts): rows of dropped slots and of experts that
+        // are not local are never computed.
+        const bool computed = g[i] < num_groups - 1 && (p.expert_map == nullptr || p.expert_map[g[i]] >= 0);
+        p.slot_entries[slot] = computed ? entry : -1;
+      }
       if (segmented && g[i] < num_groups - 1) p.entry_lora_ids[entry] = g[i] % groups_per_expert - 1;
     }
   }

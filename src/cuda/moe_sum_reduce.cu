@@ -1,5 +1,6 @@
 // moe_sum_reduce on CUDA: [tokens, top_k, H] -> [tokens, H], fp32 sum in slot order
-// (deterministic), scaled. Memory-bound: 16-byte accesses when aligned.
+// (deterministic), scaled; or, for fused_experts' grouped path, each slot's row found by
+// entry and weighted. Memory-bound: 16-byte accesses when aligned.
 #include <algorithm>
 
 #include "common/params.h"
@@ -22,14 +23,23 @@ __global__ void moe_sum_reduce_kernel(const SumReduceParams p) {
   const T* in = static_cast<const T*>(p.input) + token * p.input_stride_token + col;
   float acc[kVec] = {};
   for (int64_t j = 0; j < p.top_k; ++j) {
+    // Rows by slot, or (the grouped path) by entry with the routed weight.
+    const T* row = in + j * p.input_stride_k;
+    float weight = 1.f;
+    if (p.slot_entries) {
+      const int32_t entry = p.slot_entries[token * p.top_k + j];
+      if (entry < 0) continue;
+      row = static_cast<const T*>(p.input) + entry * p.input_stride_k + col;
+      weight = p.topk_weights[token * p.topk_weights_stride_token + j * p.topk_weights_stride_k];
+    }
     T v[kVec];
     if constexpr (kVec > 1) {
-      *reinterpret_cast<Vec16<T>*>(v) = *reinterpret_cast<const Vec16<T>*>(in + j * p.input_stride_k);
+      *reinterpret_cast<Vec16<T>*>(v) = *reinterpret_cast<const Vec16<T>*>(row);
     } else {
-      v[0] = in[j * p.input_stride_k];
+      v[0] = row[0];
     }
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) acc[i] += to_float(v[i]);
+    for (int i = 0; i < kVec; ++i) acc[i] += weight * to_float(v[i]);
   }
   T result[kVec];
 #pragma unroll
@@ -52,7 +62,12 @@ void launch(const SumReduceParams& p, cudaStream_t stream) {
   for (int64_t token0 = 0; token0 < p.num_tokens; token0 += 65535) {
     SumReduceParams chunk = p;
     chunk.num_tokens = std::min<int64_t>(65535, p.num_tokens - token0);
-    chunk.input = static_cast<const T*>(p.input) + token0 * p.input_stride_token;
+    if (p.slot_entries) {
+      chunk.slot_entries = p.slot_entries + token0 * p.top_k;
+      chunk.topk_weights = p.topk_weights + token0 * p.topk_weights_stride_token;
+    } else {
+      chunk.input = static_cast<const T*>(p.input) + token0 * p.input_stride_token;
+    }
     chunk.out = static_cast<T*>(p.out) + token0 * p.out_stride_token;
     const int vec = vectorize ? kVec : 1;
     const dim3 grid(unsigned((p.hidden + int64_t(kThreads) * vec - 1) / (int64_t(kThreads) * vec)), unsigned(chunk.num_tokens));

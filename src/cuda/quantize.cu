@@ -11,14 +11,13 @@
 //     into its scale. Four short launches, no host synchronisation.
 // Static scales skip the reductions. Every division is IEEE (no fast math), so the
 // elements match the CPU backend bit for bit.
-#include <cuda_fp8.h>
-
 #include <algorithm>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
+#include "cuda/quantize.cuh"
 
 namespace moelora::cuda {
 namespace {
@@ -28,24 +27,6 @@ using detail::QuantizeParams;
 constexpr int kThreads = 256;
 
 enum class Pass : int { kRows, kAbsmax, kFromAbsmax, kStatic };
-
-template <class Out>
-__device__ __forceinline__ Out quantize_element(float x, float scale);
-template <>
-__device__ __forceinline__ uint8_t quantize_element<uint8_t>(float x, float scale) {
-  const float v = fminf(fmaxf(x / scale, -448.f), 448.f);
-  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-template <>
-__device__ __forceinline__ int8_t quantize_element<int8_t>(float x, float scale) {
-  const float v = fminf(fmaxf(x / scale, -127.f), 127.f);
-  return int8_t(__float2int_rn(v));
-}
-
-template <class Out>
-constexpr float kQmax = std::is_same_v<Out, int8_t> ? 127.f : 448.f;
-
-__device__ __forceinline__ float scale_of(float absmax, float qmax) { return fmaxf(absmax, kQuantAbsmaxFloor) / qmax; }
 
 // Max over the team (kTeam = 32: one warp; 256: the CTA, through shared memory).
 template <int kTeam>

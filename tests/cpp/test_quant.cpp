@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "api/fused_experts_plan.h"
 #include "common/params.h"
 #include "lora_testing.h"
 #include "test_util.h"
@@ -212,6 +213,7 @@ struct QuantLayerCase {
   int64_t lora_rank = 0;                  // > 0: 4 adapters of this rank on every token
   FusedExpertsOptions options{};
   std::optional<bool> expect_small_batch;  // CUDA: which path must run (see test_fused_experts.cpp)
+  std::optional<bool> expect_grouped;      // CUDA on sm_90a: whether the grouped GEMMs must run
 };
 
 void PrintTo(const QuantLayerCase& c, std::ostream* os) { *os << c.name; }
@@ -370,7 +372,8 @@ struct QuantLayer {
     return a;
   }
 
-  std::vector<double> reference() const {
+  // grouped: the layer ran the grouped path (GEMM1's rows reach memory in the layer dtype).
+  std::vector<double> reference(bool grouped) const {
     ref::RefQuant rq;
     rq.element = scheme.element;
     rq.activation_scales = scheme.activation_scales;
@@ -383,7 +386,7 @@ struct QuantLayer {
     rq.chunk_size = c.options.chunk_size;
     // GEMM1's result reaches memory in the layer dtype before the activation where the
     // activation runs as its own kernel: with adapters, and on CUDA without fusion.
-    rq.round_h1 = c.lora_rank > 0 || (c.backend == Backend::kCUDA && !c.options.fuse_activation);
+    rq.round_h1 = c.lora_rank > 0 || (c.backend == Backend::kCUDA && !c.options.fuse_activation) || grouped;
     ref::RefLora rl;
     if (c.lora_rank > 0) {
       rl.token_lora = token_loras;
@@ -429,7 +432,21 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   stream.sync();
   layer.out.download();
   const TensorView ov = c.options.no_combine ? layer.out.view({c.M, c.top_k, c.H}) : layer.out.view({c.M, c.H});
-  const std::vector<double> expected = layer.reference();
+  // The grouped path is the only one that writes the alignment's per-slot entries.
+  bool grouped = false;
+  if (c.backend == Backend::kCUDA && c.M > 0) {
+    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
+    if (layout.grouped_rows > 0) {
+      layer.workspace.download();
+      grouped = !layer.workspace.is_poison(layout.grouped_slot_entries / 4);
+    }
+#ifdef MOELORA_WITH_CUDA
+    if (c.expect_grouped.has_value() && cuda::current_device_facts().sm90_kernels) {
+      EXPECT_EQ(grouped, *c.expect_grouped) << "the other path ran";
+    }
+#endif
+  }
+  const std::vector<double> expected = layer.reference(grouped);
   const double error = ref::rel_error(layer.out.read(ov), expected);
   // NOTE: with adapters the layer adds the w13 delta through layer-dtype intermediates
   // (the shrink's output, cache1) before the activation is quantized: each bf16 rounding
@@ -443,6 +460,7 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
     EXPECT_EQ(layer.workspace.is_poison(0), *c.expect_small_batch) << "the other path ran";
   }
   RecordProperty("rel_error", std::to_string(error));
+  RecordProperty("grouped", grouped ? "1" : "0");
 }
 
 std::vector<QuantLayerCase> quant_layer_cases() {
@@ -554,6 +572,44 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.M = 4;
     x.options.config = &kSmallBatch;
     add("lora16_small_batch", x);
+    // The grouped GEMMs (sm_90a; int8_block has no CUTLASS mainloop and stays on the tile
+    // kernels): 1280 slots and more, with each of the layer's options.
+    static const MoeKernelConfig kGrouped{.grouped_gemm = true};
+    QuantLayerCase grouped = small;
+    grouped.M = 160;
+    grouped.top_k = 8;
+    grouped.options.config = &kGrouped;
+    grouped.expect_grouped = method != QuantMethod::kInt8Block;
+    add("grouped", grouped, {Backend::kCUDA});
+    x = grouped;
+    x.num_global = 32;  // an expert_map: 8 local experts of 32, some idle; dropped slots
+    x.dropped_share = 0.1;
+    add("grouped_expert_map_dropped", x, {Backend::kCUDA});
+    x = grouped;
+    x.M = 300;
+    x.options.chunk_size = 150;
+    x.options.routed_scaling_factor = 2.5f;
+    add("grouped_chunk150_scaled", x, {Backend::kCUDA});
+    x = grouped;
+    x.dtype = DType::kFloat16;
+    x.options.activation = Activation::kGelu;
+    add("grouped_gelu", x, {Backend::kCUDA});
+    x = grouped;
+    x.options.activation = Activation::kSwigluOai;
+    add("grouped_swiglu_oai", x, {Backend::kCUDA});
+    x = grouped;
+    x.M = 128;
+    x.H = 2880;
+    x.I = 1408;
+    add("grouped_odd_H2880_I1408", x, {Backend::kCUDA});
+    x = grouped;
+    x.options.no_combine = true;  // not taken: the tile kernels write each slot's row
+    x.expect_grouped = false;
+    add("grouped_no_combine", x, {Backend::kCUDA});
+    x = grouped;
+    x.M = 100;  // 800 slots: under kGroupedMinSlots, no room reserved
+    x.expect_grouped = false;
+    add("grouped_too_few_slots", x, {Backend::kCUDA});
   }
   QuantLayerCase stat;
   stat.method = QuantMethod::kFp8Tensor;
@@ -561,6 +617,12 @@ std::vector<QuantLayerCase> quant_layer_cases() {
   add("static_scales", stat);
   stat.M = 4;
   add("static_scales_M4", stat);
+  static const MoeKernelConfig kGroupedStatic{.grouped_gemm = true};
+  stat.M = 160;
+  stat.top_k = 8;
+  stat.options.config = &kGroupedStatic;
+  stat.expect_grouped = true;
+  add("static_scales_grouped", stat, {Backend::kCUDA});
   return cases;
 }
 

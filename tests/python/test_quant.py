@@ -198,8 +198,16 @@ def test_quant_torch_compile_fullgraph(backend):
 
 
 @pytest.mark.skipif(not HAS_TORCH_CUDA, reason="needs torch with CUDA and moelora's CUDA backend")
-def test_quant_cuda_graph_replays_new_inputs():
-    args, quant, ref = _quant_layer("torch-cuda", "fp8_block", seed=27)
+@pytest.mark.parametrize("scheme,M,top_k,E", [("fp8_block", 12, 2, 6), ("fp8_block", 160, 8, 16),
+                                              ("fp8_channel", 160, 8, 16), ("fp8_tensor", 160, 8, 16),
+                                              ("int8_channel", 160, 8, 16)],
+                         ids=["small", "grouped_fp8_block", "grouped_fp8_channel", "grouped_fp8_tensor",
+                              "grouped_int8_channel"])
+def test_quant_cuda_graph_replays_new_inputs(scheme, M, top_k, E):
+    # 1280 slots take the grouped GEMMs on sm_90a (CUTLASS, device-side problem sizes).
+    if scheme.startswith("fp8") and not torch.cuda.get_device_capability() >= (8, 9):
+        pytest.skip("fp8 experts need sm_89+")
+    args, quant, ref = _quant_layer("torch-cuda", scheme, seed=27, M=M, top_k=top_k, E=E)
     x = args[0]
     static_x = x.clone()
     graph = torch.cuda.CUDAGraph()

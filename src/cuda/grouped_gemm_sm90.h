@@ -1,0 +1,50 @@
+// The sm_90a grouped W8A8 GEMMs of fused_experts' grouped path (CUTLASS 4.2 ptr-array
+// collectives; docs/CUTLASS_GROUPED_FP8.md): plain declarations, so that no file outside
+// the instance TUs sees a CUTLASS type.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace moelora::cuda {
+
+// One grouped GEMM, all arrays on the device and indexed by group (one group per expert):
+//   D_g[M_g, N_g] = scale(A_g[M_g, K_g] · B_g[N_g, K_g]ᵀ)
+// problem_shapes holds (M, N, K) as three int32 per group; groups with M = 0 are skipped and
+// their pointers never read. Strides are each operand's row stride in elements (K-major A
+// and B, N-major D). Scales:
+//   blockwise: a_scales[g] -> [M_g, ceil(K/128)] row-major, w_scales[g] -> [ceil(N/128), ceil(K/128)]
+//   row-major (both strides exactly as written);
+//   epilogue: a_scales[g] -> [M_g] (a_scale_per_row) or one scalar, w_scales[g] -> [N_g]
+//   (w_scale_per_col) or one scalar.
+struct GroupedGemmRun {
+  int num_groups;
+  const int32_t* problem_shapes;  // [num_groups][3]
+  const void* const* a;
+  const int64_t* stride_a;
+  const void* const* b;
+  const int64_t* stride_b;
+  void* const* d;
+  const int64_t* stride_d;
+  const float* const* a_scales;
+  const float* const* w_scales;
+  bool a_scale_per_row = false, w_scale_per_col = false;
+  void* workspace;  // kGroupedGemmWorkspaceBytes, 128-byte aligned; one GEMM at a time per region
+  int64_t workspace_bytes;
+};
+
+// The CUTLASS workspace a run needs: four 128-byte TMA descriptors per SM (two for the
+// mainloop, two for the epilogue), checked against Gemm::get_workspace_size at run time.
+constexpr int64_t kGroupedGemmWorkspaceBytesPerSm = 4 * 128;
+
+// The instances (grouped_gemm_sm90_*.cu; sm_90a builds only). 128x128x128 tiles, 1x2
+// clusters, cooperative schedule.
+void grouped_gemm_sm90_fp8_blockwise_bf16(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_blockwise_fp16(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_bf16(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_fp16(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_bf16(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_fp16(const GroupedGemmRun& r, cudaStream_t stream);
+
+}  // namespace moelora::cuda

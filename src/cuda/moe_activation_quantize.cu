@@ -1,0 +1,206 @@
+// moe_activation_quantize on CUDA (ActivationQuantizeParams): fused_experts' grouped path
+// turns GEMM1's rows [entries, 2I] into GEMM2's 8-bit input [entries, I] and its scales in
+// one pass, instead of an activation kernel writing [entries, I] in the layer dtype and a
+// quantize kernel reading it back. Each value is the activation rounded to the layer dtype,
+// then quantized by the rules of cuda/quantize.cuh, as the reference does.
+//
+// One CTA per row (grid-stride), each thread 8 consecutive outputs (16-byte loads):
+//   kBlock: the 16 threads of a 128-column block reduce its absmax with shuffles; one pass.
+//   kChannel: the CTA reduces the row's absmax, then a second pass (L1/L2 hits) quantizes.
+//   kTensor dynamic: a first launch atomicMax-es each row's absmax into *amax, the second
+//     quantizes with scale_of(*amax) (its CTA 0 writes that scale for GEMM2). Static: one.
+#include <algorithm>
+#include <stdexcept>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/gated_activation.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/numeric.cuh"
+#include "cuda/quantize.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::ActivationKind;
+using detail::ActivationQuantizeParams;
+
+constexpr int kThreads = 128;
+constexpr int kVec = 8;                  // outputs per thread and step: 16 bytes of 16-bit input
+constexpr int kStep = kThreads * kVec;   // columns per CTA step
+constexpr int kScaleBlock = 128;         // kBlock scales: 16 threads a block
+
+enum class Pass { kRows, kAmax, kTensor };
+
+// The activations of columns [col, col + kVec) of one row, rounded to T.
+template <typename T, ActivationKind kKind>
+__device__ __forceinline__ void activations(const T* in, int64_t width, int64_t col, const ActivationQuantizeParams& p,
+                                            float (&v)[kVec]) {
+  T gate[kVec], up[kVec];
+  if constexpr (kKind == ActivationKind::kSwigluOai) {
+    // gpt-oss interleaves gate and up: element 2i is gate i, 2i+1 is up i.
+    T pairs[2 * kVec];
+    *reinterpret_cast<Vec16<T>*>(pairs) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col);
+    *reinterpret_cast<Vec16<T>*>(pairs + kVec) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col + kVec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      gate[i] = pairs[2 * i];
+      up[i] = pairs[2 * i + 1];
+    }
+  } else {
+    *reinterpret_cast<Vec16<T>*>(gate) = *reinterpret_cast<const Vec16<T>*>(in + col);
+    *reinterpret_cast<Vec16<T>*>(up) = *reinterpret_cast<const Vec16<T>*>(in + width + col);
+  }
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    v[i] = to_float(from_float<T>(gated_activation<kKind>(to_float(gate[i]), to_float(up[i]), p.alpha, p.limit)));
+  }
+}
+
+template <class Out>
+__device__ __forceinline__ void store_quantized(Out* out, const float (&v)[kVec], float scale) {
+  Out q[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) q[i] = quantize_element<Out>(v[i], scale);
+  *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(q);
+}
+
+__device__ __forceinline__ float cta_max(float v) {
+  __shared__ float warp_max[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  __syncthreads();  // the previous row's readers are done with warp_max
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  float m = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
+  return m;
+}
+
+template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, Pass kPass>
+__global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const ActivationQuantizeParams p) {
+  wait_for_previous_kernel();
+  const int64_t entries = std::min<int64_t>(*p.num_tokens_post_padded, p.max_num_tokens_padded);
+  const int64_t width = p.width;
+  float tensor_scale = 0.f;
+  if constexpr (kPass == Pass::kTensor) {
+    tensor_scale = p.static_scale ? *p.scales : scale_of(*p.amax, kQmax<Out>);
+    if (!p.static_scale && blockIdx.x == 0 && threadIdx.x == 0) *p.scales = tensor_scale;
+  }
+  // NOTE: the row test is uniform over the CTA, so every thread reaches cta_max's barriers.
+  for (int64_t row = blockIdx.x; row < entries; row += gridDim.x) {
+    const int32_t slot = p.sorted_token_ids[row];
+    if (slot < 0 || slot >= p.num_slots || p.expert_ids[row / p.block_size] < 0) continue;  // never computed
+    const T* in = static_cast<const T*>(p.input) + row * 2 * width;
+    Out* out = static_cast<Out*>(p.out) + row * width;
+    if constexpr (kScales == ScaleGranularity::kBlock && kPass == Pass::kRows) {
+      const int64_t scale_cols = (width + kScaleBlock - 1) / kScaleBlock;
+      for (int64_t c0 = 0; c0 < width; c0 += kStep) {
+        const int64_t col = c0 + int64_t(threadIdx.x) * kVec;
+        float v[kVec] = {};
+        float absmax = 0.f;
+        if (col < width) {
+          activations<T, kKind>(in, width, col, p, v);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int offset = 8; offset > 0; offset /= 2) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+        const float scale = scale_of(absmax, kQmax<Out>);
+        if (col < width) {
+          if (threadIdx.x % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;
+          store_quantized(out + col, v, scale);
+        }
+      }
+    } else {
+      float scale = tensor_scale;
+      if constexpr (kPass != Pass::kTensor) {
+        float absmax = 0.f;
+        for (int64_t col = int64_t(threadIdx.x) * kVec; col < width; col += kStep) {
+          float v[kVec];
+          activations<T, kKind>(in, width, col, p, v);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
+        }
+        absmax = cta_max(absmax);
+        if constexpr (kPass == Pass::kAmax) {
+          // Non-negative floats order like their bits.
+          if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(p.amax), __float_as_int(absmax));
+          continue;
+        }
+        scale = scale_of(absmax, kQmax<Out>);
+        if (threadIdx.x == 0) p.scales[row] = scale;
+      }
+      for (int64_t col = int64_t(threadIdx.x) * kVec; col < width; col += kStep) {
+        float v[kVec];
+        activations<T, kKind>(in, width, col, p, v);
+        store_quantized(out + col, v, scale);
+      }
+    }
+  }
+  allow_next_kernel_launch();
+}
+
+template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales>
+void launch_scales(const ActivationQuantizeParams& p, cudaStream_t stream) {
+  const unsigned ctas =
+      unsigned(std::clamp<int64_t>(p.max_num_tokens_padded, 1, int64_t(current_device_info().num_sms) * 16));
+  if constexpr (kScales == ScaleGranularity::kTensor) {
+    if (!p.static_scale) {
+      launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kAmax>, dim3(ctas), dim3(kThreads), 0,
+                    stream, p);
+    }
+    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kTensor>, dim3(ctas), dim3(kThreads), 0,
+                  stream, p);
+  } else {
+    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kRows>, dim3(ctas), dim3(kThreads), 0,
+                  stream, p);
+  }
+}
+
+template <typename T, class Out, ActivationKind kKind>
+void launch_kind(const ActivationQuantizeParams& p, cudaStream_t stream) {
+  switch (p.granularity) {
+    case ScaleGranularity::kBlock: launch_scales<T, Out, kKind, ScaleGranularity::kBlock>(p, stream); break;
+    case ScaleGranularity::kChannel: launch_scales<T, Out, kKind, ScaleGranularity::kChannel>(p, stream); break;
+    default: launch_scales<T, Out, kKind, ScaleGranularity::kTensor>(p, stream); break;
+  }
+}
+
+template <typename T, class Out>
+void launch_out(const ActivationQuantizeParams& p, cudaStream_t stream) {
+  switch (p.kind) {
+    case ActivationKind::kSiluAndMul: launch_kind<T, Out, ActivationKind::kSiluAndMul>(p, stream); break;
+    case ActivationKind::kGeluAndMul: launch_kind<T, Out, ActivationKind::kGeluAndMul>(p, stream); break;
+    default: launch_kind<T, Out, ActivationKind::kSwigluOai>(p, stream); break;
+  }
+}
+
+}  // namespace
+
+void moe_activation_quantize(const ActivationQuantizeParams& p, Stream stream) {
+  if (p.max_num_tokens_padded == 0 || p.width == 0) return;
+  // 16-byte input loads, 8-byte output stores, 128-column scale blocks of 16 threads.
+  if (p.width % 16 != 0 || !aligned16(p.input) || reinterpret_cast<uintptr_t>(p.out) % 8 != 0 ||
+      (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)) {
+    throw std::logic_error("moelora.moe_activation_quantize: needs 16-bit rows, width % 16 == 0, aligned rows");
+  }
+  const auto s = static_cast<cudaStream_t>(stream);
+  auto with_out = [&](auto t) {
+    using T = decltype(t);
+    if (p.element == DType::kInt8) {
+      launch_out<T, int8_t>(p, s);
+    } else {
+      launch_out<T, uint8_t>(p, s);
+    }
+  };
+  if (p.dtype == DType::kBFloat16) {
+    with_out(__nv_bfloat16{});
+  } else {
+    with_out(__half{});
+  }
+}
+
+}  // namespace moelora::cuda

@@ -1,0 +1,35 @@
+// The element and scale rules of quantization on CUDA, shared by the quantize op and the
+// kernels that quantize as they write (moe_activation_quantize). See include/moelora/quant.h:
+// scale = max(absmax, kQuantAbsmaxFloor) / qmax, element = round(x / scale) with an IEEE
+// division (no fast math), so every kernel matches the CPU backend bit for bit.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "moelora/quant.h"
+
+namespace moelora::cuda {
+
+template <class Out>
+__device__ __forceinline__ Out quantize_element(float x, float scale);
+template <>
+__device__ __forceinline__ uint8_t quantize_element<uint8_t>(float x, float scale) {
+  const float v = fminf(fmaxf(x / scale, -448.f), 448.f);
+  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+template <>
+__device__ __forceinline__ int8_t quantize_element<int8_t>(float x, float scale) {
+  const float v = fminf(fmaxf(x / scale, -127.f), 127.f);
+  return int8_t(__float2int_rn(v));
+}
+
+// uint8_t holds fp8 e4m3 bits.
+template <class Out>
+constexpr float kQmax = std::is_same_v<Out, int8_t> ? 127.f : 448.f;
+
+__device__ __forceinline__ float scale_of(float absmax, float qmax) { return fmaxf(absmax, kQuantAbsmaxFloor) / qmax; }
+
+}  // namespace moelora::cuda
