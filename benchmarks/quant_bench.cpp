@@ -302,9 +302,10 @@ std::vector<double> reference_tokens(const Model& m, const CallInputs& in, const
     const int32_t l = in.lora ? in.lora_ids[tokens[i / m.top_k]] : -1;
     return l < 0 ? -1 : l * m.E + s.experts[i];
   };
-  // With round_h1 (GEMM1's output reaches memory in bf16), as the op rounds: the base,
-  // then the sum with the delta. Adapters see the unquantized x.
-  const bool round_h1 = q && q->round_h1;
+  // Quantized experts: GEMM1's output is rounded to bf16 before the activation, as on
+  // every path of the op: the base, then the sum with the delta. Adapters see the
+  // unquantized x.
+  const bool round_h1 = q != nullptr;
   if (round_h1) h1 = moelora::ref::round_to(kDtype, h1);
   for (int64_t i = 0; i < S; ++i) {
     if (pair(i) < 0) continue;
@@ -433,8 +434,7 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
                                   .block_k = q.scheme.block_k,
                                   .a13_scale = q.a13,
                                   .a2_scale = q.a2,
-                                  .layer_dtype = kDtype,
-                                  .round_h1 = in.lora != nullptr};  // GEMM1's output reaches memory with LoRA
+                                  .layer_dtype = kDtype};
         const int64_t chunk = plan.chunk_size > 0 ? plan.chunk_size : int64_t(plan.tokens.size());
         const std::vector<double> got = rows_of(out, m.H, plan.tokens);
         row.rel_err = moelora::ref::rel_error(

@@ -325,7 +325,8 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     dequantized weights, and x and the activation are quantized as the op does:
     {"dtype": "float8_e4m3fn"|"int8", "activation_scales": "block"|"channel"|"tensor",
     "block_k": 128, "a13_scale": None|float, "a2_scale": None|float (static scales),
-    "layer_dtype": the numpy dtype the activation is rounded to before its quantization}.
+    "layer_dtype": the numpy dtype GEMM1's output is rounded to before the activation, and
+    the activation before its quantization}.
     """
     x = _f64(hidden_states)
     ids = np.asarray(topk_ids).astype(np.int64)
@@ -389,7 +390,8 @@ def _fused_experts_quant(x, w13, w2, weights, local_ids, act, quant, no_combine,
         h = xq[tokens] @ _f64(w13[expert]).T
         if weight_on_input:
             h *= weights[tokens, ks][:, None]
-        acts[tokens * top_k + ks] = act(h, swiglu_alpha, swiglu_limit)
+        # GEMM1's output reaches the activation in the layer dtype on every path.
+        acts[tokens * top_k + ks] = act(_f64(h.astype(quant["layer_dtype"])), swiglu_alpha, swiglu_limit)
     acts = _f64(acts.astype(quant["layer_dtype"]))
     aq = _quantized_rows(acts, granularity, block_k, dtype, quant.get("a2_scale"))
     per_slot = np.zeros((num_tokens, top_k, hidden_size))

@@ -206,15 +206,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // writes cache3 after GEMM1 has finished.
   l.sorted_input_rows =
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
-  // Quantized experts on the CPU keep GEMM1's [slots, 2I] in fp32 (4 bytes an element).
-  const int64_t cache1_elem = s.quant.enabled() ? 4 : elem;
   // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16: its rows
   // are the padded entries of that alignment.
   const bool grouped = s.quant.enabled() && s.max_loras == 0 && slots >= kGroupedMinSlots;
   l.grouped_rows = grouped ? moe_align_block_size_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
   // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
-      take(std::max({slots * 2 * s.intermediate_size * cache1_elem, slots * s.hidden_size * elem,
+      take(std::max({slots * 2 * s.intermediate_size * elem, slots * s.hidden_size * elem,
                      l.sorted_input_rows * s.hidden_size * elem,
                      l.grouped_rows * std::max(2 * s.intermediate_size, s.hidden_size) * elem}));
   l.cache2 = take(l.cache2_rows * s.intermediate_size * elem);
@@ -363,11 +361,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
   plan.direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);
 
-  // GEMM1's result before the activation kernel: fp32 for quantized experts on the CPU,
-  // so the activation and its quantization see the unrounded values, as the CUDA
-  // epilogue does (with adapters it stays in the layer dtype: the delta kernels add there).
-  const DType cache1_dtype = plan.quantized && !on_cuda(x) && !args.lora ? DType::kFloat32 : dtype;
-  plan.cache1 = view2d(byte_offset(ws, layout.cache1), cache1_dtype, slots, 2 * I, 2 * I, 1, device);
+  // GEMM1's result before the activation kernel, in the layer dtype: quantized experts
+  // round it there on every path (the CUDA epilogues that fuse the activation too).
+  plan.cache1 = view2d(byte_offset(ws, layout.cache1), dtype, slots, 2 * I, 2 * I, 1, device);
   plan.cache2 = view2d(byte_offset(ws, layout.cache2), dtype,
                        plan.sorted_activation ? cap.max_num_tokens_padded : slots, I, I, 1, device);
   plan.x_sorted = view2d(byte_offset(ws, layout.sorted_input), dtype, cap.max_num_tokens_padded, H, H, 1, device);

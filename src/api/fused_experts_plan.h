@@ -73,7 +73,6 @@ struct FusedExpertsChunkPlan {
 
   // Quantized experts (FusedExpertsArgs::quant): the 8-bit GEMM inputs and their scales,
   // and how each is quantized (QuantizeParams' blocks: rows x cols, 0 = the whole dim).
-  // cache1 is fp32 on the CPU then: the activation reads GEMM1's unrounded result there.
   bool quantized = false;
   TensorView x_quantized;    // [tokens, H]
   TensorView x_scales;       // [tokens, ceil(H / block_k)], [tokens, 1] or [1, 1] (a13_scale when static)

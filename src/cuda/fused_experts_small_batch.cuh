@@ -395,12 +395,22 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
         const int slot = t.sorted_slot[g + lane];
         const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
         float gate = lane_value(acc, 0, lane), up = lane_value(acc, 1, lane);
+        float gate_delta = 0.f, up_delta = 0.f;
         if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
           const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
-          gate += to_float(delta[interleaved ? 2 * j : j]);
-          up += to_float(delta[interleaved ? 2 * j + 1 : I + j]);
+          gate_delta = to_float(delta[interleaved ? 2 * j : j]);
+          up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
         }
-        const float out = gated_activation<kAct>(gate * w_in, up * w_in, p.alpha, p.limit);
+        if constexpr (kQuant) {
+          // W8A8: GEMM1's output rounded to T, then its sum with the delta, as on the
+          // aligned paths (a T tensor between GEMM1 and the activation).
+          gate = to_float(from_float<T>(to_float(from_float<T>(gate * w_in)) + gate_delta * w_in));
+          up = to_float(from_float<T>(to_float(from_float<T>(up * w_in)) + up_delta * w_in));
+        } else {
+          gate = (gate + gate_delta) * w_in;
+          up = (up + up_delta) * w_in;
+        }
+        const float out = gated_activation<kAct>(gate, up, p.alpha, p.limit);
         act[int64_t(slot) * I + j] = from_float<T>(out);
       }
     }

@@ -267,6 +267,11 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_w8a8_kernel(const 
       static_cast<__half*>(p.out)[offset] = __float2half_rn(v);
     }
   };
+  // GEMM1's gate and up reach the activation rounded to the layer dtype, as on the grouped
+  // path (a layer-dtype tensor between GEMM1 and the activation) and in the reference.
+  auto rounded = [&](float v) {
+    return bf16 ? __bfloat162float(__float2bfloat16_rn(v)) : __half2float(__float2half_rn(v));
+  };
   if (p.gated) {
     constexpr int kHalf = decltype(size(result))::value / 2;
 #pragma unroll
@@ -276,7 +281,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_w8a8_kernel(const 
       const int32_t slot = tile_slot[r];
       if (slot < 0 || n >= p.N) continue;
       const float w = tile_weight[r];
-      store(slot, n, gated_activation(p, result(i) * w, result(i + kHalf) * w));
+      store(slot, n, gated_activation(p, rounded(result(i) * w), rounded(result(i + kHalf) * w)));
     }
     return;
   }

@@ -260,9 +260,9 @@ std::vector<double> reference_fused_experts(const std::vector<double>& hidden_st
     const double weight = topk_weights[size_t(s)];
     const double* x = &x_in[size_t((s / top_k) * H)];
     const int64_t adapter = lora ? lora->token_lora[size_t(s / top_k)] : -1;
-    // h1 = (base + delta) (× weight on input). With round_h1 (the op's path through a
-    // layer-dtype cache1) as the op rounds: the weighted base, then the sum with the delta.
-    const bool round_h1 = quant && quant->round_h1;
+    // h1 = (base + delta) (× weight on input). Quantized experts round as the op does: the
+    // weighted base to the layer dtype, then the sum with the delta.
+    const bool round_h1 = quant != nullptr;
     const double w_in = apply_router_weight_on_input ? weight : 1.0;
     std::vector<double> h1(static_cast<size_t>(2 * I));  // [2I]
     for (int64_t n = 0; n < 2 * I; ++n) h1[size_t(n)] = dot(x, &w13[size_t((local * 2 * I + n) * H)], H) * w_in;

@@ -107,7 +107,8 @@ struct RefLora {
 // tokens: x before GEMM1, and act (activation(h1), rounded to layer_dtype) before GEMM2,
 // each by reference_quantize with the scheme's activation blocks (per token group of
 // block_k, per row, or per tensor over the chunk's rows, static when given). h1 is
-// rounded to layer_dtype before the activation when round_h1 (the op's path with LoRA).
+// rounded to layer_dtype before the activation, as on every path of the op (vLLM's
+// semantics: GEMM1's output is a layer-dtype tensor).
 struct RefQuant {
   DType element = DType::kFloat8E4M3;
   ScaleGranularity activation_scales = ScaleGranularity::kBlock;
@@ -115,7 +116,6 @@ struct RefQuant {
   double a13_scale = 0.0, a2_scale = 0.0;  // > 0: static per-tensor scales
   DType layer_dtype = DType::kBFloat16;
   int64_t chunk_size = 64 * 1024;
-  bool round_h1 = false;
 };
 
 // values [batch, rows, cols] -> the dequantized values (q × scale) of moelora's quantize

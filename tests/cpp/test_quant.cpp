@@ -372,8 +372,7 @@ struct QuantLayer {
     return a;
   }
 
-  // grouped: the layer ran the grouped path (GEMM1's rows reach memory in the layer dtype).
-  std::vector<double> reference(bool grouped) const {
+  std::vector<double> reference() const {
     ref::RefQuant rq;
     rq.element = scheme.element;
     rq.activation_scales = scheme.activation_scales;
@@ -384,9 +383,6 @@ struct QuantLayer {
     }
     rq.layer_dtype = c.dtype;
     rq.chunk_size = c.options.chunk_size;
-    // GEMM1's result reaches memory in the layer dtype before the activation where the
-    // activation runs as its own kernel: with adapters, and on CUDA without fusion.
-    rq.round_h1 = c.lora_rank > 0 || (c.backend == Backend::kCUDA && !c.options.fuse_activation) || grouped;
     ref::RefLora rl;
     if (c.lora_rank > 0) {
       rl.token_lora = token_loras;
@@ -446,7 +442,7 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
     }
 #endif
   }
-  const std::vector<double> expected = layer.reference(grouped);
+  const std::vector<double> expected = layer.reference();
   const double error = ref::rel_error(layer.out.read(ov), expected);
   // NOTE: with adapters the layer adds the w13 delta through layer-dtype intermediates
   // (the shrink's output, cache1) before the activation is quantized: each bf16 rounding
