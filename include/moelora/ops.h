@@ -156,7 +156,7 @@ struct MoeKernelConfig {
 };
 // Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its
 // buffers only for calls whose chunks reach it.
-constexpr int64_t kGroupedMinSlots = 1024;
+constexpr int64_t kGroupedMinSlots = 512;
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch.
 constexpr int64_t kSmallBatchMaxSlots = 64;
 
