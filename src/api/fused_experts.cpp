@@ -217,8 +217,9 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
 }
 
 // The grouped path of one chunk (FusedExpertsChunkPlan::grouped), after x's quantization
-// by token: the alignment in blocks of 16 with per-expert offsets and per-slot entries,
-// the GEMMs' device arrays, x's rows and scales gathered into expert order, GEMM1, the
+// by token: the alignment in blocks of 16 with per-expert offsets and sizes, the GEMMs'
+// device arrays, x's rows and scales gathered into expert order (and each slot's entry
+// noted), GEMM1, the
 // activation quantized by entry, GEMM2, and the weighted top-k sum through the entries.
 void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
                        const FusedExpertsOptions& options, ActivationKind kind, Stream stream) {
@@ -233,7 +234,6 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
                                    plan.expert_ids, plan.num_tokens_post_padded);
   align.group_entry_offsets = plan.grouped_entry_offsets;
   align.group_sizes = plan.grouped_sizes;
-  align.slot_entries = plan.slot_entries;
   run_align(align, device, stream);
   cuda::grouped_experts_args(g, stream);
   // x's 8-bit rows by entry, and their scales (none to gather for one tensor scale).
@@ -241,7 +241,9 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
       GatherRowsParams{.dtype = scheme.element, .input = plan.x_quantized.data,
                        .input_stride_row = plan.x_quantized.strides[0], .out = g.a, .out_stride_row = H,
                        .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
-                       .num_slots = plan.slots, .top_k = top_k, .width = H},
+                       .num_slots = plan.slots, .top_k = top_k, .width = H, .slot_entries = plan.slot_entries,
+                       .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
+                       .block_size = plan.block_size},
       stream);
   if (scheme.activation_scales != ScaleGranularity::kTensor) {
     const int64_t scale_cols = plan.x_scales.shape[1];

@@ -52,11 +52,9 @@ struct AlignParams {
   // [max_num_blocks * block_size / 16], zeroed here (LoraDeltaParams::shrink_counters).
   int32_t* lora_shrink_counters = nullptr;
   // fused_experts' grouped path (CUDA, max_loras == 0): each expert's first entry and its
-  // slot count [num_experts], and each slot's entry [num_tokens * top_k] (-1 for a slot
-  // whose expert is out of range or not local under expert_map).
+  // slot count [num_experts].
   int32_t* group_entry_offsets = nullptr;
   int32_t* group_sizes = nullptr;
-  int32_t* slot_entries = nullptr;
 };
 
 // The adapter of token m: token_lora_ids[m] when in [0, max_loras) and enabled, else -1.
@@ -331,6 +329,11 @@ struct GatherRowsParams {
   int64_t num_slots;                      // the padding sentinel
   int64_t top_k;
   int64_t width;
+  // fused_experts' grouped path: also each slot's entry [num_slots] (every slot has one
+  // entry), -1 where the entry's block has no local expert (expert_ids, block_size).
+  int32_t* slot_entries = nullptr;
+  const int32_t* expert_ids = nullptr;
+  int64_t block_size = 0;
 };
 
 // fused_experts' grouped path (CUDA, sm_90a; quantized experts, many slots per expert):

@@ -179,8 +179,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   // cursors, and the block table entries of the groups g with g % count == rank.
   int total_padded = 0;
   for (int pass = 0; pass < num_groups; pass += kAlignGroupsPerPass) {
-    int padded[kAlignItemsPerThread], offset[kAlignItemsPerThread], before[kAlignItemsPerThread],
-        totals[kAlignItemsPerThread];
+    int padded[kAlignItemsPerThread], offset[kAlignItemsPerThread], before[kAlignItemsPerThread];
 #pragma unroll
     for (int i = 0; i < kAlignItemsPerThread; ++i) {
       const int g = pass + threadIdx.x * kAlignItemsPerThread + i;
@@ -193,7 +192,6 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
           if (r < ctas.rank) before[i] += count;
         }
       }
-      totals[i] = total;
       padded[i] = (total + block_size - 1) / block_size * block_size;
       if (segmented && g < num_groups - 1) {
         // Unpadded inside an expert; its last group pads the expert's sum (every expert
@@ -215,10 +213,6 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
       const int start = total_padded + offset[i];
       group_cursor[g] = start + before[i];
       if (g % ctas.count != ctas.rank) continue;
-      if (p.group_sizes && g < num_groups - 1) {
-        p.group_entry_offsets[g] = start;
-        p.group_sizes[g] = totals[i];
-      }
       // Block -> expert (and adapter) table for this group's blocks.
       int expert = -1, lora = -1;
       if (g < num_groups - 1) {
@@ -242,6 +236,20 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     total_padded += pass_total;
     __syncthreads();  // scan_storage is reused by the next pass
   }
+  // The grouped path: each expert's first entry and slot count, from this CTA's cursors
+  // (its first entry plus the slots of the CTAs before it) and the histograms.
+  // NOTE: a loop of its own: kept in the scan's registers it spilled on sm_80.
+  for (int g = ctas.rank * kAlignThreads + threadIdx.x; p.group_sizes && g < num_groups - 1;
+       g += ctas.count * kAlignThreads) {
+    int total = 0, before = 0;
+    for (int r = 0; r < ctas.count; ++r) {
+      const int count = ctas.shared_of(group_count, r)[g];
+      total += count;
+      if (r < ctas.rank) before += count;
+    }
+    p.group_entry_offsets[g] = group_cursor[g] - before;
+    p.group_sizes[g] = total;
+  }
   if (ctas.rank == 0 && threadIdx.x == 0) *p.num_tokens_post_padded = total_padded;
   for (int b = total_padded / block_size + ctas.rank * kAlignThreads + threadIdx.x; b < int(p.max_num_blocks);
        b += ctas.count * kAlignThreads) {
@@ -262,14 +270,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
     for (int i = 0; i < kAlignBatch; ++i) {
       if (g[i] < 0) continue;
       const int entry = atomicAdd(&group_cursor[g[i]], 1);
-      const int slot = s0 + i * kAlignThreads + int(threadIdx.x);
-      p.sorted_token_ids[entry] = slot;
-      if (p.slot_entries) {
-        // Plain alignment (groups are experts): rows of dropped slots and of experts that
-        // are not local are never computed.
-        const bool computed = g[i] < num_groups - 1 && (p.expert_map == nullptr || p.expert_map[g[i]] >= 0);
-        p.slot_entries[slot] = computed ? entry : -1;
-      }
+      p.sorted_token_ids[entry] = s0 + i * kAlignThreads + int(threadIdx.x);
       if (segmented && g[i] < num_groups - 1) p.entry_lora_ids[entry] = g[i] % groups_per_expert - 1;
     }
   }

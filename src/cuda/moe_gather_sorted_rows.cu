@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(kWarps * 32)
        entry += int64_t(gridDim.x) * kWarps) {
     const int32_t slot = p.sorted_token_ids[entry];
     if (slot < 0 || slot >= p.num_slots) continue;  // padding
+    if (p.slot_entries && lane == 0) p.slot_entries[slot] = p.expert_ids[entry / p.block_size] >= 0 ? int32_t(entry) : -1;
     const Chunk* src = static_cast<const Chunk*>(p.input) + (slot / p.top_k) * input_stride_chunks;
     Chunk* dst = static_cast<Chunk*>(p.out) + entry * out_stride_chunks;
     for (int64_t c0 = lane; c0 < row_chunks; c0 += 32 * kUnroll) {
