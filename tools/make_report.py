@@ -48,12 +48,18 @@ def main():
     ap.add_argument("--bench", required=True, nargs="+")
     ap.add_argument("--sanitizer-logs", nargs="*", default=[])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--peer", help="triton_fused_moe_compare.py --json rows (8-bit schemes): their two-GEMM time "
+                                   "goes into the matching quant rows as peer_us")
+    # A report assembled off the GPU machine from files it wrote: say what ran there.
+    ap.add_argument("--gpu")
+    ap.add_argument("--driver")
+    ap.add_argument("--cuda")
     args = ap.parse_args()
 
-    gpu = query(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).splitlines()[0]
-    driver = query(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0]
+    gpu = args.gpu or query(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]).splitlines()[0]
+    driver = args.driver or query(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]).splitlines()[0]
     nvcc = query(["nvcc", "--version"])
-    cuda = nvcc.split("release ")[-1].split(",")[0] if "release" in nvcc else "unknown"
+    cuda = args.cuda or (nvcc.split("release ")[-1].split(",")[0] if "release" in nvcc else "unknown")
     bench = None
     ceilings_8bit = {}
     for path in args.bench:
@@ -65,6 +71,14 @@ def main():
             bench = part
         else:
             bench["rows"] += part["rows"]
+    if args.peer:
+        with open(args.peer) as f:
+            peer = {(r["model"], r["M"], r["quant"]["scheme"]): r["two_gemm_us"] for r in json.load(f)}
+        for r in bench["rows"]:
+            q = r.get("quant")
+            if q and r.get("lora") is None and (r["model"], r["M"], q["scheme"]) in peer:
+                r["peer_us"] = round(peer[(r["model"], r["M"], q["scheme"])], 3)
+                r["peer"] = "triton fused_moe_kernel fp8 (vLLM contract), two GEMMs only, quick heuristic configs"
     c_pass, c_fail, c_skip = junit_counts(args.ctest)
     p_pass, p_fail, p_skip = junit_counts(args.pytest)
     sanitizer = {}
