@@ -66,19 +66,6 @@ __device__ __forceinline__ void store_quantized(Out* out, const float (&v)[kVec]
   *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(q);
 }
 
-__device__ __forceinline__ float cta_max(float v) {
-  __shared__ float warp_max[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  __syncthreads();  // the previous row's readers are done with warp_max
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
-  __syncthreads();
-  float m = warp_max[0];
-#pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-  return m;
-}
-
 template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, Pass kPass>
 __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const ActivationQuantizeParams p) {
   wait_for_previous_kernel();
@@ -89,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
     tensor_scale = p.static_scale ? *p.scales : scale_of(*p.amax, kQmax<Out>);
     if (!p.static_scale && blockIdx.x == 0 && threadIdx.x == 0) *p.scales = tensor_scale;
   }
-  // NOTE: the row test is uniform over the CTA, so every thread reaches cta_max's barriers.
+  // NOTE: the row test is uniform over the CTA, so every thread reaches team_max's barriers.
   for (int64_t row = blockIdx.x; row < entries; row += gridDim.x) {
     const int32_t slot = p.sorted_token_ids[row];
     if (slot < 0 || slot >= p.num_slots || p.expert_ids[row / p.block_size] < 0) continue;  // never computed
@@ -124,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
 #pragma unroll
           for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
         }
-        absmax = cta_max(absmax);
+        absmax = team_max<kThreads>(absmax);
         if constexpr (kPass == Pass::kAmax) {
           // Non-negative floats order like their bits.
           if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(p.amax), __float_as_int(absmax));

@@ -28,25 +28,6 @@ constexpr int kThreads = 256;
 
 enum class Pass : int { kRows, kAbsmax, kFromAbsmax, kStatic };
 
-// Max over the team (kTeam = 32: one warp; 256: the CTA, through shared memory).
-template <int kTeam>
-__device__ __forceinline__ float team_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if constexpr (kTeam == 32) {
-    return v;
-  } else {
-    __shared__ float warp_max[kTeam / 32];
-    __syncthreads();  // an earlier segment's readers are done with warp_max
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
-    __syncthreads();
-    float m = warp_max[0];
-#pragma unroll
-    for (int w = 1; w < kTeam / 32; ++w) m = fmaxf(m, warp_max[w]);
-    return m;
-  }
-}
-
 // One team per segment (b, row, col block); segments are numbered row-major over
 // (b, row, cb). A CTA of 256 threads holds 256 / kTeam teams.
 template <class In, class Out, int kTeam, Pass kPass>

@@ -32,4 +32,24 @@ constexpr float kQmax = std::is_same_v<Out, int8_t> ? 127.f : 448.f;
 
 __device__ __forceinline__ float scale_of(float absmax, float qmax) { return fmaxf(absmax, kQuantAbsmaxFloor) / qmax; }
 
+// Max over the team (kTeam = 32: one warp; a multiple of 32: the CTA of kTeam threads,
+// through shared memory; every thread of the CTA must call it).
+template <int kTeam>
+__device__ __forceinline__ float team_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  if constexpr (kTeam == 32) {
+    return v;
+  } else {
+    __shared__ float warp_max[kTeam / 32];
+    __syncthreads();  // an earlier segment's readers are done with warp_max
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+    __syncthreads();
+    float m = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < kTeam / 32; ++w) m = fmaxf(m, warp_max[w]);
+    return m;
+  }
+}
+
 }  // namespace moelora::cuda
