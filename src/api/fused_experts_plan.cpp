@@ -40,10 +40,10 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   if (options.block_size > 0 || device.type != DeviceType::kCUDA) return config;
 #ifdef MOELORA_WITH_CUDA
   const detail::CudaDeviceFacts facts = cuda::current_device_facts();
-  // Quantized experts: the grouped GEMMs once the chunk has kGroupedMinSlots slots and
-  // 16 a expert on average. NOTE: measured on H100, fp8_block (docs/PERF_NOTES.md, issue 28
-  // step 2): 3.3-5.8x faster than the W8A8 tile kernels from 1024 slots on every model; at
-  // 2048 slots even with 16 a expert (Qwen3-30B), 11% slower with 8 (DeepSeek-V3, 256 experts).
+  // Quantized experts: the grouped GEMMs once the chunk has kGroupedMinSlots slots and 16
+  // slots an expert on average. NOTE: measured on H100, fp8_block (docs/PERF_NOTES.md, issue
+  // 28 step 2): 1.6-6.1x faster than the W8A8 tile kernels from 1024 slots on every model;
+  // at 2048 slots level with 16 slots an expert (Qwen3-30B), 11% slower with 8 (DeepSeek-V3).
   const int64_t grouped_slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   config.grouped_gemm = shape.quant.enabled() && facts.sm90_kernels && grouped_slots >= kGroupedMinSlots &&
                         grouped_slots >= 16 * shape.num_experts;
