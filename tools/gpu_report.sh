@@ -28,6 +28,10 @@
 #                    QUANT_LORA_RANKS (e.g. "16") adds LoRA rows to the fp8_block cells.
 #                    Another grid of its own: with the layer bench, split the run
 #                    (BENCH_MODELS=none QUANT_SCHEMES=none) to fit 10 minutes.
+#   QUANT_PEER=1     also time the same-run Triton fp8 peer (benchmarks/
+#                    triton_fused_moe_compare.py --quick, fp8_block and fp8_channel over
+#                    QUANT_MODELS/QUANT_TOKENS; about 45 s for the whole grid on an H100):
+#                    its two-GEMM times go into the quant rows as peer_us.
 # CUTLASS headers must be in .deps/cutlass (tools/install_deps.sh here, then carry .deps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,6 +105,14 @@ if [ "${QUANT_SCHEMES:-}" != none ]; then
   # It writes the rows that ran even when some failed (and says which, exit 1).
   [ -f "$OUT_DIR/quant.json" ] && BENCH_JSONS+=("$OUT_DIR/quant.json")
 fi
+PEER_ARGS=()
+if [ "${QUANT_PEER:-0}" = 1 ]; then
+  step triton_fp8_peer
+  MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 benchmarks/triton_fused_moe_compare.py \
+    --model "${QUANT_MODELS:-all}" --scheme fp8_block,fp8_channel --quick \
+    --tokens "${QUANT_TOKENS:-1,2,4,8,16,32,64,256,1024,4096,8192}" --json "$OUT_DIR/peer.json" 2>&1 | tee -a "$LOG"
+  [ -f "$OUT_DIR/peer.json" ] && PEER_ARGS+=(--peer "$OUT_DIR/peer.json")
+fi
 if [ "${SKIP_MLA:-0}" != 1 ]; then
   step sparse_mla_bench
   "$BUILD_DIR/sparse_mla_bench" --device cuda --ceilings --json "$OUT_DIR/sparse_mla.json" 2>&1 | tee -a "$LOG"
@@ -112,4 +124,4 @@ fi
 step report
 python3 tools/make_report.py --commit "${MOELORA_COMMIT:-unknown}" --ctest "$OUT_DIR/ctest.xml" \
   --pytest "$OUT_DIR/pytest.xml" --bench "${BENCH_JSONS[@]}" \
-  --sanitizer-logs "$OUT_DIR"/sanitizer_*.log --out "$OUT_DIR/report.json"
+  --sanitizer-logs "$OUT_DIR"/sanitizer_*.log ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} --out "$OUT_DIR/report.json"
