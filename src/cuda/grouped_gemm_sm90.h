@@ -30,13 +30,12 @@ struct GroupedGemmRun {
   const float* const* a_scales;
   const float* const* w_scales;
   bool a_scale_per_row = false, w_scale_per_col = false;
-  void* workspace;  // kGroupedGemmWorkspaceBytes, 128-byte aligned; one GEMM at a time per region
+  // CUTLASS's workspace (detail::kGroupedExpertsCutlassWorkspaceBytes: four 128-byte TMA
+  // descriptors per SM), 128-byte aligned; checked against Gemm::get_workspace_size at each
+  // run. One GEMM at a time per region: each launch rewrites the descriptors.
+  void* workspace;
   int64_t workspace_bytes;
 };
-
-// The CUTLASS workspace a run needs: four 128-byte TMA descriptors per SM (two for the
-// mainloop, two for the epilogue), checked against Gemm::get_workspace_size at run time.
-constexpr int64_t kGroupedGemmWorkspaceBytesPerSm = 4 * 128;
 
 // The instances (grouped_gemm_sm90_*.cu; sm_90a builds only). 128x128x128 tiles, 1x2
 // clusters, cooperative schedule.
