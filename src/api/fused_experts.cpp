@@ -232,8 +232,8 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
   const auto* ntpp = static_cast<const int32_t*>(plan.num_tokens_post_padded.data);
   AlignParams align = align_params(plan.topk_ids, plan.block_size, g.num_groups, args.expert_map, plan.sorted_token_ids,
                                    plan.expert_ids, plan.num_tokens_post_padded);
-  align.group_entry_offsets = plan.grouped_entry_offsets;
-  align.group_sizes = plan.grouped_sizes;
+  align.group_entry_offsets = g.group_entry_offsets;
+  align.group_sizes = g.group_sizes;
   run_align(align, device, stream);
   cuda::grouped_experts_args(g, stream);
   // x's 8-bit rows by entry, and their scales (none to gather for one tensor scale).

@@ -142,11 +142,9 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.quant2 = quant.gemm2;
   g.num_groups = E_global;
   g.expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr;
-  plan.grouped_entry_offsets = static_cast<int32_t*>(byte_offset(ws, layout.grouped_entry_offsets));
-  plan.grouped_sizes = static_cast<int32_t*>(byte_offset(ws, layout.grouped_sizes));
+  g.group_entry_offsets = static_cast<int32_t*>(byte_offset(ws, layout.grouped_entry_offsets));
+  g.group_sizes = static_cast<int32_t*>(byte_offset(ws, layout.grouped_sizes));
   plan.slot_entries = static_cast<int32_t*>(byte_offset(ws, layout.grouped_slot_entries));
-  g.group_entry_offsets = plan.grouped_entry_offsets;
-  g.group_sizes = plan.grouped_sizes;
   g.H = H;
   g.I = I;
   g.w13 = args.w13.data;  // 8-bit: strides in elements are bytes

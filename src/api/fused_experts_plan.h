@@ -85,9 +85,7 @@ struct FusedExpertsChunkPlan {
   // both GEMMs as CUTLASS grouped GEMMs (GroupedExpertsParams, its regions in the workspace).
   bool grouped = false;
   GroupedExpertsParams grouped_params{};
-  int32_t* grouped_entry_offsets = nullptr;  // = grouped_params' group_entry_offsets, writable
-  int32_t* grouped_sizes = nullptr;
-  int32_t* slot_entries = nullptr;           // [slots]
+  int32_t* slot_entries = nullptr;  // [slots]
 };
 
 // The plan of tokens [begin, begin + tokens) of a validated call: `shape` is the call's

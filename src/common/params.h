@@ -350,7 +350,8 @@ struct GroupedExpertsParams {
   GemmQuantParams quant13, quant2;   // scheme and weight scales of each GEMM (a_scale unused)
   int64_t num_groups;                // global experts
   const int32_t* expert_map;         // [num_groups] -> local expert or -1; null = identity
-  const int32_t* group_entry_offsets, *group_sizes;  // AlignParams' [num_groups]
+  int32_t* group_entry_offsets;      // [num_groups]: written by the alignment (AlignParams'), read by the args
+  int32_t* group_sizes;
   int64_t H, I;
   const void* w13;                   // [E_local, 2I, H]
   int64_t w13_stride_expert, w13_stride_n;

@@ -461,6 +461,10 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   RecordProperty("grouped", grouped ? "1" : "0");
 }
 
+// The grouped GEMMs forced on (MoeKernelConfig::grouped_gemm): their cases take 1280 slots
+// or more, so the workspace holds the path's regions.
+const MoeKernelConfig kGrouped{.grouped_gemm = true};
+
 std::vector<QuantLayerCase> quant_layer_cases() {
   std::vector<QuantLayerCase> cases;
   const QuantMethod methods[] = {QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
@@ -577,7 +581,6 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     add("lora16_small_batch", x);
     // The grouped GEMMs (sm_90a; int8_block has no CUTLASS mainloop and stays on the tile
     // kernels): 1280 slots and more, with each of the layer's options.
-    static const MoeKernelConfig kGrouped{.grouped_gemm = true};
     QuantLayerCase grouped = small;
     grouped.M = 160;
     grouped.top_k = 8;
@@ -625,10 +628,9 @@ std::vector<QuantLayerCase> quant_layer_cases() {
   add("static_scales", stat);
   stat.M = 4;
   add("static_scales_M4", stat);
-  static const MoeKernelConfig kGroupedStatic{.grouped_gemm = true};
   stat.M = 160;
   stat.top_k = 8;
-  stat.options.config = &kGroupedStatic;
+  stat.options.config = &kGrouped;
   stat.expect_grouped = true;
   add("static_scales_grouped", stat, {Backend::kCUDA});
   return cases;
