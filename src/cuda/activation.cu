@@ -26,27 +26,7 @@ __global__ void activation_kernel(const ActivationParams p) {
   const T* in = static_cast<const T*>(p.input) + row * p.input_stride_row;
   T* out = static_cast<T*>(p.out) + row * p.out_stride_row;
   T gate[kVec], up[kVec], result[kVec];
-  if constexpr (kKind == ActivationKind::kSwigluOai) {
-    // gpt-oss interleaves gate and up: element 2i is gate i, 2i+1 is up i.
-    T pairs[2 * kVec];
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<Vec16<T>*>(pairs) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col);
-      *reinterpret_cast<Vec16<T>*>(pairs + kVec) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col + kVec);
-    } else {
-      pairs[0] = in[2 * col];
-      pairs[1] = in[2 * col + 1];
-    }
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) { gate[i] = pairs[2 * i]; up[i] = pairs[2 * i + 1]; }
-  } else {
-    if constexpr (kVec > 1) {
-      *reinterpret_cast<Vec16<T>*>(gate) = *reinterpret_cast<const Vec16<T>*>(in + col);
-      *reinterpret_cast<Vec16<T>*>(up) = *reinterpret_cast<const Vec16<T>*>(in + p.width + col);
-    } else {
-      gate[0] = in[col];
-      up[0] = in[p.width + col];
-    }
-  }
+  load_gate_up<T, kKind, kVec>(in, p.width, col, gate, up);
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     result[i] = from_float<T>(gated_activation<kKind>(to_float(gate[i]), to_float(up[i]), p.alpha, p.limit));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "common/params.h"
+#include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
 
@@ -17,6 +18,35 @@ __device__ __forceinline__ float gated_activation(float gate, float up, float al
     gate = fminf(gate, limit);
     up = fminf(fmaxf(up, -limit), limit);
     return (up + 1.f) * gate / (1.f + __expf(-alpha * gate));
+  }
+}
+
+// Gate and up of the kVec output columns [col, col + kVec) from one row of a gated
+// GEMM's output [2 * width]: its halves (gate, then up), or for swiglu_oai gpt-oss's
+// interleaved pairs (element 2i is gate i, 2i + 1 is up i). kVec > 1: 16-byte loads
+// (Vec16<T>::kSize columns; rows and col aligned to them).
+template <typename T, detail::ActivationKind kKind, int kVec>
+__device__ __forceinline__ void load_gate_up(const T* in, int64_t width, int64_t col, T (&gate)[kVec], T (&up)[kVec]) {
+  if constexpr (kKind == detail::ActivationKind::kSwigluOai) {
+    T pairs[2 * kVec];
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<Vec16<T>*>(pairs) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col);
+      *reinterpret_cast<Vec16<T>*>(pairs + kVec) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col + kVec);
+    } else {
+      pairs[0] = in[2 * col];
+      pairs[1] = in[2 * col + 1];
+    }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) {
+      gate[i] = pairs[2 * i];
+      up[i] = pairs[2 * i + 1];
+    }
+  } else if constexpr (kVec > 1) {
+    *reinterpret_cast<Vec16<T>*>(gate) = *reinterpret_cast<const Vec16<T>*>(in + col);
+    *reinterpret_cast<Vec16<T>*>(up) = *reinterpret_cast<const Vec16<T>*>(in + width + col);
+  } else {
+    gate[0] = in[col];
+    up[0] = in[width + col];
   }
 }
 

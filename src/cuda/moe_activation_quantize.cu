@@ -38,20 +38,7 @@ template <typename T, ActivationKind kKind>
 __device__ __forceinline__ void activations(const T* in, int64_t width, int64_t col, const ActivationQuantizeParams& p,
                                             float (&v)[kVec]) {
   T gate[kVec], up[kVec];
-  if constexpr (kKind == ActivationKind::kSwigluOai) {
-    // gpt-oss interleaves gate and up: element 2i is gate i, 2i+1 is up i.
-    T pairs[2 * kVec];
-    *reinterpret_cast<Vec16<T>*>(pairs) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col);
-    *reinterpret_cast<Vec16<T>*>(pairs + kVec) = *reinterpret_cast<const Vec16<T>*>(in + 2 * col + kVec);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      gate[i] = pairs[2 * i];
-      up[i] = pairs[2 * i + 1];
-    }
-  } else {
-    *reinterpret_cast<Vec16<T>*>(gate) = *reinterpret_cast<const Vec16<T>*>(in + col);
-    *reinterpret_cast<Vec16<T>*>(up) = *reinterpret_cast<const Vec16<T>*>(in + width + col);
-  }
+  load_gate_up<T, kKind, kVec>(in, width, col, gate, up);
 #pragma unroll
   for (int i = 0; i < kVec; ++i) {
     v[i] = to_float(from_float<T>(gated_activation<kKind>(to_float(gate[i]), to_float(up[i]), p.alpha, p.limit)));
