@@ -113,22 +113,50 @@ ROTATIONS = 4  # input sets per graph, as kRotations in moelora_bench.cpp
 
 
 @triton.jit
-def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
-                    N, K, EM, num_slots,
-                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-                    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
-                    GROUP_SIZE_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    # Grouped raster: GROUP_SIZE_M consecutive M-blocks sweep N together so their B tiles
-    # (one expert's weights when the blocks share an expert) are reused from L2.
+def grouped_tile(EM, N, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, GROUP_SIZE_M: tl.constexpr):
+    """(pid_m, pid_n) of this program in the grouped raster: GROUP_SIZE_M consecutive
+    M-blocks sweep N together so their B tiles (one expert's weights when the blocks share
+    an expert) are reused from L2."""
     pid = tl.program_id(0)
     blocks_m = tl.cdiv(EM, BLOCK_SIZE_M)
     blocks_n = tl.cdiv(N, BLOCK_SIZE_N)
     per_group = GROUP_SIZE_M * blocks_n
     first_m = (pid // per_group) * GROUP_SIZE_M
     rows_in_group = tl.minimum(blocks_m - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    return first_m + (pid % per_group) % rows_in_group, (pid % per_group) // rows_in_group
+
+
+@triton.jit
+def load_k_step(a_ptrs, b_ptrs, valid, ks, k_left, EVEN_K: tl.constexpr):
+    """One K step's A tile (rows of padding slots zero) and B tile; k_left = K minus the
+    step's first k masks the last step unless EVEN_K."""
+    if EVEN_K:
+        a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+        b = tl.load(b_ptrs)
+    else:
+        k_ok = ks < k_left
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+    return a, b
+
+
+@triton.jit
+def store_slots(c_ptr, acc, slot, valid, cols, N, topk_w_ptr, stride_cm, stride_cn, MUL_ROUTED_WEIGHT: tl.constexpr):
+    """The tile's rows into their slots of C (times the routed weight), padding rows skipped."""
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + slot, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + slot[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+
+
+@triton.jit
+def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, ntpp_ptr,
+                    N, K, EM, num_slots,
+                    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+                    GROUP_SIZE_M: tl.constexpr, TOP_K: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n = grouped_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     # The grid is sized for the worst case (graph-capturable); blocks past the padded
     # total of this routing have nothing to do.
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
@@ -143,23 +171,14 @@ def moe_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_
     b_ptrs = b_ptr + expert * stride_be + cols_b[None, :] * stride_bn + ks[:, None] * stride_bk
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = ks < K - k * BLOCK_SIZE_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a, b = load_k_step(a_ptrs, b_ptrs, valid, ks, K - k * BLOCK_SIZE_K, EVEN_K)
         if DOT_F32:  # interpreter only: its tl.dot multiplies bf16 as raw uint16 bits
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_SIZE_K * stride_ak
         b_ptrs += BLOCK_SIZE_K * stride_bk
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + slot, mask=valid, other=0.0)[:, None]
-    c_ptrs = c_ptr + slot[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    store_slots(c_ptr, acc, slot, valid, cols, N, topk_w_ptr, stride_cm, stride_cn, MUL_ROUTED_WEIGHT)
 
 
 
@@ -180,14 +199,7 @@ def moe_gemm_fp8_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_w_pt
     #     which is then added to the accumulator times a_scale[row, kb] * b_scale[e, n // GROUP_N, kb].
     #   GROUP_K == 0 (per channel): a_scale [num_tokens] (per token), b_scale [E, N]; one
     #     fp32 accumulator over all of K, scaled once at the end by a_scale[row] * b_scale[e, n].
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(EM, BLOCK_SIZE_M)
-    blocks_n = tl.cdiv(N, BLOCK_SIZE_N)
-    per_group = GROUP_SIZE_M * blocks_n
-    first_m = (pid // per_group) * GROUP_SIZE_M
-    rows_in_group = tl.minimum(blocks_m - first_m, GROUP_SIZE_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    pid_m, pid_n = grouped_tile(EM, N, BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M)
     if pid_m * BLOCK_SIZE_M >= tl.load(ntpp_ptr):
         return
     slot = tl.load(sorted_ids_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
@@ -206,13 +218,8 @@ def moe_gemm_fp8_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_w_pt
         for kb in range(0, tl.cdiv(K, GROUP_K)):
             part = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
             for kk in tl.static_range(GROUP_K // BLOCK_SIZE_K):
-                if EVEN_K:  # K % GROUP_K == 0
-                    a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                    b = tl.load(b_ptrs)
-                else:
-                    k_ok = ks < K - (kb * GROUP_K + kk * BLOCK_SIZE_K)
-                    a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+                # EVEN_K: K % GROUP_K == 0
+                a, b = load_k_step(a_ptrs, b_ptrs, valid, ks, K - (kb * GROUP_K + kk * BLOCK_SIZE_K), EVEN_K)
                 part = tl.dot(a, b, part)
                 a_ptrs += BLOCK_SIZE_K * stride_ak
                 b_ptrs += BLOCK_SIZE_K * stride_bk
@@ -221,23 +228,15 @@ def moe_gemm_fp8_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, topk_w_pt
             acc += part * (a_s[:, None] * b_s[None, :])
     else:
         for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-            if EVEN_K:  # K % BLOCK_SIZE_K == 0
-                a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-                b = tl.load(b_ptrs)
-            else:
-                k_ok = ks < K - k * BLOCK_SIZE_K
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            # EVEN_K: K % BLOCK_SIZE_K == 0
+            a, b = load_k_step(a_ptrs, b_ptrs, valid, ks, K - k * BLOCK_SIZE_K, EVEN_K)
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_SIZE_K * stride_ak
             b_ptrs += BLOCK_SIZE_K * stride_bk
         a_s = tl.load(a_scale_ptr + rows * stride_asm, mask=valid, other=0.0)
         b_s = tl.load(b_scale_ptr + expert * stride_bse + cols_b * stride_bsn)
         acc = acc * (a_s[:, None] * b_s[None, :])
-    if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + slot, mask=valid, other=0.0)[:, None]
-    c_ptrs = c_ptr + slot[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N))
+    store_slots(c_ptr, acc, slot, valid, cols, N, topk_w_ptr, stride_cm, stride_cn, MUL_ROUTED_WEIGHT)
 
 
 def align_block_size(topk_ids, E, bm):
