@@ -18,7 +18,11 @@ def rows_of(text):
     table = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     # The row after the header holds the units.
     unit = table[0].get("gpu__time_duration.sum", "")
-    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(unit, 1.0)
+    # NOTE: ncu 2025.3 writes "ns" here (the first device run read nanoseconds as microseconds).
+    scales = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    if unit not in scales:
+        print(f"warning: unknown duration unit {unit!r}; printing raw values", file=sys.stderr)
+    scale = scales.get(unit, 1.0)
     out = []
     for row in table[1:]:
         value = row.get("gpu__time_duration.sum", "").replace(",", "")

@@ -28,10 +28,43 @@ constexpr int kThreads = 256;
 
 enum class Pass : int { kRows, kAbsmax, kFromAbsmax, kStatic };
 
+// kVec elements of one chunk: 16 bytes of input (8 bf16/fp16, 4 fp32) or a single element.
+template <class In, class Out, int kVec>
+struct QuantChunk {
+  In in[kVec];
+  __device__ __forceinline__ void load(const In* x) {
+    if constexpr (kVec > 1) {
+      *reinterpret_cast<Vec16<In>*>(in) = *reinterpret_cast<const Vec16<In>*>(x);
+    } else {
+      in[0] = x[0];
+    }
+  }
+  __device__ __forceinline__ float absmax() const {
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) m = fmaxf(m, fabsf(to_float(in[i])));
+    return m;
+  }
+  __device__ __forceinline__ void store(Out* y, float scale) const {
+    struct alignas(kVec) Packed {
+      Out v[kVec];
+    } q;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) q.v[i] = quantize_element<Out>(to_float(in[i]), scale);
+    *reinterpret_cast<Packed*>(y) = q;
+  }
+};
+
 // One team per segment (b, row, col block); segments are numbered row-major over
-// (b, row, cb). A CTA of 256 threads holds 256 / kTeam teams.
-template <class In, class Out, int kTeam, Pass kPass>
+// (b, row, cb). A CTA of 256 threads holds 256 / kTeam teams. kVec: elements a thread
+// loads at once (16 bytes; the launcher checks alignment and widths, else 1). A thread's
+// first kKeep chunks of its segment stay in registers between the absmax and the writes;
+// longer segments are read again (L1/L2 hits).
+// NOTE: scalar 2-byte loads and 1-byte stores ran this kernel at 4-5x its bytes' time at
+// large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu, H100).
+template <class In, class Out, int kTeam, int kVec, Pass kPass>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
+  constexpr int kKeep = 4;
   wait_for_previous_kernel();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
   const int64_t num_segments = p.batch * p.rows * col_blocks;
@@ -39,34 +72,62 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams
   constexpr int kTeamsPerCta = kThreads / kTeam;
   const In* input = static_cast<const In*>(p.input);
   Out* out = static_cast<Out*>(p.out);
-  // NOTE: the loop bound is uniform over a CTA-wide team (kTeam 256), so every thread
-  // reaches team_max's barriers.
-  for (int64_t segment = int64_t(blockIdx.x) * kTeamsPerCta + int(threadIdx.x) / kTeam; segment < num_segments;
-       segment += int64_t(gridDim.x) * kTeamsPerCta) {
+  // NOTE: the loop is uniform over the CTA (a team past the last segment idles through
+  // it), so every thread reaches team_max's shuffles and barriers.
+  for (int64_t first = int64_t(blockIdx.x) * kTeamsPerCta; first < num_segments;
+       first += int64_t(gridDim.x) * kTeamsPerCta) {
+    const int64_t segment = first + int(threadIdx.x) / kTeam;
+    const bool active = segment < num_segments;
     const int64_t cb = segment % col_blocks, row_index = segment / col_blocks;
     const int64_t b = row_index / p.rows, row = row_index % p.rows;
-    const int64_t col_begin = cb * p.block_cols, col_end = min(p.cols, col_begin + p.block_cols);
+    const int64_t col_begin = cb * p.block_cols, col_end = active ? min(p.cols, col_begin + p.block_cols) : col_begin;
     const In* x = input + b * p.input_stride_batch + row * p.input_stride_row;
     float* scale_ptr = p.scales + b * p.scales_stride_batch + (row / p.block_rows) * p.scales_stride_row +
                        cb * p.scales_stride_col;
-    float scale;
-    if constexpr (kPass == Pass::kRows || kPass == Pass::kAbsmax) {
+    QuantChunk<In, Out, kVec> keep[kKeep];
+    auto col_of = [&](int i) { return col_begin + (int64_t(i) * kTeam + team_lane) * kVec; };
+    float scale = 0.f;
+    if constexpr (kPass != Pass::kStatic && kPass != Pass::kFromAbsmax) {
       float absmax = 0.f;
-      for (int64_t c = col_begin + team_lane; c < col_end; c += kTeam) absmax = fmaxf(absmax, fabsf(to_float(x[c])));
+      // The absmax pass alone keeps nothing: its writes come in the next launch.
+      constexpr int kKept = kPass == Pass::kAbsmax ? 0 : kKeep;
+#pragma unroll
+      for (int i = 0; i < kKept; ++i) {
+        if (col_of(i) < col_end) {
+          keep[i].load(x + col_of(i));
+          absmax = fmaxf(absmax, keep[i].absmax());
+        }
+      }
+      for (int64_t c = col_of(kKept); c < col_end; c += kTeam * kVec) {
+        QuantChunk<In, Out, kVec> chunk;
+        chunk.load(x + c);
+        absmax = fmaxf(absmax, chunk.absmax());
+      }
       absmax = team_max<kTeam>(absmax);
       if constexpr (kPass == Pass::kAbsmax) {
-        if (team_lane == 0) atomicMax(reinterpret_cast<int*>(scale_ptr), __float_as_int(absmax));
+        if (active && team_lane == 0) atomicMax(reinterpret_cast<int*>(scale_ptr), __float_as_int(absmax));
         continue;
       }
       scale = scale_of(absmax, kQmax<Out>);
-      if (team_lane == 0) *scale_ptr = scale;
-    } else if constexpr (kPass == Pass::kFromAbsmax) {
-      scale = scale_of(*scale_ptr, kQmax<Out>);
+      if (active && team_lane == 0) *scale_ptr = scale;
     } else {
-      scale = *scale_ptr;
+      if (!active) continue;
+      scale = kPass == Pass::kFromAbsmax ? scale_of(*scale_ptr, kQmax<Out>) : *scale_ptr;
+#pragma unroll
+      for (int i = 0; i < kKeep; ++i) {
+        if (col_of(i) < col_end) keep[i].load(x + col_of(i));
+      }
     }
     Out* y = out + b * p.out_stride_batch + row * p.out_stride_row;
-    for (int64_t c = col_begin + team_lane; c < col_end; c += kTeam) y[c] = quantize_element<Out>(to_float(x[c]), scale);
+#pragma unroll
+    for (int i = 0; i < kKeep; ++i) {
+      if (col_of(i) < col_end) keep[i].store(y + col_of(i), scale);
+    }
+    for (int64_t c = col_of(kKeep); c < col_end; c += kTeam * kVec) {
+      QuantChunk<In, Out, kVec> chunk;
+      chunk.load(x + c);
+      chunk.store(y + c, scale);
+    }
   }
   allow_next_kernel_launch();
 }
@@ -90,34 +151,52 @@ unsigned grid_for(int64_t items, int64_t per_cta) {
   return unsigned(std::clamp<int64_t>((items + per_cta - 1) / per_cta, 1, int64_t(1) << 20));
 }
 
-template <class In, class Out, int kTeam>
+template <class In, class Out, int kTeam, int kVec>
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t segments = p.batch * p.rows * ((p.cols + p.block_cols - 1) / p.block_cols);
   const dim3 grid(grid_for(segments, kThreads / kTeam)), block(kThreads);
   if (p.static_scales) {
-    launch_kernel(quantize_kernel<In, Out, kTeam, Pass::kStatic>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kStatic>, grid, block, 0, stream, p);
   } else if (p.block_rows == 1) {
-    launch_kernel(quantize_kernel<In, Out, kTeam, Pass::kRows>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kRows>, grid, block, 0, stream, p);
   } else {
     const int64_t num_scales = p.batch * ((p.rows + p.block_rows - 1) / p.block_rows) *
                                ((p.cols + p.block_cols - 1) / p.block_cols);
     const dim3 scale_grid(grid_for(num_scales, kThreads));
     launch_kernel(block_scales_kernel<false>, scale_grid, block, 0, stream, p, kQmax<Out>);
-    launch_kernel(quantize_kernel<In, Out, kTeam, Pass::kAbsmax>, grid, block, 0, stream, p);
-    launch_kernel(quantize_kernel<In, Out, kTeam, Pass::kFromAbsmax>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kAbsmax>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kFromAbsmax>, grid, block, 0, stream, p);
     launch_kernel(block_scales_kernel<true>, scale_grid, block, 0, stream, p, kQmax<Out>);
   }
 }
 
+// Whether every segment splits into 16-byte input chunks that start aligned, with their
+// kVec-byte outputs aligned too.
+template <class In>
+bool chunks_aligned(const QuantizeParams& p) {
+  constexpr int64_t kVec = Vec16<In>::kSize;
+  const int64_t segment_cols = std::min(p.block_cols, p.cols);
+  return p.cols % kVec == 0 && (segment_cols == p.cols || p.block_cols % kVec == 0) && aligned16(p.input) &&
+         (p.batch == 1 || (p.input_stride_batch % kVec == 0 && p.out_stride_batch % kVec == 0)) &&
+         (p.rows == 1 || (p.input_stride_row % kVec == 0 && p.out_stride_row % kVec == 0)) &&
+         reinterpret_cast<uintptr_t>(p.out) % kVec == 0;
+}
+
 template <class In, class Out>
 void dispatch_team(const QuantizeParams& p, cudaStream_t stream) {
-  // NOTE: a warp per segment up to 1024 elements (32 a lane); beyond, the CTA, so a
-  // per-token row of a decode batch is not left to one warp.
-  if (std::min(p.block_cols, p.cols) > 1024) {
-    launch_quantize<In, Out, kThreads>(p, stream);
-  } else {
-    launch_quantize<In, Out, 32>(p, stream);
+  // Threads a segment needs: one a chunk, kKeep (4) chunks a thread before re-reads.
+  // NOTE: a team of 16 for a 128-column group (one chunk a thread), a warp up to 1024
+  // columns, beyond that the CTA, so a per-token row of a decode batch is not left to
+  // one warp.
+  const int64_t segment_cols = std::min(p.block_cols, p.cols);
+  if (chunks_aligned<In>(p)) {
+    constexpr int kVec = Vec16<In>::kSize;
+    if (segment_cols <= 16 * kVec) return launch_quantize<In, Out, 16, kVec>(p, stream);
+    if (segment_cols <= 32 * 4 * kVec) return launch_quantize<In, Out, 32, kVec>(p, stream);
+    return launch_quantize<In, Out, kThreads, kVec>(p, stream);
   }
+  if (segment_cols > 1024) return launch_quantize<In, Out, kThreads, 1>(p, stream);
+  launch_quantize<In, Out, 32, 1>(p, stream);
 }
 
 }  // namespace

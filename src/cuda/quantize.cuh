@@ -32,13 +32,17 @@ constexpr float kQmax = std::is_same_v<Out, int8_t> ? 127.f : 448.f;
 
 __device__ __forceinline__ float scale_of(float absmax, float qmax) { return fmaxf(absmax, kQuantAbsmaxFloor) / qmax; }
 
-// Max over the team (kTeam = 32: one warp; a multiple of 32: the CTA of kTeam threads,
-// through shared memory; every thread of the CTA must call it).
+// Max over the team (kTeam <= 32: aligned lanes of one warp, every lane of the warp
+// calling; a multiple of 32: the CTA of kTeam threads, through shared memory; every
+// thread of the CTA must call it).
 template <int kTeam>
 __device__ __forceinline__ float team_max(float v) {
+  static_assert(kTeam == 16 || kTeam % 32 == 0, "teams of 16 lanes, of a warp, or of warps");
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if constexpr (kTeam == 32) {
+  for (int offset = kTeam < 32 ? kTeam / 2 : 16; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  if constexpr (kTeam <= 32) {
     return v;
   } else {
     __shared__ float warp_max[kTeam / 32];
