@@ -56,8 +56,6 @@ constexpr int kChunkBytes = 16;  // one 16-byte load a lane
 // flight per SM (GEMM1: two CTAs of 8 warps; GEMM2: one), above the ~25 KB that HBM
 // latency x the per-SM share of the copy rate asks for.
 constexpr int kUnrollGemm1 = 4;
-// Units (GEMM1) and items (GEMM2) a warp prefetches into L2 ahead of the one it loads.
-constexpr int kPrefetchUnits = 2;
 constexpr int kGemm2MaxRows = 64;  // output rows of one GEMM2 CTA
 
 struct SlotTables {
@@ -121,20 +119,6 @@ __device__ inline void build_slot_tables(const SmallBatchMoeParams& p, SlotTable
     t.group_begin[distinct] = valid;
   }
   __syncthreads();
-}
-
-// Asks the copy engine to bring `bytes` (a multiple of 16, from a 16-byte aligned ptr)
-// into L2, with no register or completion cost (sm_90; nothing elsewhere). A warp issues
-// it for the weight rows of its next item, so that DRAM has more bytes in flight than
-// the warp's own loads hold (fp8 GEMM1 runs one CTA an SM and streamed at half the bf16
-// kernel's rate: 1.08 vs 2.2 TB/s at M = 1, ncu, H100).
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr), "r"(bytes) : "memory");
-#else
-  (void)ptr;
-  (void)bytes;
-#endif
 }
 
 __device__ __forceinline__ uint4 load_streaming(const void* ptr) {
@@ -385,27 +369,14 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
     }
   }
   const int64_t num_units = int64_t(t.num_distinct) * I;
-  const bool interleaved = kAct == ActivationKind::kSwigluOai;
-  // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
-  auto unit_row = [&](int64_t unit, int r) {
-    const int d = int(unit / I), j = int(unit - int64_t(d) * I);
-    const int64_t row = interleaved ? 2 * j + r : r * I + j;
-    return w13 + t.distinct_expert[d] * p.w13_stride_expert + row * p.w13_stride_n;
-  };
-  const int64_t unit_stride = int64_t(gridDim.x) * kWarps;
-  // Lanes 0-1 prefetch the two rows of the warp's unit kPrefetchUnits ahead (the first
-  // unit also the ones before it; the first unit itself is loaded at once).
-  auto prefetch_unit = [&](int64_t unit) {
-    if (lane < 2 && unit < num_units) prefetch_l2(unit_row(unit, lane), uint32_t(H * int64_t(sizeof(E))));
-  };
-  const int64_t first_unit = int64_t(blockIdx.x) * kWarps + warp;
-  for (int ahead = 1; ahead < kPrefetchUnits; ++ahead) prefetch_unit(first_unit + ahead * unit_stride);
   // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
-  for (int64_t unit = first_unit; unit < num_units; unit += unit_stride) {
-    prefetch_unit(unit + kPrefetchUnits * unit_stride);
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
     const int d = int(unit / I), j = int(unit - int64_t(d) * I);
+    const E* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
+    // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
+    const bool interleaved = kAct == ActivationKind::kSwigluOai;
     const int64_t row_index[2] = {interleaved ? 2 * j : j, interleaved ? 2 * j + 1 : I + j};
-    const E* const rows[2] = {unit_row(unit, 0), unit_row(unit, 1)};
+    const E* const rows[2] = {w + row_index[0] * p.w13_stride_n, w + row_index[1] * p.w13_stride_n};
     const int end = t.group_begin[d + 1];
     for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
       const int n = min(kSlotsPerPass, end - g);
@@ -465,27 +436,17 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
   // kernel that wrote them has completed.
   build_slot_tables(p, t);
-  const E* w2 = static_cast<const E*>(p.w2);
-  const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int row_groups = rows_per_cta / kRowsPerItem;
-  const int items = t.num_distinct * row_groups;
-  // Lane r < kRowsPerItem prefetches row r of the warp's item `item` of the block at h0.
-  auto prefetch_item = [&](int h0, int item) {
-    if (lane >= kRowsPerItem || item >= items) return;
-    const int d = item / row_groups, h = h0 + (item - d * row_groups) * kRowsPerItem + lane;
-    if (h < H) prefetch_l2(w2 + t.distinct_expert[d] * p.w2_stride_expert + int64_t(h) * p.w2_stride_n, uint32_t(I * int64_t(sizeof(E))));
-  };
-  // The weights do not depend on the kernels before: their first items stream into L2
-  // while GEMM1 (and the activation's quantization) finish.
-  for (int ahead = 0; ahead < kPrefetchUnits; ++ahead) prefetch_item(int(blockIdx.x) * rows_per_cta, warp + ahead * kWarps);
   wait_for_previous_kernel();
+  const E* w2 = static_cast<const E*>(p.w2);
   const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
   T* out = static_cast<T*>(p.out);
+  const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
   const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int row_groups = rows_per_cta / kRowsPerItem;
   for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
+    const int items = t.num_distinct * row_groups;
     for (int item = warp; item < items; item += kWarps) {
-      prefetch_item(h0, item + kPrefetchUnits * kWarps);
       const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
       const E* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
       const E* rows[kRowsPerItem];
