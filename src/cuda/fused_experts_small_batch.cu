@@ -15,9 +15,9 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
                             p.w13_stride_n % chunk == 0 && p.w2_stride_expert % chunk == 0 &&
                             p.w2_stride_n % chunk == 0 && aligned16(p.x) && aligned16(p.w13) && aligned16(p.w2) &&
                             aligned16(p.act) && (!p.quant13.enabled || aligned16(p.act_quantized));
-  // A chunk must not straddle two K blocks of the block scales.
+  // A 16-bit chunk, or an 8-bit MMA step, must not straddle two K blocks of the block scales.
   const bool blocks = !p.quant13.enabled || p.quant13.w_scales != ScaleGranularity::kBlock ||
-                      (p.quant13.block_k % chunk == 0 && p.quant2.block_k % chunk == 0);
+                      (p.quant13.block_k % kMmaStep == 0 && p.quant2.block_k % kMmaStep == 0);
   return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= kMaxSlots &&
          p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
          rows_aligned && blocks;

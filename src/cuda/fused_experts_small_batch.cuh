@@ -36,6 +36,7 @@
 #include "cuda/device_info.h"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/mma_sm80.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda::small_batch {
@@ -129,89 +130,33 @@ __device__ __forceinline__ uint4 load_streaming(const void* ptr) {
   return v;
 }
 
-// The elements of a 16-byte chunk of operand type E, and the dot product of a weight
-// chunk with a vector chunk: 8 bf16/fp16 values in fp32; 16 fp8 values (each product
-// exact in fp32); 16 int8 values by dp4a (exact in int32).
+// The 8 elements of a 16-byte chunk of a 16-bit operand type E, converted to fp32 (the
+// vector's chunk once, reused against every row).
 template <class E>
 struct Chunk {
-  static constexpr int kElems = 8;
-  // The vector's chunk, converted once and reused against every row.
   using Vec = float[8];
   static __device__ __forceinline__ void load(const uint4& v, Vec& f) {
     const Vec16<E>& chunk = reinterpret_cast<const Vec16<E>&>(v);
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = to_float(chunk.v[i]);
   }
-  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
-    Vec wf;
-    load(w, wf);
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc = fmaf(wf[i], x[i], acc);
-    return acc;
-  }
-};
-template <>
-struct Chunk<__nv_fp8_e4m3> {
-  static constexpr int kElems = 16;
-  // Kept packed, converted a pair at a time in dot(): 16 floats per vector chunk spilled
-  // GEMM1 (ptxas: 584 B of spill stores at 4 slots x 4 chunks in flight).
-  using Vec = uint4;
-  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
-  // fp8 pairs convert exactly to f16x2 (one cvt on sm_89+), then to fp32.
-  static __device__ __forceinline__ float2 pair(uint32_t word, int half) {
-    const uint16_t bits = uint16_t(word >> (16 * half));
-    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bits), __NV_E4M3)));
-  }
-  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
-    const uint32_t ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
-    float acc = 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float2 a = pair(ws[i], h), b = pair(xs[i], h);
-        acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
-      }
-    }
-    return acc;
-  }
-};
-template <>
-struct Chunk<int8_t> {
-  static constexpr int kElems = 16;
-  using Vec = uint4;  // kept packed: dp4a takes four int8 pairs a word
-  static __device__ __forceinline__ void load(const uint4& v, Vec& f) { f = v; }
-  static __device__ __forceinline__ float dot(const uint4& w, const Vec& x) {
-    int acc = __dp4a(int(w.x), int(x.x), 0);
-    acc = __dp4a(int(w.y), int(x.y), acc);
-    acc = __dp4a(int(w.z), int(x.z), acc);
-    acc = __dp4a(int(w.w), int(x.w), acc);
-    return float(acc);
-  }
-};
-
-// No per-chunk scale: bf16/fp16 operands.
-struct NoChunkScale {
-  static constexpr bool kActive = false;
 };
 
 // acc[r][v] = rows[r][0, K) · vecs[v][0, K) for v < num_vecs, in every lane of the warp
-// (each chunk's product times scale(r, v, k) when Scale::kActive: block scales).
-// Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of every row are loaded
-// before the first is used. K a multiple of a chunk; rows and vecs 16-byte aligned.
-template <class T, int kRows, int kUnroll, int kVecs, class Scale = NoChunkScale>
+// (16-bit operands). Lane l takes the 16-byte chunks l, l + 32, ...; kUnroll chunks of
+// every row are loaded before the first is used. K a multiple of a chunk; rows and vecs
+// 16-byte aligned.
+template <class T, int kRows, int kUnroll, int kVecs>
 __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T* const (&vecs)[kVecs], int num_vecs,
-                                         int K, float (&acc)[kRows][kVecs], const Scale& scale = {}) {
-  constexpr int kChunk = Chunk<T>::kElems;
-  constexpr int kWarpChunk = 32 * kChunk;
+                                         int K, float (&acc)[kRows][kVecs]) {
+  constexpr int kWarpChunk = 32 * 8;
   const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
 #pragma unroll
     for (int v = 0; v < kVecs; ++v) acc[r][v] = 0.f;
   }
-  for (int k0 = lane * kChunk; k0 < K; k0 += kWarpChunk * kUnroll) {
+  for (int k0 = lane * 8; k0 < K; k0 += kWarpChunk * kUnroll) {
     uint4 w[kRows][kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -237,19 +182,11 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
         Chunk<T>::load(xv[u], x);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          if constexpr (Scale::kActive) {
-            const int k = k0 + u * kWarpChunk;  // past K the chunk is zeros and its scale not read
-            acc[r][v] = fmaf(Chunk<T>::dot(w[r][u], x), k < K ? scale(r, v, k) : 0.f, acc[r][v]);
-          } else if constexpr (Chunk<T>::kElems == 8) {
-            // NOTE: the 16-bit path keeps its single FMA chain per (r, v), as measured
-            // (docs/PERF_NOTES.md, issue 3 step 5).
-            float wf[8];
-            Chunk<T>::load(w[r][u], wf);
+          // NOTE: a single FMA chain per (r, v), as measured (docs/PERF_NOTES.md, issue 3 step 5).
+          float wf[8];
+          Chunk<T>::load(w[r][u], wf);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
-          } else {
-            acc[r][v] += Chunk<T>::dot(w[r][u], x);
-          }
+          for (int i = 0; i < 8; ++i) acc[r][v] = fmaf(wf[i], x[i], acc[r][v]);
         }
       }
     }
@@ -264,24 +201,21 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
   }
 }
 
-// The block scale of a chunk of W8A8 operands: w_scale(row r, k) · a_scale(vector v, k),
-// one scale a block_k of K. The kRows rows of a warp item share kWRows weight-scale rows:
-// GEMM1's gate and up rows have one each, GEMM2's 4 or 16 consecutive rows lie in one
-// block of block_n (>= 16) rows and share one.
-// NOTE: channel and tensor scales are not applied per chunk but to the finished sums
-// (scale_sums): a pointer per row here spilled GEMM2 (16 rows: 1 KB of spill stores).
-template <int kRows, int kWRows, int kVecs>
-struct BlockChunkScale {
-  static constexpr bool kActive = true;
-  const float* w[kWRows];
-  const float* a[kVecs];
-  int64_t w_stride_k, a_stride_k;
-  int block_shift;  // log2(block_k)
-  __device__ __forceinline__ float operator()(int r, int v, int k) const {
-    const int kb = k >> block_shift;
-    return w[r * kWRows / kRows][kb * w_stride_k] * a[v][kb * a_stride_k];
-  }
-};
+// ---- W8A8: 8-bit operands on m16n8k32 MMAs, fragments straight from global memory ------
+// A warp multiplies 16 weight rows by up to kMmaVecs vectors (n8 tiles of 8). Lane
+// (g, q) = (lane / 4, lane % 4) loads the 16 bytes at k0 + 16q of its rows g and g + 8 and
+// of vector g of each tile; MMA t of the 64-byte step takes bytes [8t, 8t + 8) of those
+// chunks as its fragments (a0/a1/b0: bytes 8t..8t+3, a2/a3/b1: 8t+4..8t+7). That relabels
+// K inside each step the same way for rows and vectors, so every product is the whole
+// dot product, with no shared memory and no shuffles. Lane (g, q) ends with the products
+// of rows g and g + 8 with vectors 2q and 2q + 1 of each tile.
+// NOTE: the CUDA-core version (fp8 pairs converted to fp32, dp4a for int8) issued ~160
+// instructions per 16 weight bytes, needed 251 registers (one CTA an SM) and streamed
+// fp8 GEMM1 at 32% of DRAM peak (ncu, H100, Qwen3-30B M = 1: 24 us, bf16's GEMM1 23 us).
+constexpr int kMmaStep = 64;    // bytes of K per step
+constexpr int kMmaUnroll = 4;   // steps loaded before use: 8 16-byte weight loads a lane
+constexpr int kMmaTiles = 2;    // n8 tiles: vectors a pass
+constexpr int kMmaVecs = 8 * kMmaTiles;
 
 // The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
 __device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
@@ -296,32 +230,94 @@ __device__ __forceinline__ const float* activation_scales(const detail::GemmQuan
   return q.a_scales == ScaleGranularity::kTensor ? q.a_scale : q.a_scale + row * q.a_scale_stride_row;
 }
 
-// acc[r][v] = rows[r] · vecs[v] for W8A8 operands with q's scales: per chunk for block
-// scales, on the sums for channel and tensor scales. row_index(r): w's row of item row r;
-// vec_row(v): a's row (its scales) of vector v.
-template <class E, int kRows, int kWRows, int kUnroll, int kVecs, class RowIndex, class VecRow>
-__device__ __forceinline__ void warp_dot_quantized(const detail::GemmQuantParams& q, int64_t expert,
-                                                   const E* const (&rows)[kRows], const E* const (&vecs)[kVecs],
-                                                   int num_vecs, int K, float (&acc)[kRows][kVecs],
-                                                   RowIndex row_index, VecRow vec_row) {
-  if (q.w_scales == ScaleGranularity::kBlock) {
-    BlockChunkScale<kRows, kWRows, kVecs> scale;
+// One warp's 16-row product. Lane (g, q) passes its rows (row_lo: g, row_hi: g + 8), each
+// tile's vector g (null: zeros), the scale rows of its rows and a's rows of each tile's
+// vectors 2q and 2q + 1 (-1: a column past the pass, scale 0). acc[tile][i]: (row g, vector 2q),
+// (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1), scaled. Block scales fold each K block's
+// partial products (one block_k = 128 is two steps) into acc; channel and tensor scales
+// multiply the finished sums. int8 accumulates exactly in int32 between folds.
+template <class E>
+struct MmaRows {
+  using Accum = std::conditional_t<std::is_same_v<E, int8_t>, int, float>;
+  const E* row_lo;
+  const E* row_hi;
+  const E* vec[kMmaTiles];
+  const float* w_scale[2];  // rows g, g + 8
+  // a's rows (their scales) of vectors 2q, 2q + 1 of each tile; -1: past the pass.
+  // NOTE: row indices, not pointers: four fewer registers kept fp8 swiglu_oai's GEMM1
+  // from spilling under two CTAs an SM.
+  int a_row[kMmaTiles][2];
+};
+
+template <class E>
+__device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, const MmaRows<E>& m, int num_tiles,
+                                              int K, float (&acc)[kMmaTiles][4]) {
+  using Accum = typename MmaRows<E>::Accum;
+  const int lane_k = 16 * (int(threadIdx.x) % 4);
+  const bool block = q.w_scales == ScaleGranularity::kBlock;
+  const int steps_per_block = block ? int(q.block_k / kMmaStep) : 1 << 30;
+  const int64_t w_stride_k = q.w_scale_stride_k, a_stride_k = q.a_scale_stride_k;
+  Accum part[kMmaTiles][4] = {};
 #pragma unroll
-    for (int i = 0; i < kWRows; ++i) scale.w[i] = weight_scales(q, expert, row_index(i * kRows / kWRows));
+  for (int t = 0; t < kMmaTiles; ++t) {
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) scale.a[v] = activation_scales(q, vec_row(v));
-    scale.w_stride_k = q.w_scale_stride_k;
-    scale.a_stride_k = q.a_scale_stride_k;
-    scale.block_shift = __ffsll(q.block_k) - 1;
-    warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc, scale);
-    return;
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
-  warp_dot<E, kRows, kUnroll, kVecs>(rows, vecs, num_vecs, K, acc);
+  // Folds the partial products into acc, times the block's scales (block) or 1.
+  auto fold = [&](int kb) {
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const float w_scale = *weight_scales(q, expert, row_index(r));
+    for (int t = 0; t < kMmaTiles; ++t) {
+      if (t >= num_tiles) break;
 #pragma unroll
-    for (int v = 0; v < kVecs; ++v) acc[r][v] *= w_scale * *activation_scales(q, vec_row(v));
+      for (int i = 0; i < 4; ++i) {
+        float scale = 1.f;
+        if (block) {
+          const int a_row = m.a_row[t][i & 1];
+          scale = a_row >= 0 ? m.w_scale[i >> 1][kb * w_stride_k] * activation_scales(q, a_row)[kb * a_stride_k] : 0.f;
+        }
+        acc[t][i] = fmaf(float(part[t][i]), scale, acc[t][i]);
+        part[t][i] = Accum(0);
+      }
+    }
+  };
+  const int steps = (K + kMmaStep - 1) / kMmaStep;
+  for (int s0 = 0; s0 < steps; s0 += kMmaUnroll) {
+    uint4 lo[kMmaUnroll], hi[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int k = (s0 + u) * kMmaStep + lane_k;
+      const bool in = k < K;
+      lo[u] = in ? load_streaming(m.row_lo + k) : make_uint4(0, 0, 0, 0);
+      hi[u] = in ? load_streaming(m.row_hi + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int step = s0 + u;
+      if (step >= steps) break;
+      const int k = step * kMmaStep + lane_k;
+#pragma unroll
+      for (int t = 0; t < kMmaTiles; ++t) {
+        if (t >= num_tiles) break;
+        // NOTE: the vectors' chunks load at their use (L1 hits after the first unit): held
+        // for all steps with the weights', they spilled GEMM1 under two CTAs an SM.
+        const uint4 b = k < K && m.vec[t] ? *reinterpret_cast<const uint4*>(m.vec[t] + k) : make_uint4(0, 0, 0, 0);
+        mma_8bit_16x8x32(part[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
+        mma_8bit_16x8x32(part[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
+      }
+      // A K block ends with this step (warp-uniform): its products, times its scales.
+      if (block && ((step + 1) % steps_per_block == 0 || step + 1 == steps)) fold(step / steps_per_block);
+    }
+  }
+  if (!block) {
+    fold(0);
+#pragma unroll
+    for (int t = 0; t < kMmaTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int a_row = m.a_row[t][i & 1];
+        acc[t][i] *= a_row >= 0 ? *m.w_scale[i >> 1] * *activation_scales(q, a_row) : 0.f;
+      }
+    }
   }
 }
 
@@ -340,80 +336,135 @@ __device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int
   return p.topk_weights[token * p.topk_weights_stride_token + j * p.topk_weights_stride_k];
 }
 
+// GEMM1's value of (slot, column j) into act: the activation of gate and up (GEMM1's
+// products), the LoRA deltas and the routed weight on the input joined first.
+template <class T, ActivationKind kAct, bool kQuant>
+__device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, int slot, int j, float gate, float up) {
+  const int I = int(p.I);
+  const bool interleaved = kAct == ActivationKind::kSwigluOai;
+  const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
+  float gate_delta = 0.f, up_delta = 0.f;
+  if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
+    const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
+    gate_delta = to_float(delta[interleaved ? 2 * j : j]);
+    up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
+  }
+  if constexpr (kQuant) {
+    // W8A8: GEMM1's output rounded to T, then its sum with the delta, as on the
+    // aligned paths (a T tensor between GEMM1 and the activation).
+    gate = to_float(from_float<T>(to_float(from_float<T>(gate * w_in)) + gate_delta * w_in));
+    up = to_float(from_float<T>(to_float(from_float<T>(up * w_in)) + up_delta * w_in));
+  } else {
+    gate = (gate + gate_delta) * w_in;
+    up = (up + up_delta) * w_in;
+  }
+  static_cast<T*>(p.act)[int64_t(slot) * I + j] = from_float<T>(gated_activation<kAct>(gate, up, p.alpha, p.limit));
+}
+
 // GEMM1 + activation: act[s][j] = act(x[s / top_k] · gate_j, x[s / top_k] · up_j) for
 // every slot s with a local expert (× its routed weight before the activation when
 // router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
-// E: the operands' type: T, or an 8-bit type (W8A8: x and w13 quantized, quant13's scales).
+// 16-bit operands (E = T).
+template <class T, ActivationKind kAct>
+__device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p, const SlotTables& t) {
+  const T* x = static_cast<const T*>(p.x);
+  const T* w13 = static_cast<const T*>(p.w13);
+  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int64_t num_units = int64_t(t.num_distinct) * I;
+  // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
+    const int d = int(unit / I), j = int(unit - int64_t(d) * I);
+    const T* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
+    // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
+    const bool interleaved = kAct == ActivationKind::kSwigluOai;
+    const T* const rows[2] = {w + (interleaved ? 2 * j : j) * p.w13_stride_n,
+                              w + (interleaved ? 2 * j + 1 : I + j) * p.w13_stride_n};
+    const int end = t.group_begin[d + 1];
+    for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
+      const int n = min(kSlotsPerPass, end - g);
+      const T* vecs[kSlotsPerPass];
+#pragma unroll
+      for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
+      float acc[2][kSlotsPerPass];
+      warp_dot<T, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
+      if (lane < n) {
+        store_activation<T, kAct, false>(p, t.sorted_slot[g + lane], j, lane_value(acc, 0, lane),
+                                         lane_value(acc, 1, lane));
+      }
+    }
+  }
+}
+
+// GEMM1 + activation on 8-bit operands (W8A8: x and w13 quantized, quant13's scales). A
+// warp unit is (expert, 8 columns): its 16 MMA rows are the 8 gate rows (g) and the 8 up
+// rows (g + 8), so lane (g, q) ends with column j0 + g's gate and up for its vectors.
+template <class T, class E, ActivationKind kAct>
+__device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams& p, const SlotTables& t) {
+  const E* x = static_cast<const E*>(p.x);
+  const E* w13 = static_cast<const E*>(p.w13);
+  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+  // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
+  // of slots without a local expert get zeros, which move no absmax.
+  if (blockIdx.x == 0) {
+    T* act = static_cast<T*>(p.act);
+    const int num_slots = int(p.num_tokens) * top_k;
+    for (int i = int(threadIdx.x); i < num_slots * I; i += kThreads) {
+      if (t.expert[i / I] < 0) act[i] = from_float<T>(0.f);
+    }
+  }
+  const bool interleaved = kAct == ActivationKind::kSwigluOai;
+  const int column_groups = I / 8;
+  const int64_t num_units = int64_t(t.num_distinct) * column_groups;
+  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
+    const int d = int(unit / column_groups), j = int(unit - int64_t(d) * column_groups) * 8 + g;
+    const int64_t expert = t.distinct_expert[d];
+    const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
+    MmaRows<E> m;
+    m.row_lo = w13 + expert * p.w13_stride_expert + gate_row * p.w13_stride_n;
+    m.row_hi = w13 + expert * p.w13_stride_expert + up_row * p.w13_stride_n;
+    m.w_scale[0] = weight_scales(p.quant13, expert, gate_row);
+    m.w_scale[1] = weight_scales(p.quant13, expert, up_row);
+    const int begin = t.group_begin[d], end = t.group_begin[d + 1];
+    for (int pass = begin; pass < end; pass += kMmaVecs) {
+      const int n = min(kMmaVecs, end - pass);
+#pragma unroll
+      for (int tile = 0; tile < kMmaTiles; ++tile) {
+        const int v = tile * 8 + g;
+        m.vec[tile] = v < n ? x + (t.sorted_slot[pass + v] / top_k) * p.x_stride_token : nullptr;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = tile * 8 + 2 * q + c;
+          m.a_row[tile][c] = col < n ? t.sorted_slot[pass + col] / top_k : -1;
+        }
+      }
+      float acc[kMmaTiles][4];
+      warp_mma_rows(p.quant13, m, (n + 7) / 8, H, acc);
+#pragma unroll
+      for (int tile = 0; tile < kMmaTiles; ++tile) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int col = tile * 8 + 2 * q + c;
+          if (col < n) store_activation<T, kAct, true>(p, t.sorted_slot[pass + col], j, acc[tile][c], acc[tile][2 + c]);
+        }
+      }
+    }
+  }
+}
+
 template <class T, class E, ActivationKind kAct>
 __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) {
-  constexpr bool kQuant = !std::is_same_v<T, E>;
   __shared__ SlotTables t;
   wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
   build_slot_tables(p, t);
-  const E* x = static_cast<const E*>(p.x);
-  const E* w13 = static_cast<const E*>(p.w13);
-  T* act = static_cast<T*>(p.act);
-  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  if constexpr (kQuant) {
-    // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
-    // of slots without a local expert get zeros, which move no absmax.
-    if (blockIdx.x == 0) {
-      const int num_slots = int(p.num_tokens) * top_k;
-      for (int i = int(threadIdx.x); i < num_slots * I; i += kThreads) {
-        if (t.expert[i / I] < 0) act[i] = from_float<T>(0.f);
-      }
-    }
-  }
-  const int64_t num_units = int64_t(t.num_distinct) * I;
-  // Neighbouring warps take neighbouring columns of one expert: adjacent weight rows.
-  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
-    const int d = int(unit / I), j = int(unit - int64_t(d) * I);
-    const E* w = w13 + t.distinct_expert[d] * p.w13_stride_expert;
-    // gate and up rows of column j: halves, or interleaved pairs (gpt-oss)
-    const bool interleaved = kAct == ActivationKind::kSwigluOai;
-    const int64_t row_index[2] = {interleaved ? 2 * j : j, interleaved ? 2 * j + 1 : I + j};
-    const E* const rows[2] = {w + row_index[0] * p.w13_stride_n, w + row_index[1] * p.w13_stride_n};
-    const int end = t.group_begin[d + 1];
-    for (int g = t.group_begin[d]; g < end; g += kSlotsPerPass) {
-      const int n = min(kSlotsPerPass, end - g);
-      const E* vecs[kSlotsPerPass];
-#pragma unroll
-      for (int v = 0; v < kSlotsPerPass; ++v) vecs[v] = x + (t.sorted_slot[g + min(v, n - 1)] / top_k) * p.x_stride_token;
-      float acc[2][kSlotsPerPass];
-      if constexpr (kQuant) {
-        warp_dot_quantized<E, 2, 2, kUnrollGemm1, kSlotsPerPass>(
-            p.quant13, t.distinct_expert[d], rows, vecs, n, H, acc, [&](int r) { return row_index[r]; },
-            [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)] / top_k); });
-      } else {
-        warp_dot<E, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
-      }
-      if (lane < n) {
-        const int slot = t.sorted_slot[g + lane];
-        const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
-        float gate = lane_value(acc, 0, lane), up = lane_value(acc, 1, lane);
-        float gate_delta = 0.f, up_delta = 0.f;
-        if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
-          const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
-          gate_delta = to_float(delta[interleaved ? 2 * j : j]);
-          up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
-        }
-        if constexpr (kQuant) {
-          // W8A8: GEMM1's output rounded to T, then its sum with the delta, as on the
-          // aligned paths (a T tensor between GEMM1 and the activation).
-          gate = to_float(from_float<T>(to_float(from_float<T>(gate * w_in)) + gate_delta * w_in));
-          up = to_float(from_float<T>(to_float(from_float<T>(up * w_in)) + up_delta * w_in));
-        } else {
-          gate = (gate + gate_delta) * w_in;
-          up = (up + up_delta) * w_in;
-        }
-        const float out = gated_activation<kAct>(gate, up, p.alpha, p.limit);
-        act[int64_t(slot) * I + j] = from_float<T>(out);
-      }
-    }
+  if constexpr (std::is_same_v<T, E>) {
+    small_batch_gemm1<T, kAct>(p, t);
+  } else {
+    small_batch_gemm1_w8a8<T, E, kAct>(p, t);
   }
 }
 
@@ -422,14 +473,14 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
 // with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
 // kRowsPerItem x kUnroll: the rows a warp item takes and the chunks of each loaded before
 // use. NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads.
-// E: as GEMM1's; W8A8 reads act_quantized (by slot) with quant2's scales.
+// E: as GEMM1's; W8A8 reads act_quantized (by slot) with quant2's scales, 16-row items on
+// MMAs (warp_mma_rows: lane (g, q) holds rows g and g + 8 of the item).
 template <class T, class E, int kRowsPerItem, int kUnroll>
 __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, int rows_per_cta) {
   constexpr bool kQuant = !std::is_same_v<T, E>;
-  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators). fp8 rows take one
-  // slot a pass: with more, the compiler keeps every row's chunk converted to fp32 across
-  // the slots (16 rows x 16 floats) and spilled 904-996 B even at 255 registers.
-  constexpr int kVecs = std::is_same_v<E, __nv_fp8_e4m3> ? 1 : kRowsPerItem > 4 ? 2 : kSlotsPerPass;
+  static_assert(!kQuant || kRowsPerItem == 16, "W8A8 items are an MMA's 16 rows");
+  // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators).
+  constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
   __shared__ SlotTables t;
   __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
   // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
@@ -448,34 +499,65 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
     const int items = t.num_distinct * row_groups;
     for (int item = warp; item < items; item += kWarps) {
       const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
-      const E* w = w2 + t.distinct_expert[d] * p.w2_stride_expert;
-      const E* rows[kRowsPerItem];
-      // Rows past H (the last block) repeat row H - 1; their sums are never read.
-#pragma unroll
-      for (int r = 0; r < kRowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
+      const int64_t expert = t.distinct_expert[d];
+      const E* w = w2 + expert * p.w2_stride_expert;
       const int end = t.group_begin[d + 1];
-      for (int g = t.group_begin[d]; g < end; g += kVecs) {
-        const int n = min(kVecs, end - g);
-        const E* vecs[kVecs];
+      // Rows past H (the last block) repeat row H - 1; their sums are never read.
+      if constexpr (kQuant) {
+        const int g = lane / 4, q = lane % 4;
+        const int h_lo = min(h0 + row0 + g, H - 1), h_hi = min(h0 + row0 + g + 8, H - 1);
+        MmaRows<E> m;
+        m.row_lo = w + int64_t(h_lo) * p.w2_stride_n;
+        m.row_hi = w + int64_t(h_hi) * p.w2_stride_n;
+        m.w_scale[0] = weight_scales(p.quant2, expert, h_lo);
+        m.w_scale[1] = weight_scales(p.quant2, expert, h_hi);
+        for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
+          const int n = min(kMmaVecs, end - pass);
 #pragma unroll
-        for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
-        float acc[kRowsPerItem][kVecs];
-        if constexpr (kQuant) {
-          warp_dot_quantized<E, kRowsPerItem, 1, kUnroll, kVecs>(
-              p.quant2, t.distinct_expert[d], rows, vecs, n, I, acc,
-              [&](int r) { return int64_t(min(h0 + row0 + r, H - 1)); },
-              [&](int v) { return int64_t(t.sorted_slot[g + min(v, n - 1)]); });
-        } else {
-          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
+          for (int tile = 0; tile < kMmaTiles; ++tile) {
+            const int v = tile * 8 + g;
+            m.vec[tile] = v < n ? act + int64_t(t.sorted_slot[pass + v]) * I : nullptr;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = tile * 8 + 2 * q + c;
+              m.a_row[tile][c] = col < n ? t.sorted_slot[pass + col] : -1;
+            }
+          }
+          float acc[kMmaTiles][4];
+          warp_mma_rows(p.quant2, m, (n + 7) / 8, I, acc);
+#pragma unroll
+          for (int tile = 0; tile < kMmaTiles; ++tile) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const int col = tile * 8 + 2 * q + c;
+              if (col >= n) continue;
+              const int slot = t.sorted_slot[pass + col];
+              // LoRA: the slot's delta joins before the routed weight.
+              const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+              partial[slot][row0 + g] = acc[tile][c] + (delta ? to_float(delta[h_lo]) : 0.f);
+              partial[slot][row0 + g + 8] = acc[tile][2 + c] + (delta ? to_float(delta[h_hi]) : 0.f);
+            }
+          }
         }
-        if (lane < n) {
-          const int slot = t.sorted_slot[g + lane];
-          const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+      } else {
+        const E* rows[kRowsPerItem];
 #pragma unroll
-          for (int r = 0; r < kRowsPerItem; ++r) {
-            // LoRA: the slot's delta joins before the routed weight.
-            partial[slot][row0 + r] =
-                lane_value(acc, r, lane) + (delta ? to_float(delta[min(h0 + row0 + r, H - 1)]) : 0.f);
+        for (int r = 0; r < kRowsPerItem; ++r) rows[r] = w + int64_t(min(h0 + row0 + r, H - 1)) * p.w2_stride_n;
+        for (int g = t.group_begin[d]; g < end; g += kVecs) {
+          const int n = min(kVecs, end - g);
+          const E* vecs[kVecs];
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) vecs[v] = act + int64_t(t.sorted_slot[g + min(v, n - 1)]) * I;
+          float acc[kRowsPerItem][kVecs];
+          warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
+          if (lane < n) {
+            const int slot = t.sorted_slot[g + lane];
+            const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+#pragma unroll
+            for (int r = 0; r < kRowsPerItem; ++r) {
+              partial[slot][row0 + r] =
+                  lane_value(acc, r, lane) + (delta ? to_float(delta[min(h0 + row0 + r, H - 1)]) : 0.f);
+            }
           }
         }
       }
@@ -519,10 +601,10 @@ __device__ constexpr bool operands_run_here() {
 #endif
 }
 
-// NOTE: one CTA an SM for 8-bit operands: under the two-CTA cap (128 registers) the fp8
-// conversions spilled 576-916 B.
+// NOTE: two CTAs an SM (128 registers) for every operand type since the 8-bit dot
+// products run on MMAs (the CUDA-core fp8 conversions spilled 576-916 B under this cap).
 template <class T, class E, ActivationKind kAct>
-__global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, 2)
     small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
   if constexpr (operands_run_here<E>()) {
     small_batch_gemm1<T, E, kAct>(p);
@@ -569,9 +651,11 @@ void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int s
   constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
   if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
   if (!(stages & 2)) return;
-  // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16); 8-bit rows are
-  // half as many bytes, so the 16-row items reach twice as far.
-  if (p.I * int64_t(sizeof(E)) <= 1024) {
+  // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16). 8-bit operands:
+  // always the MMA's 16-row items.
+  if constexpr (!std::is_same_v<T, E>) {
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
+  } else if (p.I <= 512) {
     launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
   } else {
     launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4>(p, stream);

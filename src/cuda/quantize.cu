@@ -12,6 +12,7 @@
 // Static scales skip the reductions. Every division is IEEE (no fast math), so the
 // elements match the CPU backend bit for bit.
 #include <algorithm>
+#include <climits>
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
@@ -55,6 +56,38 @@ struct QuantChunk {
   }
 };
 
+// Where segment s (numbered row-major over (b, row, col block)) lies.
+// NOTE: 32-bit divisions, and none where a dimension is 1: five 64-bit divisions a
+// segment (a subroutine each) were this kernel's time at large M: 16-byte chunks alone
+// left it at 37 us for Qwen3-30B's x at M = 4096 (ncu, H100).
+struct SegmentIndex {
+  int64_t b, row, row_block, cb;
+};
+__device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, int64_t segment, int64_t col_blocks) {
+  SegmentIndex at;
+  int64_t row_index;
+  if (segment <= INT32_MAX && col_blocks <= INT32_MAX) {
+    const uint32_t s = uint32_t(segment), blocks = uint32_t(col_blocks);
+    const uint32_t r = blocks == 1 ? s : s / blocks;
+    row_index = r;
+    at.cb = s - r * blocks;
+  } else {
+    row_index = segment / col_blocks;
+    at.cb = segment - row_index * col_blocks;
+  }
+  at.b = 0;
+  at.row = row_index;
+  if (p.batch > 1) {
+    at.b = row_index <= INT32_MAX && p.rows <= INT32_MAX ? int64_t(uint32_t(row_index) / uint32_t(p.rows))
+                                                         : row_index / p.rows;
+    at.row = row_index - at.b * p.rows;
+  }
+  at.row_block = p.block_rows == 1 ? at.row
+                 : at.row <= INT32_MAX && p.block_rows <= INT32_MAX ? int64_t(uint32_t(at.row) / uint32_t(p.block_rows))
+                                                                    : at.row / p.block_rows;
+  return at;
+}
+
 // One team per segment (b, row, col block); segments are numbered row-major over
 // (b, row, cb). A CTA of 256 threads holds 256 / kTeam teams. kVec: elements a thread
 // loads at once (16 bytes; the launcher checks alignment and widths, else 1). A thread's
@@ -78,12 +111,12 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams
        first += int64_t(gridDim.x) * kTeamsPerCta) {
     const int64_t segment = first + int(threadIdx.x) / kTeam;
     const bool active = segment < num_segments;
-    const int64_t cb = segment % col_blocks, row_index = segment / col_blocks;
-    const int64_t b = row_index / p.rows, row = row_index % p.rows;
-    const int64_t col_begin = cb * p.block_cols, col_end = active ? min(p.cols, col_begin + p.block_cols) : col_begin;
-    const In* x = input + b * p.input_stride_batch + row * p.input_stride_row;
-    float* scale_ptr = p.scales + b * p.scales_stride_batch + (row / p.block_rows) * p.scales_stride_row +
-                       cb * p.scales_stride_col;
+    const SegmentIndex at = segment_index(p, segment, col_blocks);
+    const int64_t col_begin = at.cb * p.block_cols;
+    const int64_t col_end = active ? min(p.cols, col_begin + p.block_cols) : col_begin;
+    const In* x = input + at.b * p.input_stride_batch + at.row * p.input_stride_row;
+    float* scale_ptr = p.scales + at.b * p.scales_stride_batch + at.row_block * p.scales_stride_row +
+                       at.cb * p.scales_stride_col;
     QuantChunk<In, Out, kVec> keep[kKeep];
     auto col_of = [&](int i) { return col_begin + (int64_t(i) * kTeam + team_lane) * kVec; };
     float scale = 0.f;
@@ -118,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams
         if (col_of(i) < col_end) keep[i].load(x + col_of(i));
       }
     }
-    Out* y = out + b * p.out_stride_batch + row * p.out_stride_row;
+    Out* y = out + at.b * p.out_stride_batch + at.row * p.out_stride_row;
 #pragma unroll
     for (int i = 0; i < kKeep; ++i) {
       if (col_of(i) < col_end) keep[i].store(y + col_of(i), scale);
