@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <string>
 
 #include <cuda_fp8.h>
@@ -214,8 +215,15 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
 // fp8 GEMM1 at 32% of DRAM peak (ncu, H100, Qwen3-30B M = 1: 24 us, bf16's GEMM1 23 us).
 constexpr int kMmaStep = 64;    // bytes of K per step
 constexpr int kMmaUnroll = 4;   // steps loaded before use: 8 16-byte weight loads a lane
-constexpr int kMmaTiles = 2;    // n8 tiles: vectors a pass
+// n8 tiles: vectors a pass. NOTE: two (16 vectors) spilled fp8 GEMM1 by 12-24 B under
+// two CTAs an SM; an expert with more than 8 slots streams its rows once a pass.
+constexpr int kMmaTiles = 1;
 constexpr int kMmaVecs = 8 * kMmaTiles;
+
+// MMA steps a K block of the block scales spans (1: no block scales).
+__device__ __forceinline__ int steps_per_block(const detail::GemmQuantParams& q) {
+  return q.w_scales == ScaleGranularity::kBlock ? int(q.block_k / kMmaStep) : 1;
+}
 
 // The scales of weight row `row` of `expert`, and of a's row `row`, in q's layout.
 __device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
@@ -249,13 +257,14 @@ struct MmaRows {
   int a_row[kMmaTiles][2];
 };
 
+// Steps [step_begin, step_end) of K (64 bytes each; a team's slice, see MmaTeams).
 template <class E>
 __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, const MmaRows<E>& m, int num_tiles,
-                                              int K, float (&acc)[kMmaTiles][4]) {
+                                              int K, int step_begin, int step_end, float (&acc)[kMmaTiles][4]) {
   using Accum = typename MmaRows<E>::Accum;
   const int lane_k = 16 * (int(threadIdx.x) % 4);
   const bool block = q.w_scales == ScaleGranularity::kBlock;
-  const int steps_per_block = block ? int(q.block_k / kMmaStep) : 1 << 30;
+  const int block_steps = steps_per_block(q);
   const int64_t w_stride_k = q.w_scale_stride_k, a_stride_k = q.a_scale_stride_k;
   Accum part[kMmaTiles][4] = {};
 #pragma unroll
@@ -280,8 +289,8 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
       }
     }
   };
-  const int steps = (K + kMmaStep - 1) / kMmaStep;
-  for (int s0 = 0; s0 < steps; s0 += kMmaUnroll) {
+  const int steps = step_end;
+  for (int s0 = step_begin; s0 < steps; s0 += kMmaUnroll) {
     uint4 lo[kMmaUnroll], hi[kMmaUnroll];
 #pragma unroll
     for (int u = 0; u < kMmaUnroll; ++u) {
@@ -304,8 +313,8 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
         mma_8bit_16x8x32(part[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
         mma_8bit_16x8x32(part[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
       }
-      // A K block ends with this step (warp-uniform): its products, times its scales.
-      if (block && ((step + 1) % steps_per_block == 0 || step + 1 == steps)) fold(step / steps_per_block);
+      // A K block (or the slice) ends with this step (warp-uniform): its products, times its scales.
+      if (block && ((step + 1) % block_steps == 0 || step + 1 == steps)) fold(step / block_steps);
     }
   }
   if (!block) {
@@ -320,6 +329,65 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
     }
   }
 }
+
+// Warps of a CTA in teams of `size` (1, 2, 4 or 8) that split an item's K steps: when
+// there are fewer items than warps, one warp an item left most warps idle and each busy
+// one streaming its 16 rows alone (fp8 GEMM1 of DeepSeek-V3 at M = 1: 256 units of 16
+// rows x 7168 bytes for 2112 warps, 94 us). The size minimises each warp's rounds of
+// kMmaUnroll steps: ceil(items / teams) x ceil(slice / kMmaUnroll). Slices are whole K
+// blocks (block scales fold per block). Members sum into the team's first warp through
+// shared memory, between the team's own barriers (named barrier 1 + team).
+struct MmaTeams {
+  int size, team, count, member;  // count: teams in the CTA
+  int slice_steps;
+  // items: what the teams of all `ctas` CTAs share; steps: K's; steps_per_block: 1 unless block scales.
+  __device__ MmaTeams(int64_t items, int ctas, int steps, int steps_per_block) {
+    int64_t best = INT64_MAX;
+    size = 1;
+    for (int s = 1; s <= kWarps; s *= 2) {
+      const int slice = (steps + s - 1) / s;
+      const int aligned = (slice + steps_per_block - 1) / steps_per_block * steps_per_block;
+      const int64_t teams = int64_t(ctas) * (kWarps / s);
+      const int64_t rounds = (items + teams - 1) / teams * ((aligned + kMmaUnroll - 1) / kMmaUnroll);
+      if (rounds < best) {
+        best = rounds;
+        size = s;
+        slice_steps = aligned;
+      }
+    }
+    const int warp = int(threadIdx.x) / 32;
+    team = warp / size;
+    count = kWarps / size;
+    member = warp % size;
+  }
+  __device__ int step_begin() const { return member * slice_steps; }
+  __device__ int step_end(int steps) const { return min(steps, (member + 1) * slice_steps); }
+  __device__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(32 * size) : "memory");
+  }
+  // acc summed over the team into its first warp (member 0); red: kWarps x 8 x 32 floats.
+  __device__ void reduce(float (&acc)[kMmaTiles][4], float* red) const {
+    if (size == 1) return;
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+#pragma unroll
+    for (int t = 0; t < kMmaTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[(warp * kMmaTiles * 4 + t * 4 + i) * 32 + lane] = acc[t][i];
+    }
+    sync();
+    if (member == 0) {
+      for (int m = 1; m < size; ++m) {
+#pragma unroll
+        for (int t = 0; t < kMmaTiles; ++t) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[t][i] += red[((warp + m) * kMmaTiles * 4 + t * 4 + i) * 32 + lane];
+        }
+      }
+    }
+    sync();  // red is rewritten by the next item
+  }
+};
+constexpr int kMmaReduceFloats = kWarps * kMmaTiles * 4 * 32;
 
 // acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
 // indexing.
@@ -417,7 +485,11 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const bool interleaved = kAct == ActivationKind::kSwigluOai;
   const int column_groups = I / 8;
   const int64_t num_units = int64_t(t.num_distinct) * column_groups;
-  for (int64_t unit = int64_t(blockIdx.x) * kWarps + warp; unit < num_units; unit += int64_t(gridDim.x) * kWarps) {
+  const int steps = (H + kMmaStep - 1) / kMmaStep;
+  const MmaTeams teams(num_units, int(gridDim.x), steps, steps_per_block(p.quant13));
+  __shared__ float red[kMmaReduceFloats];
+  for (int64_t unit = int64_t(blockIdx.x) * teams.count + teams.team; unit < num_units;
+       unit += int64_t(gridDim.x) * teams.count) {
     const int d = int(unit / column_groups), j = int(unit - int64_t(d) * column_groups) * 8 + g;
     const int64_t expert = t.distinct_expert[d];
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
@@ -440,7 +512,9 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
         }
       }
       float acc[kMmaTiles][4];
-      warp_mma_rows(p.quant13, m, (n + 7) / 8, H, acc);
+      warp_mma_rows(p.quant13, m, (n + 7) / 8, H, teams.step_begin(), teams.step_end(steps), acc);
+      teams.reduce(acc, red);
+      if (teams.member != 0) continue;
 #pragma unroll
       for (int tile = 0; tile < kMmaTiles; ++tile) {
 #pragma unroll
@@ -495,9 +569,13 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int row_groups = rows_per_cta / kRowsPerItem;
+  // W8A8: the CTA's items in teams that split K (one warp an item for 16-bit operands).
+  const int steps = (I + kMmaStep - 1) / kMmaStep;
+  const MmaTeams teams(kQuant ? t.num_distinct * row_groups : kWarps, 1, steps, kQuant ? steps_per_block(p.quant2) : 1);
+  __shared__ float red[kQuant ? kMmaReduceFloats : 1];
   for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
     const int items = t.num_distinct * row_groups;
-    for (int item = warp; item < items; item += kWarps) {
+    for (int item = kQuant ? teams.team : warp; item < items; item += kQuant ? teams.count : kWarps) {
       const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
       const int64_t expert = t.distinct_expert[d];
       const E* w = w2 + expert * p.w2_stride_expert;
@@ -524,7 +602,9 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
             }
           }
           float acc[kMmaTiles][4];
-          warp_mma_rows(p.quant2, m, (n + 7) / 8, I, acc);
+          warp_mma_rows(p.quant2, m, (n + 7) / 8, I, teams.step_begin(), teams.step_end(steps), acc);
+          teams.reduce(acc, red);
+          if (teams.member != 0) continue;
 #pragma unroll
           for (int tile = 0; tile < kMmaTiles; ++tile) {
 #pragma unroll
@@ -613,9 +693,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// NOTE: two CTAs an SM for 8-bit operands (MMAs: 123 registers), for twice the warps
+// streaming rows at decode.
 template <class T, class E, int kRowsPerItem, int kUnroll>
-__global__ void __launch_bounds__(kThreads, 1) small_batch_gemm2_kernel(const SmallBatchMoeParams p,
-                                                                         int rows_per_cta) {
+__global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 1 : 2)
+    small_batch_gemm2_kernel(const SmallBatchMoeParams p, int rows_per_cta) {
   if constexpr (operands_run_here<E>()) {
     small_batch_gemm2<T, E, kRowsPerItem, kUnroll>(p, rows_per_cta);
   } else {
