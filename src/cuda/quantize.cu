@@ -96,8 +96,11 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // NOTE: scalar 2-byte loads and 1-byte stores ran this kernel at 4-5x its bytes' time at
 // large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu, H100).
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
-  constexpr int kKeep = 4;
+__global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p) {
+  // NOTE: a team of 16 serves 128-column groups, one chunk a thread: keeping one chunk
+  // fits three CTAs an SM (85 registers; four spilled). At 94 registers, two CTAs, the
+  // kernel issued from 23% occupancy and took 35 us for Qwen3-30B's x at M = 4096 (ncu, H100).
+  constexpr int kKeep = kTeam == 16 ? 1 : 4;
   wait_for_previous_kernel();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
   const int64_t num_segments = p.batch * p.rows * col_blocks;
