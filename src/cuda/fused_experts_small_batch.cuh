@@ -202,31 +202,23 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
   }
 }
 
-// ---- W8A8: 8-bit operands on m16n8k32 MMAs ----------------------------------------
+// ---- W8A8: 8-bit operands on m16n8k32 MMAs, fragments straight from global memory ------
 // A warp multiplies 16 weight rows by up to kMmaVecs vectors (n8 tiles of 8). Lane
-// (g, q) = (lane / 4, lane % 4) copies the 16 bytes at k0 + 16q of its rows g and g + 8
-// into its own slots of the warp's shared-memory ring (cp.async, kMmaStages steps in
-// flight), and loads the same 16 bytes of vector g; MMA t of the 64-byte step takes bytes
-// [8t, 8t + 8) of those chunks as its fragments (a0/a1/b0: bytes 8t..8t+3, a2/a3/b1:
-// 8t+4..8t+7). That relabels K inside each step the same way for rows and vectors, so
-// every product is the whole dot product; each lane reads back only what it copied (no
-// barrier, no ldmatrix). Lane (g, q) ends with the products of rows g and g + 8 with
-// vectors 2q and 2q + 1 of each tile.
+// (g, q) = (lane / 4, lane % 4) loads the 16 bytes at k0 + 16q of its rows g and g + 8 and
+// of vector g of each tile; MMA t of the 64-byte step takes bytes [8t, 8t + 8) of those
+// chunks as its fragments (a0/a1/b0: bytes 8t..8t+3, a2/a3/b1: 8t+4..8t+7). That relabels
+// K inside each step the same way for rows and vectors, so every product is the whole
+// dot product, with no shared memory and no shuffles. Lane (g, q) ends with the products
+// of rows g and g + 8 with vectors 2q and 2q + 1 of each tile.
 // NOTE: the CUDA-core version (fp8 pairs converted to fp32, dp4a for int8) issued ~160
 // instructions per 16 weight bytes, needed 251 registers (one CTA an SM) and streamed
 // fp8 GEMM1 at 32% of DRAM peak (ncu, H100, Qwen3-30B M = 1: 24 us, bf16's GEMM1 23 us).
-// MMAs on register loads of 4 steps then ran as slowly: 133 instructions per 16 bytes,
-// mostly per-item costs over items of a few steps, and only 4 steps a warp in flight.
 constexpr int kMmaStep = 64;    // bytes of K per step
-constexpr int kMmaStages = 8;   // steps in flight per warp: 8 KB of weight rows
-constexpr int kMmaRingBytes = kWarps * kMmaStages * 2 * 32 * 16;  // dynamic shared memory of a CTA
+constexpr int kMmaUnroll = 4;   // steps loaded before use: 8 16-byte weight loads a lane
 // n8 tiles: vectors a pass. NOTE: two (16 vectors) spilled fp8 GEMM1 by 12-24 B under
 // two CTAs an SM; an expert with more than 8 slots streams its rows once a pass.
 constexpr int kMmaTiles = 1;
 constexpr int kMmaVecs = 8 * kMmaTiles;
-
-// The 8-bit kernels' rings (kMmaRingBytes of dynamic shared memory; none for 16-bit operands).
-extern __shared__ uint4 small_batch_ring[];
 
 // MMA steps a K block of the block scales spans (1: no block scales).
 __device__ __forceinline__ int steps_per_block(const detail::GemmQuantParams& q) {
@@ -237,8 +229,7 @@ __device__ __forceinline__ int steps_per_block(const detail::GemmQuantParams& q)
 __device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
   const float* base = q.w_scale + expert * q.w_scale_stride_expert;
   switch (q.w_scales) {
-    // block_n is a power of two (the API checks): a shift, not a 64-bit division per item.
-    case ScaleGranularity::kBlock: return base + (row >> (__ffsll(q.block_n) - 1)) * q.w_scale_stride_n;
+    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
     case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
     default: return base;
   }
@@ -298,39 +289,34 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
       }
     }
   };
-  // This warp's ring: stage s holds the lanes' chunks of row g at [2s][lane], of g + 8 at [2s + 1][lane].
-  uint4* ring = small_batch_ring + (int(threadIdx.x) / 32) * kMmaStages * 2 * 32 + int(threadIdx.x) % 32;
-  const uint32_t ring_addr = smem_addr(ring);
-  auto issue = [&](int step, int stage) {
-    if (step < step_end) {
-      const int k = step * kMmaStep + lane_k;
+  const int steps = step_end;
+  for (int s0 = step_begin; s0 < steps; s0 += kMmaUnroll) {
+    uint4 lo[kMmaUnroll], hi[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int k = (s0 + u) * kMmaStep + lane_k;
       const bool in = k < K;
-      cp_async_16_zfill(ring_addr + uint32_t(2 * stage * 32 * 16), in ? m.row_lo + k : m.row_lo, in);
-      cp_async_16_zfill(ring_addr + uint32_t((2 * stage + 1) * 32 * 16), in ? m.row_hi + k : m.row_hi, in);
+      lo[u] = in ? load_streaming(m.row_lo + k) : make_uint4(0, 0, 0, 0);
+      hi[u] = in ? load_streaming(m.row_hi + k) : make_uint4(0, 0, 0, 0);
     }
-    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
-  };
 #pragma unroll
-  for (int s = 0; s < kMmaStages - 1; ++s) issue(step_begin + s, s);
-  int stage = 0;
-  for (int step = step_begin; step < step_end; ++step) {
-    cp_async_wait_pending<kMmaStages - 2>();
-    const uint4 lo = ring[2 * stage * 32], hi = ring[(2 * stage + 1) * 32];
-    // The stage read in the step before is the one refilled.
-    issue(step + kMmaStages - 1, stage == 0 ? kMmaStages - 1 : stage - 1);
-    stage = stage == kMmaStages - 1 ? 0 : stage + 1;
-    const int k = step * kMmaStep + lane_k;
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int step = s0 + u;
+      if (step >= steps) break;
+      const int k = step * kMmaStep + lane_k;
 #pragma unroll
-    for (int t = 0; t < kMmaTiles; ++t) {
-      if (t >= num_tiles) break;
-      const uint4 b = k < K && m.vec[t] ? *reinterpret_cast<const uint4*>(m.vec[t] + k) : make_uint4(0, 0, 0, 0);
-      mma_8bit_16x8x32(part[t], lo.x, hi.x, lo.y, hi.y, b.x, b.y);
-      mma_8bit_16x8x32(part[t], lo.z, hi.z, lo.w, hi.w, b.z, b.w);
+      for (int t = 0; t < kMmaTiles; ++t) {
+        if (t >= num_tiles) break;
+        // NOTE: the vectors' chunks load at their use (L1 hits after the first unit): held
+        // for all steps with the weights', they spilled GEMM1 under two CTAs an SM.
+        const uint4 b = k < K && m.vec[t] ? *reinterpret_cast<const uint4*>(m.vec[t] + k) : make_uint4(0, 0, 0, 0);
+        mma_8bit_16x8x32(part[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
+        mma_8bit_16x8x32(part[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
+      }
+      // A K block (or the slice) ends with this step (warp-uniform): its products, times its scales.
+      if (block && ((step + 1) % block_steps == 0 || step + 1 == steps)) fold(step / block_steps);
     }
-    // A K block (or the slice) ends with this step (warp-uniform): its products, times its scales.
-    if (block && ((step + 1) % block_steps == 0 || step + 1 == step_end)) fold(step / block_steps);
   }
-  cp_async_wait_pending<0>();  // the ring is free for the next item
   if (!block) {
     fold(0);
 #pragma unroll
@@ -348,7 +334,7 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
 // there are fewer items than warps, one warp an item left most warps idle and each busy
 // one streaming its 16 rows alone (fp8 GEMM1 of DeepSeek-V3 at M = 1: 256 units of 16
 // rows x 7168 bytes for 2112 warps, 94 us). The size minimises each warp's rounds of
-// kMmaStages steps: ceil(items / teams) x (ceil(slice / kMmaStages) + 1). Slices are whole K
+// kMmaUnroll steps: ceil(items / teams) x ceil(slice / kMmaUnroll). Slices are whole K
 // blocks (block scales fold per block). Members sum into the team's first warp through
 // shared memory, between the team's own barriers (named barrier 1 + team).
 struct MmaTeams {
@@ -362,8 +348,7 @@ struct MmaTeams {
       const int slice = (steps + s - 1) / s;
       const int aligned = (slice + steps_per_block - 1) / steps_per_block * steps_per_block;
       const int64_t teams = int64_t(ctas) * (kWarps / s);
-      // Each item: its steps through the ring, plus about a ring's latency to fill it.
-      const int64_t rounds = (items + teams - 1) / teams * ((aligned + kMmaStages - 1) / kMmaStages + 1);
+      const int64_t rounds = (items + teams - 1) / teams * ((aligned + kMmaUnroll - 1) / kMmaUnroll);
       if (rounds < best) {
         best = rounds;
         size = s;
@@ -503,9 +488,9 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int steps = (H + kMmaStep - 1) / kMmaStep;
   const MmaTeams teams(num_units, int(gridDim.x), steps, steps_per_block(p.quant13));
   __shared__ float red[kMmaReduceFloats];
-  // num_units < 2^31 (fewer than 64 experts times I / 8): 32-bit unit math.
-  for (int unit = int(blockIdx.x) * teams.count + teams.team; unit < num_units; unit += int(gridDim.x) * teams.count) {
-    const int d = unit / column_groups, j = (unit - d * column_groups) * 8 + g;
+  for (int64_t unit = int64_t(blockIdx.x) * teams.count + teams.team; unit < num_units;
+       unit += int64_t(gridDim.x) * teams.count) {
+    const int d = int(unit / column_groups), j = int(unit - int64_t(d) * column_groups) * 8 + g;
     const int64_t expert = t.distinct_expert[d];
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
     MmaRows<E> m;
@@ -720,53 +705,42 @@ __global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 1 : 2)
   }
 }
 
-// Dynamic shared memory of a kernel on E operands: the 8-bit kernels' rings.
-template <class E>
-constexpr int kDynamicSmemBytes = sizeof(E) == 1 ? kMmaRingBytes : 0;
-
-// CTAs of `kernel` the device holds at once with kSmem bytes of dynamic shared memory
-// (occupancy query, cached per device; one cache per kernel instance through the
-// template). Also lets the kernel take kSmem bytes.
-template <auto kKernel, int kSmem>
+// CTAs of `kernel` the device holds at once (occupancy query, cached per device; one
+// cache per kernel instance through the template).
+template <auto kKernel>
 int resident_ctas() {
   static std::atomic<int> cache[64] = {};
   return cached_per_device(cache, [](const DeviceInfo& device) {
-    if (kSmem > 48 * 1024) {
-      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    }
     int per_sm = 0;
-    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, kSmem));
+    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
     return std::max(1, per_sm) * device.num_sms;
   });
 }
 
 // GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave
 // covers H.
-template <auto kKernel, int kRowsPerItem, int kSmem>
+template <auto kKernel, int kRowsPerItem>
 void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream) {
-  const int64_t resident = resident_ctas<kKernel, kSmem>();
+  const int64_t resident = resident_ctas<kKernel>();
   const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
   const int rows_per_cta = int((rows + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem);
   const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
-  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), kSmem, stream, p, rows_per_cta);
+  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
 }
 
 template <class T, class E, ActivationKind kAct>
 void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
   constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
-  constexpr int kSmem = kDynamicSmemBytes<E>;
-  if (stages & 1) {
-    launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1, kSmem>())), dim3(kThreads), kSmem, stream, p);
-  }
+  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
   if (!(stages & 2)) return;
   // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16). 8-bit operands:
   // always the MMA's 16-row items.
   if constexpr (!std::is_same_v<T, E>) {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16, kSmem>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
   } else if (p.I <= 512) {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16, 0>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
   } else {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4, 0>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4>(p, stream);
   }
 }
 
