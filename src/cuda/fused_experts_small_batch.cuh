@@ -213,6 +213,11 @@ __device__ __forceinline__ void warp_dot(const T* const (&rows)[kRows], const T*
 // NOTE: the CUDA-core version (fp8 pairs converted to fp32, dp4a for int8) issued ~160
 // instructions per 16 weight bytes, needed 251 registers (one CTA an SM) and streamed
 // fp8 GEMM1 at 32% of DRAM peak (ncu, H100, Qwen3-30B M = 1: 24 us, bf16's GEMM1 23 us).
+// The MMAs left that kernel's time as it was (24 us, 133 instructions per 16 weight
+// bytes: per-item costs over items of a few steps) but sped up the models with larger
+// experts (docs/PERF_NOTES.md, issue 28 step 3). A cp.async ring of 8 steps a warp in
+// shared memory instead of the register loads measured slower in every decode cell
+// (Qwen3-30B M = 8: 146 -> 198 us; Mixtral M = 4: 382 -> 537 us; H100): not kept.
 constexpr int kMmaStep = 64;    // bytes of K per step
 constexpr int kMmaUnroll = 4;   // steps loaded before use: 8 16-byte weight loads a lane
 // n8 tiles: vectors a pass. NOTE: two (16 vectors) spilled fp8 GEMM1 by 12-24 B under
@@ -229,7 +234,8 @@ __device__ __forceinline__ int steps_per_block(const detail::GemmQuantParams& q)
 __device__ __forceinline__ const float* weight_scales(const detail::GemmQuantParams& q, int64_t expert, int64_t row) {
   const float* base = q.w_scale + expert * q.w_scale_stride_expert;
   switch (q.w_scales) {
-    case ScaleGranularity::kBlock: return base + (row / q.block_n) * q.w_scale_stride_n;
+    // block_n is a power of two (the API checks): a shift, not a 64-bit division per item.
+    case ScaleGranularity::kBlock: return base + (row >> (__ffsll(q.block_n) - 1)) * q.w_scale_stride_n;
     case ScaleGranularity::kChannel: return base + row * q.w_scale_stride_n;
     default: return base;
   }
@@ -488,9 +494,9 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int steps = (H + kMmaStep - 1) / kMmaStep;
   const MmaTeams teams(num_units, int(gridDim.x), steps, steps_per_block(p.quant13));
   __shared__ float red[kMmaReduceFloats];
-  for (int64_t unit = int64_t(blockIdx.x) * teams.count + teams.team; unit < num_units;
-       unit += int64_t(gridDim.x) * teams.count) {
-    const int d = int(unit / column_groups), j = int(unit - int64_t(d) * column_groups) * 8 + g;
+  // num_units < 2^31 (fewer than 64 experts times I / 8): 32-bit unit math.
+  for (int unit = int(blockIdx.x) * teams.count + teams.team; unit < num_units; unit += int(gridDim.x) * teams.count) {
+    const int d = unit / column_groups, j = (unit - d * column_groups) * 8 + g;
     const int64_t expert = t.distinct_expert[d];
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
     MmaRows<E> m;
