@@ -55,14 +55,6 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
     if (runs_here) {
       MoeKernelConfig with_grouped = tuned;
       with_grouped.grouped_gemm = config.grouped_gemm;
-      // NOTE: the tables are the bf16 kernels'. Block-scaled W8A8 tiles have at most 32
-      // rows, so a 64-row block ran as two tiles that each streamed the expert's weights:
-      // Mixtral fp8_block at M = 64 took 1186 us with the table's block of 64 and 711 us
-      // with 16 (H100, docs/PERF_NOTES.md issue 28 step 3). The heuristic's block, at most 32.
-      if (shape.quant.enabled() && shape.quant.weight_scales == ScaleGranularity::kBlock &&
-          with_grouped.block_size > 32) {
-        with_grouped.block_size = std::min<int64_t>(heuristic_block_size, 32);
-      }
       return with_grouped;
     }
   }
