@@ -263,6 +263,25 @@ struct MmaRows {
   int a_row[kMmaTiles][2];
 };
 
+// A pass's vectors, `n` slots from sorted_slot[pass] on: lane (g, q)'s vector g of each
+// tile and a's rows of its vectors 2q and 2q + 1. row_of(slot): a's row of a slot (its
+// token in x for GEMM1, the slot itself in act for GEMM2), of a_stride elements.
+template <class E, class RowOf>
+__device__ __forceinline__ void set_pass_vectors(MmaRows<E>& m, const int32_t* sorted_slot, int n, const E* a,
+                                                 int64_t a_stride, RowOf row_of) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int tile = 0; tile < kMmaTiles; ++tile) {
+    const int v = tile * 8 + g;
+    m.vec[tile] = v < n ? a + int64_t(row_of(sorted_slot[v])) * a_stride : nullptr;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = tile * 8 + 2 * q + c;
+      m.a_row[tile][c] = col < n ? row_of(sorted_slot[col]) : -1;
+    }
+  }
+}
+
 // Steps [step_begin, step_end) of K (64 bytes each; a team's slice, see MmaTeams).
 template <class E>
 __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, const MmaRows<E>& m, int num_tiles,
@@ -478,7 +497,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const E* x = static_cast<const E*>(p.x);
   const E* w13 = static_cast<const E*>(p.w13);
   const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
   // of slots without a local expert get zeros, which move no absmax.
   if (blockIdx.x == 0) {
@@ -507,16 +526,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
     const int begin = t.group_begin[d], end = t.group_begin[d + 1];
     for (int pass = begin; pass < end; pass += kMmaVecs) {
       const int n = min(kMmaVecs, end - pass);
-#pragma unroll
-      for (int tile = 0; tile < kMmaTiles; ++tile) {
-        const int v = tile * 8 + g;
-        m.vec[tile] = v < n ? x + (t.sorted_slot[pass + v] / top_k) * p.x_stride_token : nullptr;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = tile * 8 + 2 * q + c;
-          m.a_row[tile][c] = col < n ? t.sorted_slot[pass + col] / top_k : -1;
-        }
-      }
+      set_pass_vectors(m, t.sorted_slot + pass, n, x, p.x_stride_token, [&](int slot) { return slot / top_k; });
       float acc[kMmaTiles][4];
       warp_mma_rows(p.quant13, m, (n + 7) / 8, H, teams.step_begin(), teams.step_end(steps), acc);
       teams.reduce(acc, red);
@@ -597,16 +607,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         m.w_scale[1] = weight_scales(p.quant2, expert, h_hi);
         for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
           const int n = min(kMmaVecs, end - pass);
-#pragma unroll
-          for (int tile = 0; tile < kMmaTiles; ++tile) {
-            const int v = tile * 8 + g;
-            m.vec[tile] = v < n ? act + int64_t(t.sorted_slot[pass + v]) * I : nullptr;
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = tile * 8 + 2 * q + c;
-              m.a_row[tile][c] = col < n ? t.sorted_slot[pass + col] : -1;
-            }
-          }
+          set_pass_vectors(m, t.sorted_slot + pass, n, act, int64_t(I), [](int slot) { return slot; });
           float acc[kMmaTiles][4];
           warp_mma_rows(p.quant2, m, (n + 7) / 8, I, teams.step_begin(), teams.step_end(steps), acc);
           teams.reduce(acc, red);
