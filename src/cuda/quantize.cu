@@ -57,9 +57,9 @@ struct QuantChunk {
 };
 
 // Where segment s (numbered row-major over (b, row, col block)) lies.
-// NOTE: 32-bit divisions, and none where a dimension is 1: five 64-bit divisions a
-// segment (a subroutine each) were this kernel's time at large M: 16-byte chunks alone
-// left it at 37 us for Qwen3-30B's x at M = 4096 (ncu, H100).
+// NOTE: 32-bit divisions, and none where a dimension is 1 (a 64-bit division is a
+// subroutine, and there were five a segment); measured 37 -> 35 us for Qwen3-30B's x at
+// M = 4096 (ncu, H100): the rest was occupancy (quantize_kernel).
 struct SegmentIndex {
   int64_t b, row, row_block, cb;
 };
@@ -93,8 +93,10 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // loads at once (16 bytes; the launcher checks alignment and widths, else 1). A thread's
 // first kKeep chunks of its segment stay in registers between the absmax and the writes;
 // longer segments are read again (L1/L2 hits).
-// NOTE: scalar 2-byte loads and 1-byte stores ran this kernel at 4-5x its bytes' time at
-// large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu, H100).
+// NOTE: with scalar 2-byte loads and 1-byte stores this kernel took 4-5x its bytes' time
+// at large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu,
+// H100); the chunks alone gained little: it is issue-bound (~65 instructions an element:
+// the IEEE division, the clamp, the conversion), hence the occupancy below.
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
 __global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p) {
   // NOTE: a team of 16 serves 128-column groups, one chunk a thread: keeping one chunk
