@@ -19,10 +19,11 @@
 // kSlotsPerPass slots of its expert: once at decode, where experts rarely repeat.
 // Weights stream through L2 only (ld.global.nc.L1::no_allocate); hidden rows and
 // activations go through L1, where every warp working on one expert finds them.
-// W8A8 (issue 28, quant13.enabled): the same kernels on 8-bit operands (Chunk<E>: a
-// 16-byte load holds 16 of them), x and act already quantized by the caller; block
-// scales multiply each chunk's dot product (a chunk never straddles a K block: block_k
-// >= 16), channel and tensor scales the finished sums.
+// W8A8 (issue 28, quant13.enabled): the same two kernels and slot tables on 8-bit
+// operands, x and act already quantized by the caller, with the dot products on
+// m16n8k32 MMAs over items of 16 weight rows (warp_mma_rows, MmaTeams below); block
+// scales fold each K block's products (a 64-byte MMA step never straddles a block:
+// block_k % 64 == 0), channel and tensor scales the finished sums.
 #pragma once
 
 #include <algorithm>
@@ -390,7 +391,7 @@ struct MmaTeams {
   __device__ void sync() const {
     asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(32 * size) : "memory");
   }
-  // acc summed over the team into its first warp (member 0); red: kWarps x 8 x 32 floats.
+  // acc summed over the team into its first warp (member 0); red: kMmaReduceFloats floats.
   __device__ void reduce(float (&acc)[kMmaTiles][4], float* red) const {
     if (size == 1) return;
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
