@@ -18,9 +18,12 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   // A 16-bit chunk, or an 8-bit MMA step, must not straddle two K blocks of the block scales.
   const bool blocks = !p.quant13.enabled || p.quant13.w_scales != ScaleGranularity::kBlock ||
                       (p.quant13.block_k % kMmaStep == 0 && p.quant2.block_k % kMmaStep == 0);
+  // int8 MMAs sum a slice of K in int32 between folds: 127 x 127 x K stays below 2^31 for
+  // K <= 2^17.
+  const bool int32_sums = p.quant13.element != DType::kInt8 || (p.H <= (int64_t(1) << 17) && p.I <= (int64_t(1) << 17));
   return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= kMaxSlots &&
          p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
-         rows_aligned && blocks;
+         rows_aligned && blocks && (!p.quant13.enabled || int32_sums);
 }
 
 void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int stages) {
