@@ -52,7 +52,14 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
     const bool runs_here = facts.sm90_kernels ||
                            (tuned.gemm1.kernel != GemmKernel::kSm90 && tuned.gemm2.kernel != GemmKernel::kSm90);
-    if (runs_here) {
+    // NOTE: the tables are the bf16 kernels'. Block-scaled W8A8 tiles have at most 32 rows,
+    // so the table's 64-row blocks ran as two tiles that each streamed the expert's
+    // weights: Mixtral fp8_block at M = 64 took 1186 us on the table's config and 711 us on
+    // the rule below (H100, docs/PERF_NOTES.md issue 28 step 3). Such cells take the rule,
+    // tiles included (a block size alone fails the table's tiles, which must divide it).
+    const bool blocks_too_large = shape.quant.enabled() && shape.quant.weight_scales == ScaleGranularity::kBlock &&
+                                  tuned.block_size > 32;
+    if (runs_here && !blocks_too_large) {
       MoeKernelConfig with_grouped = tuned;
       with_grouped.grouped_gemm = config.grouped_gemm;
       return with_grouped;
