@@ -586,6 +586,15 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.M = 4;
     x.options.config = &kSmallBatch;
     add("lora16_small_batch", x);
+    // The small-batch MMA kernels' partial last step (K % 64 = 16) and a partial last
+    // block of the block scales, for both GEMMs.
+    x = small;
+    x.M = 4;
+    x.H = 1040;
+    x.I = 272;
+    x.options.config = &kSmallBatch;
+    x.expect_small_batch = true;
+    add("small_batch_H1040_I272", x);
     // The grouped GEMMs (sm_90a; int8_block has no CUTLASS mainloop and stays on the tile
     // kernels): 1280 slots and more, with each of the layer's options.
     QuantLayerCase grouped = small;
