@@ -283,7 +283,33 @@ __device__ __forceinline__ void set_pass_vectors(MmaRows<E>& m, const int32_t* s
   }
 }
 
-// Steps [step_begin, step_end) of K (64 bytes each; a team's slice, see MmaTeams).
+// The scales of K block kb of a lane's four products (rows g, g + 8 times its vectors 2q,
+// 2q + 1 of tile t; 0 past the pass), in acc's order. The loads carry no branches, so a
+// fold waits on one round trip for all four, not on four in turn.
+template <class E>
+__device__ __forceinline__ void block_scales(const detail::GemmQuantParams& q, const MmaRows<E>& m, int t, int kb,
+                                             float (&scale)[4]) {
+  const float w_lo = m.w_scale[0][kb * q.w_scale_stride_k], w_hi = m.w_scale[1][kb * q.w_scale_stride_k];
+  float a[2];
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int a_row = m.a_row[t][c];
+    const float value = activation_scales(q, max(a_row, 0))[kb * q.a_scale_stride_k];
+    a[c] = a_row >= 0 ? value : 0.f;
+  }
+  scale[0] = w_lo * a[0];
+  scale[1] = w_lo * a[1];
+  scale[2] = w_hi * a[0];
+  scale[3] = w_hi * a[1];
+}
+
+// Steps [step_begin, step_end) of K (64 bytes each; a team's slice, see MmaTeams, which
+// begins on a K block).
+// NOTE: a round issues all its loads before its first MMA: the weights', the vectors' and
+// the scales of the round's first two K blocks. Loaded at their use (the vector's chunk
+// before each step's MMAs, each scale behind a branch at each fold), they made a chain of
+// L1/L2 round trips a step, and the kernels issued one instruction every 11 cycles a warp
+// (ncu, H100, Qwen3-30B fp8_block M = 1: GEMM1 22.4 us, GEMM2 18.0 us for 12.6 MB).
 template <class E>
 __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, const MmaRows<E>& m, int num_tiles,
                                               int K, int step_begin, int step_end, float (&acc)[kMmaTiles][4]) {
@@ -291,7 +317,8 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
   const int lane_k = 16 * (int(threadIdx.x) % 4);
   const bool block = q.w_scales == ScaleGranularity::kBlock;
   const int block_steps = steps_per_block(q);
-  const int64_t w_stride_k = q.w_scale_stride_k, a_stride_k = q.a_scale_stride_k;
+  // The last K block (the prefetch of a round's second block stops there).
+  const int last_block = ((K + kMmaStep - 1) / kMmaStep - 1) / block_steps;
   Accum part[kMmaTiles][4] = {};
 #pragma unroll
   for (int t = 0; t < kMmaTiles; ++t) {
@@ -299,25 +326,18 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
   // Folds the partial products into acc, times the block's scales (block) or 1.
-  auto fold = [&](int kb) {
+  auto fold = [&](int t, const float (&scale)[4]) {
 #pragma unroll
-    for (int t = 0; t < kMmaTiles; ++t) {
-      if (t >= num_tiles) break;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float scale = 1.f;
-        if (block) {
-          const int a_row = m.a_row[t][i & 1];
-          scale = a_row >= 0 ? m.w_scale[i >> 1][kb * w_stride_k] * activation_scales(q, a_row)[kb * a_stride_k] : 0.f;
-        }
-        acc[t][i] = fmaf(float(part[t][i]), scale, acc[t][i]);
-        part[t][i] = Accum(0);
-      }
+    for (int i = 0; i < 4; ++i) {
+      acc[t][i] = fmaf(float(part[t][i]), scale[i], acc[t][i]);
+      part[t][i] = Accum(0);
     }
   };
+  int kb = step_begin / block_steps;  // the K block of the next fold
+  int block_left = block_steps;       // its steps not yet multiplied
   const int steps = step_end;
   for (int s0 = step_begin; s0 < steps; s0 += kMmaUnroll) {
-    uint4 lo[kMmaUnroll], hi[kMmaUnroll];
+    uint4 lo[kMmaUnroll], hi[kMmaUnroll], vec[kMmaUnroll][kMmaTiles];
 #pragma unroll
     for (int u = 0; u < kMmaUnroll; ++u) {
       const int k = (s0 + u) * kMmaStep + lane_k;
@@ -327,26 +347,58 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
     }
 #pragma unroll
     for (int u = 0; u < kMmaUnroll; ++u) {
+      const int k = (s0 + u) * kMmaStep + lane_k;
+#pragma unroll
+      for (int t = 0; t < kMmaTiles; ++t) {
+        vec[u][t] = k < K && m.vec[t] ? *reinterpret_cast<const uint4*>(m.vec[t] + k) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    // A round of kMmaUnroll = 4 steps ends at most two blocks when a block is two steps
+    // or more (block_k >= 128); a third fold (block_k = 64) loads its scales there.
+    float first[kMmaTiles][4], second[kMmaTiles][4];
+    if (block) {
+#pragma unroll
+      for (int t = 0; t < kMmaTiles; ++t) {
+        block_scales(q, m, t, kb, first[t]);
+        block_scales(q, m, t, min(kb + 1, last_block), second[t]);
+      }
+    }
+    int folds = 0;
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
       const int step = s0 + u;
       if (step >= steps) break;
-      const int k = step * kMmaStep + lane_k;
 #pragma unroll
       for (int t = 0; t < kMmaTiles; ++t) {
         if (t >= num_tiles) break;
-        // NOTE: the vectors' chunks load at their use (L1 hits after the first unit): held
-        // for all steps with the weights', they spilled GEMM1 under two CTAs an SM.
-        const uint4 b = k < K && m.vec[t] ? *reinterpret_cast<const uint4*>(m.vec[t] + k) : make_uint4(0, 0, 0, 0);
-        mma_8bit_16x8x32(part[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, b.x, b.y);
-        mma_8bit_16x8x32(part[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, b.z, b.w);
+        mma_8bit_16x8x32(part[t], lo[u].x, hi[u].x, lo[u].y, hi[u].y, vec[u][t].x, vec[u][t].y);
+        mma_8bit_16x8x32(part[t], lo[u].z, hi[u].z, lo[u].w, hi[u].w, vec[u][t].z, vec[u][t].w);
       }
       // A K block (or the slice) ends with this step (warp-uniform): its products, times its scales.
-      if (block && ((step + 1) % block_steps == 0 || step + 1 == steps)) fold(step / block_steps);
+      if (block && (--block_left == 0 || step + 1 == steps)) {
+#pragma unroll
+        for (int t = 0; t < kMmaTiles; ++t) {
+          if (t >= num_tiles) break;
+          float scale[4];
+          if (folds < 2) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) scale[i] = folds == 0 ? first[t][i] : second[t][i];
+          } else {
+            block_scales(q, m, t, kb, scale);
+          }
+          fold(t, scale);
+        }
+        ++folds;
+        ++kb;
+        block_left = block_steps;
+      }
     }
   }
   if (!block) {
-    fold(0);
+    const float one[4] = {1.f, 1.f, 1.f, 1.f};
 #pragma unroll
     for (int t = 0; t < kMmaTiles; ++t) {
+      fold(t, one);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int a_row = m.a_row[t][i & 1];
@@ -367,14 +419,16 @@ struct MmaTeams {
   int size, team, count, member;  // count: teams in the CTA
   int slice_steps;
   // items: what the teams of all `ctas` CTAs share; steps: K's; steps_per_block: 1 unless block scales.
-  __device__ MmaTeams(int64_t items, int ctas, int steps, int steps_per_block) {
-    int64_t best = INT64_MAX;
+  // NOTE: 32-bit math (items < 2^31, see the callers): the 64-bit divisions were ~300
+  // instructions a warp, a tenth of a decode warp's work.
+  __device__ MmaTeams(int items, int ctas, int steps, int steps_per_block) {
+    int best = INT_MAX;
     size = 1;
     for (int s = 1; s <= kWarps; s *= 2) {
       const int slice = (steps + s - 1) / s;
       const int aligned = (slice + steps_per_block - 1) / steps_per_block * steps_per_block;
-      const int64_t teams = int64_t(ctas) * (kWarps / s);
-      const int64_t rounds = (items + teams - 1) / teams * ((aligned + kMmaUnroll - 1) / kMmaUnroll);
+      const int teams = ctas * (kWarps / s);
+      const int rounds = (items + teams - 1) / teams * ((aligned + kMmaUnroll - 1) / kMmaUnroll);
       if (rounds < best) {
         best = rounds;
         size = s;
@@ -512,7 +566,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int column_groups = I / 8;
   const int64_t num_units = int64_t(t.num_distinct) * column_groups;
   const int steps = (H + kMmaStep - 1) / kMmaStep;
-  const MmaTeams teams(num_units, int(gridDim.x), steps, steps_per_block(p.quant13));
+  const MmaTeams teams(int(num_units), int(gridDim.x), steps, steps_per_block(p.quant13));
   __shared__ float red[kMmaReduceFloats];
   // num_units < 2^31 (fewer than 64 experts times I / 8): 32-bit unit math.
   for (int unit = int(blockIdx.x) * teams.count + teams.team; unit < num_units; unit += int(gridDim.x) * teams.count) {
