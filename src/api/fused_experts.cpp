@@ -216,13 +216,13 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
   };
 }
 
-// The grouped path of one chunk (FusedExpertsChunkPlan::grouped): the alignment in blocks
-// of 16 with per-expert offsets and sizes, the GEMMs' device arrays, each slot's entry, x
-// quantized straight into expert order (rows and scales), GEMM1, the
+// The grouped path of one chunk (FusedExpertsChunkPlan::grouped), after x's quantization
+// by token: the alignment in blocks of 16 with per-expert offsets and sizes, the GEMMs'
+// device arrays, x's rows and scales gathered into expert order (and each slot's entry
+// noted), GEMM1, the
 // activation quantized by entry, GEMM2, and the weighted top-k sum through the entries.
 void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
-                       const FusedExpertsOptions& options, ActivationKind kind, const TensorView& x_chunk,
-                       bool static_scales, Stream stream) {
+                       const FusedExpertsOptions& options, ActivationKind kind, Stream stream) {
   const GroupedExpertsParams& g = plan.grouped_params;
   const QuantScheme& scheme = args.quant->scheme;
   const Device device = args.hidden_states.device;
@@ -236,31 +236,24 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
   align.group_sizes = g.group_sizes;
   run_align(align, device, stream);
   cuda::grouped_experts_args(g, stream);
-  // Each slot's entry (no rows copied), then x quantized by token straight into its
-  // top_k entries: rows, and their scales when they are per token or per token group
-  // (one tensor scale stays where the plan keeps it).
-  // NOTE: quantizing x into [tokens, H] and gathering it by entry read and wrote x's
-  // 8-bit rows a second time: DeepSeek-V3 at M = 8192: quantize 244 us + gathers 316 us.
+  // x's 8-bit rows by entry, and their scales (none to gather for one tensor scale).
   cuda::moe_gather_sorted_rows(
-      GatherRowsParams{.dtype = scheme.element, .input = nullptr, .input_stride_row = 0, .out = nullptr,
-                       .out_stride_row = 0, .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp,
-                       .max_num_tokens_padded = entries, .num_slots = plan.slots, .top_k = top_k, .width = 0,
-                       .slot_entries = plan.slot_entries,
+      GatherRowsParams{.dtype = scheme.element, .input = plan.x_quantized.data,
+                       .input_stride_row = plan.x_quantized.strides[0], .out = g.a, .out_stride_row = H,
+                       .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
+                       .num_slots = plan.slots, .top_k = top_k, .width = H, .slot_entries = plan.slot_entries,
                        .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
                        .block_size = plan.block_size},
       stream);
-  QuantizeParams quantize = quantize_params(QuantizeArgs{x_chunk, plan.x_quantized, plan.x_scales,
-                                                         plan.quant_block_rows, plan.quant_block_cols, static_scales});
-  quantize.out = g.a;
-  quantize.out_stride_row = H;
   if (scheme.activation_scales != ScaleGranularity::kTensor) {
-    quantize.scales = g.a_scales;
-    quantize.scales_stride_row = plan.x_scales.shape[1];
-    quantize.scales_stride_col = 1;
+    const int64_t scale_cols = plan.x_scales.shape[1];
+    cuda::moe_gather_sorted_rows(
+        GatherRowsParams{.dtype = DType::kFloat32, .input = plan.x_scales.data,
+                         .input_stride_row = plan.x_scales.strides[0], .out = g.a_scales, .out_stride_row = scale_cols,
+                         .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
+                         .num_slots = plan.slots, .top_k = top_k, .width = scale_cols},
+        stream);
   }
-  quantize.row_destinations = plan.slot_entries;
-  quantize.copies = top_k;
-  run_quantize(quantize, device, stream);
   cuda::grouped_experts_gemm(g, 1, stream);
   const bool tensor = scheme.activation_scales == ScaleGranularity::kTensor;
   cuda::moe_activation_quantize(
@@ -380,8 +373,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     GemmQuantParams quant1 = call.quant.gemm1, quant2 = call.quant.gemm2;
     const bool static_scales = args.quant && args.quant->scheme.static_activation_scales;
     if (plan.quantized) {
-      // The grouped path quantizes x into its entries itself (run_grouped_chunk).
-      if (!plan.grouped) quantize_rows(x_chunk, plan.x_quantized, plan.x_scales, plan, static_scales, device, stream);
+      quantize_rows(x_chunk, plan.x_quantized, plan.x_scales, plan, static_scales, device, stream);
       quant1.a_scale = static_cast<const float*>(plan.x_scales.data);
       quant1.a_scale_stride_row = plan.x_scales.strides[0];
       quant1.a_scale_stride_k = plan.x_scales.strides[1];
@@ -397,7 +389,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     };
 #ifdef MOELORA_WITH_CUDA
     if (plan.grouped) {
-      run_grouped_chunk(plan, args, options, kind, x_chunk, static_scales, stream);
+      run_grouped_chunk(plan, args, options, kind, stream);
       continue;
     }
     if (plan.small_batch) {

@@ -152,11 +152,6 @@ struct QuantizeParams {
   int64_t batch, rows, cols;
   int64_t block_rows, block_cols;
   bool static_scales;
-  // fused_experts' grouped path (CUDA): row r's elements, and its scales when they are per
-  // row (block_rows 1), go to out rows row_destinations[r * copies + j] for j < copies
-  // (-1: none) instead of row r; batch 1. Null: row r.
-  const int32_t* row_destinations = nullptr;
-  int64_t copies = 1;
 };
 
 // The W8A8 operands of a quantized expert GEMM (GemmParams::quant, SmallBatchMoeParams::quant):
@@ -333,7 +328,7 @@ struct GatherRowsParams {
   int64_t max_num_tokens_padded;
   int64_t num_slots;                      // the padding sentinel
   int64_t top_k;
-  int64_t width;  // 0: slot_entries only
+  int64_t width;
   // fused_experts' grouped path: also each slot's entry [num_slots] (every slot has one
   // entry), -1 where the entry's block has no local expert (expert_ids, block_size).
   int32_t* slot_entries = nullptr;
@@ -344,8 +339,7 @@ struct GatherRowsParams {
 // fused_experts' grouped path (CUDA, sm_90a; quantized experts, many slots per expert):
 // both expert GEMMs as CUTLASS grouped GEMMs, one group per (global) expert, over rows in
 // entry order of the alignment (each expert's slots contiguous from its first entry):
-//   x quantized by token straight into its entries of `a` (QuantizeParams::row_destinations
-//   = slot_entries) -> GEMM1 -> d [entries, 2I]
+//   x quantized by token -> rows and scales gathered by entry into `a` -> GEMM1 -> d [entries, 2I]
 //   -> activation + quantization by entry into `a` (moe_activation_quantize) -> GEMM2 -> d [entries, H]
 //   -> moe_sum_reduce through slot_entries, with the routed weights.
 // `a`/`a_scales` and `d` hold GEMM1's operands, then GEMM2's (each GEMM's input is dead once

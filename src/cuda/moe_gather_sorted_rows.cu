@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 }  // namespace
 
 void moe_gather_sorted_rows(const GatherRowsParams& p, Stream stream) {
-  if (p.max_num_tokens_padded == 0 || (p.width == 0 && p.slot_entries == nullptr)) return;
+  if (p.max_num_tokens_padded == 0 || p.width == 0) return;
   const int64_t elem = int64_t(dtype_size(p.dtype)), row_bytes = p.width * elem;
   auto aligned_to = [&](int64_t bytes) {
     return row_bytes % bytes == 0 && (p.input_stride_row * elem) % bytes == 0 && (p.out_stride_row * elem) % bytes == 0 &&

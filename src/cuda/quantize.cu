@@ -147,8 +147,7 @@ __global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel
         continue;
       }
       scale = scale_of(absmax, kQmax<Out>);
-      // Per-row scales follow the row to its destinations (below).
-      if (active && team_lane == 0 && p.row_destinations == nullptr) *scale_ptr = scale;
+      if (active && team_lane == 0) *scale_ptr = scale;
     } else {
       if (!active) continue;
       scale = kPass == Pass::kFromAbsmax ? scale_of(*scale_ptr, kQmax<Out>) : *scale_ptr;
@@ -157,27 +156,15 @@ __global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel
         if (col_of(i) < col_end) keep[i].load(x + col_of(i));
       }
     }
-    if (!active) continue;  // past team_max's barriers: no thread waits on this one
-    // Each destination row (one unless row_destinations: the row's entries).
-    for (int64_t copy = 0; copy < p.copies; ++copy) {
-      int64_t dest = at.row;
-      if (p.row_destinations != nullptr) {
-        dest = p.row_destinations[at.row * p.copies + copy];
-        if (dest < 0) continue;
-        if (kPass == Pass::kRows && team_lane == 0) {
-          p.scales[dest * p.scales_stride_row + at.cb * p.scales_stride_col] = scale;
-        }
-      }
-      Out* y = out + at.b * p.out_stride_batch + dest * p.out_stride_row;
+    Out* y = out + at.b * p.out_stride_batch + at.row * p.out_stride_row;
 #pragma unroll
-      for (int i = 0; i < kKeep; ++i) {
-        if (col_of(i) < col_end) keep[i].store(y + col_of(i), scale);
-      }
-      for (int64_t c = col_of(kKeep); c < col_end; c += kTeam * kVec) {
-        QuantChunk<In, Out, kVec> chunk;
-        chunk.load(x + c);
-        chunk.store(y + c, scale);
-      }
+    for (int i = 0; i < kKeep; ++i) {
+      if (col_of(i) < col_end) keep[i].store(y + col_of(i), scale);
+    }
+    for (int64_t c = col_of(kKeep); c < col_end; c += kTeam * kVec) {
+      QuantChunk<In, Out, kVec> chunk;
+      chunk.load(x + c);
+      chunk.store(y + c, scale);
     }
   }
   allow_next_kernel_launch();
