@@ -135,7 +135,8 @@ struct GemmTile {
 struct MoeKernelConfig {
   int64_t block_size = 0;  // 0: heuristic
   GemmTile gemm1, gemm2;
-  // fused_experts on CUDA (bf16/fp16), for chunks of at most kSmallBatchMaxSlots slots:
+  // fused_experts on CUDA, for chunks of at most kSmallBatchMaxSlots slots (8-bit experts:
+  // kSmallBatchMaxSlots8Bit):
   // two kernels read topk_ids directly (no alignment, no padding rows), stream each
   // routed expert's weight rows once with CUDA-core dot products, and sum the top-k in
   // GEMM2. A chunk that does not qualify (more slots, fp32, rows not 16-byte aligned)
@@ -157,8 +158,11 @@ struct MoeKernelConfig {
 // Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its
 // buffers only for calls whose chunks reach it.
 constexpr int64_t kGroupedMinSlots = 512;
-// Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch.
+// Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch: with
+// 16-bit experts, and with 8-bit ones (W8A8, whose kernels multiply on MMAs and take up to
+// 128 slots: a chunk of 128 slots over as many experts streams each routed expert once).
 constexpr int64_t kSmallBatchMaxSlots = 64;
+constexpr int64_t kSmallBatchMaxSlots8Bit = 128;
 
 // ---------------------------------------------------------------------------------
 // fused_moe: the grouped expert GEMM over aligned blocks.

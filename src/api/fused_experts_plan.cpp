@@ -47,6 +47,12 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   const int64_t grouped_slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   config.grouped_gemm = shape.quant.enabled() && facts.sm90_kernels && grouped_slots >= kGroupedMinSlots &&
                         grouped_slots >= 16 * shape.num_experts;
+  // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while there
+  // are no more slots than experts (most routed experts then see one pass of at most 8
+  // slots). NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28 step 4): at 128 slots the
+  // MMA small-batch kernels beat the W8A8 tile kernels the bf16 tables pick there.
+  const bool small_batch_8bit =
+      shape.quant.enabled() && grouped_slots <= std::min(kSmallBatchMaxSlots8Bit, shape.num_experts);
   const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
   if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
@@ -62,6 +68,7 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
     if (runs_here && !blocks_too_large) {
       MoeKernelConfig with_grouped = tuned;
       with_grouped.grouped_gemm = config.grouped_gemm;
+      with_grouped.small_batch = tuned.small_batch || small_batch_8bit;
       return with_grouped;
     }
   }
@@ -73,7 +80,7 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   const int64_t slots_per_expert = ceil_div(slots, std::max<int64_t>(shape.num_experts, 1));
   if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
-  config.small_batch = slots <= std::min(kSmallBatchMaxSlots, shape.num_experts);
+  config.small_batch = slots <= std::min(kSmallBatchMaxSlots, shape.num_experts) || small_batch_8bit;
 #else
   (void)num_local_experts;
 #endif

@@ -21,7 +21,8 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   // int8 MMAs sum a slice of K in int32 between folds: 127 x 127 x K stays below 2^31 for
   // K <= 2^17.
   const bool int32_sums = p.quant13.element != DType::kInt8 || (p.H <= (int64_t(1) << 17) && p.I <= (int64_t(1) << 17));
-  return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= kMaxSlots &&
+  const int64_t max_slots = p.quant13.enabled ? kSmallBatchMaxSlots8Bit : kSmallBatchMaxSlots;
+  return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= max_slots &&
          p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
          rows_aligned && blocks && (!p.quant13.enabled || int32_sums);
 }
@@ -29,7 +30,8 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
 void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int stages) {
   if (!fused_experts_small_batch_supported(p)) {
     throw Error("moelora.fused_experts: the small-batch kernels do not take this call (at most " +
-                std::to_string(kMaxSlots) + " slots, bf16/fp16, 16-byte aligned rows)");
+                std::to_string(kSmallBatchMaxSlots) + " slots, " + std::to_string(kSmallBatchMaxSlots8Bit) +
+                " with 8-bit experts; bf16/fp16, 16-byte aligned rows)");
   }
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.quant13.enabled) {

@@ -48,7 +48,8 @@ using detail::SmallBatchMoeParams;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxSlots = int(kSmallBatchMaxSlots);
+// The tables' capacity: the larger of the two limits (16-bit and 8-bit experts).
+constexpr int kMaxSlots = int(std::max(kSmallBatchMaxSlots, kSmallBatchMaxSlots8Bit));
 static_assert(kMaxSlots <= kThreads, "one thread per slot builds the slot tables");
 constexpr int kSlotsPerPass = 4;   // slots of one expert multiplied per pass over its weight rows (GEMM2's 16-row items: 2)
 constexpr int kChunkBytes = 16;  // one 16-byte load a lane
@@ -555,11 +556,14 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
   // of slots without a local expert get zeros, which move no absmax.
+  // NOTE: a warp a slot, only where it has none (the loop over every element with a
+  // division each kept CTA 0 busy for thousands of instructions a thread).
   if (blockIdx.x == 0) {
     T* act = static_cast<T*>(p.act);
     const int num_slots = int(p.num_tokens) * top_k;
-    for (int i = int(threadIdx.x); i < num_slots * I; i += kThreads) {
-      if (t.expert[i / I] < 0) act[i] = from_float<T>(0.f);
+    for (int slot = int(threadIdx.x) / 32; slot < num_slots; slot += kWarps) {
+      if (t.expert[slot] >= 0) continue;
+      for (int c = lane; c < I; c += 32) act[int64_t(slot) * I + c] = from_float<T>(0.f);
     }
   }
   const bool interleaved = kAct == ActivationKind::kSwigluOai;

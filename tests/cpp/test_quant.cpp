@@ -595,6 +595,19 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.options.config = &kSmallBatch;
     x.expect_small_batch = true;
     add("small_batch_H1040_I272", x);
+    // 128 slots: the 8-bit small-batch limit (kSmallBatchMaxSlots8Bit; 16-bit experts stop
+    // at 64), over 32 experts (some with more than a pass of 8 slots); one token more takes
+    // the aligned path.
+    x = small;
+    x.M = 16;
+    x.top_k = 8;
+    x.num_global = x.num_local = 32;
+    x.options.config = &kSmallBatch;
+    x.expect_small_batch = true;
+    add("small_batch_128_slots", x);
+    x.M = 17;
+    x.expect_small_batch = false;
+    add("small_batch_136_slots_falls_back", x);
     // The grouped GEMMs (sm_90a; int8_block has no CUTLASS mainloop and stays on the tile
     // kernels): 1280 slots and more, with each of the layer's options.
     QuantLayerCase grouped = small;
