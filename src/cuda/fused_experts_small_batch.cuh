@@ -605,11 +605,17 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
 template <class T, class E, ActivationKind kAct>
 __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) {
   __shared__ SlotTables t;
+  // 8-bit operands: the tables before the wait, while x's quantization runs (it lets
+  // this grid launch right after its own wait, so every kernel that wrote topk_ids and
+  // expert_map, the layer's inputs, has completed). 16-bit: this kernel may be the
+  // layer's first, after a kernel that gives no such promise.
+  constexpr bool kTablesFirst = !std::is_same_v<T, E>;
+  if constexpr (kTablesFirst) build_slot_tables(p, t);
   wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
-  build_slot_tables(p, t);
+  if constexpr (!kTablesFirst) build_slot_tables(p, t);
   if constexpr (std::is_same_v<T, E>) {
     small_batch_gemm1<T, kAct>(p, t);
   } else {

@@ -16,6 +16,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "cuda/launch.cuh"
 #include "cuda/numeric.cuh"
 #include "cuda/quantize.cuh"
@@ -98,12 +99,16 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // H100); the chunks alone gained little: it is issue-bound (~65 instructions an element:
 // the IEEE division, the clamp, the conversion), hence the occupancy below.
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
-__global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p) {
+// one_wave: the grid is resident at once (no later waves to take SM slots from), so the
+// next kernel may launch as soon as this one has waited: its CTAs then do their prologue
+// and park while this one runs (decode: x's or act's few rows before a small-batch GEMM).
+__global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p, bool one_wave) {
   // NOTE: a team of 16 serves 128-column groups, one chunk a thread: keeping one chunk
   // fits three CTAs an SM (85 registers; four spilled). At 94 registers, two CTAs, the
   // kernel issued from 23% occupancy and took 35 us for Qwen3-30B's x at M = 4096 (ncu, H100).
   constexpr int kKeep = kTeam == 16 ? 1 : 4;
   wait_for_previous_kernel();
+  if (one_wave) allow_next_kernel_launch();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
   const int64_t num_segments = p.batch * p.rows * col_blocks;
   const int team_lane = int(threadIdx.x) % kTeam;
@@ -193,17 +198,18 @@ template <class In, class Out, int kTeam, int kVec>
 void launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   const int64_t segments = p.batch * p.rows * ((p.cols + p.block_cols - 1) / p.block_cols);
   const dim3 grid(grid_for(segments, kThreads / kTeam)), block(kThreads);
+  const bool one_wave = int64_t(grid.x) <= int64_t(current_device_info().num_sms);
   if (p.static_scales) {
-    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kStatic>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kStatic>, grid, block, 0, stream, p, one_wave);
   } else if (p.block_rows == 1) {
-    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kRows>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kRows>, grid, block, 0, stream, p, one_wave);
   } else {
     const int64_t num_scales = p.batch * ((p.rows + p.block_rows - 1) / p.block_rows) *
                                ((p.cols + p.block_cols - 1) / p.block_cols);
     const dim3 scale_grid(grid_for(num_scales, kThreads));
     launch_kernel(block_scales_kernel<false>, scale_grid, block, 0, stream, p, kQmax<Out>);
-    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kAbsmax>, grid, block, 0, stream, p);
-    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kFromAbsmax>, grid, block, 0, stream, p);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kAbsmax>, grid, block, 0, stream, p, one_wave);
+    launch_kernel(quantize_kernel<In, Out, kTeam, kVec, Pass::kFromAbsmax>, grid, block, 0, stream, p, one_wave);
     launch_kernel(block_scales_kernel<true>, scale_grid, block, 0, stream, p, kQmax<Out>);
   }
 }
