@@ -416,7 +416,11 @@ __device__ __forceinline__ void warp_mma_rows(const detail::GemmQuantParams& q, 
 // kMmaUnroll steps: ceil(items / teams) x ceil(slice / kMmaUnroll). Slices are whole K
 // blocks (block scales fold per block). Members sum into the team's first warp through
 // shared memory, between the team's own barriers (named barrier 1 + team).
+// kCtaWarps: the CTA's warps (GEMM2 on small H runs CTAs of 16; at most 15 teams of two
+// or more warps, so their barrier ids stay within the 16 named barriers).
+template <int kCtaWarps = kWarps>
 struct MmaTeams {
+  static_assert(kCtaWarps <= 16, "named barriers 1 + team");
   int size, team, count, member;  // count: teams in the CTA
   int slice_steps;
   // items: what the teams of all `ctas` CTAs share; steps: K's; steps_per_block: 1 unless block scales.
@@ -425,10 +429,10 @@ struct MmaTeams {
   __device__ MmaTeams(int items, int ctas, int steps, int steps_per_block) {
     int best = INT_MAX;
     size = 1;
-    for (int s = 1; s <= kWarps; s *= 2) {
+    for (int s = 1; s <= kCtaWarps; s *= 2) {
       const int slice = (steps + s - 1) / s;
       const int aligned = (slice + steps_per_block - 1) / steps_per_block * steps_per_block;
-      const int teams = ctas * (kWarps / s);
+      const int teams = ctas * (kCtaWarps / s);
       const int rounds = (items + teams - 1) / teams * ((aligned + kMmaUnroll - 1) / kMmaUnroll);
       if (rounds < best) {
         best = rounds;
@@ -438,7 +442,7 @@ struct MmaTeams {
     }
     const int warp = int(threadIdx.x) / 32;
     team = warp / size;
-    count = kWarps / size;
+    count = kCtaWarps / size;
     member = warp % size;
   }
   __device__ int step_begin() const { return member * slice_steps; }
@@ -468,7 +472,9 @@ struct MmaTeams {
     sync();  // red is rewritten by the next item
   }
 };
-constexpr int kMmaReduceFloats = kWarps * kMmaTiles * 4 * 32;
+template <int kCtaWarps>
+constexpr int kMmaReduceFloatsFor = kCtaWarps * kMmaTiles * 4 * 32;
+constexpr int kMmaReduceFloats = kMmaReduceFloatsFor<kWarps>;
 
 // acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
 // indexing.
@@ -630,9 +636,13 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
 // use. NOTE: one CTA per SM: at two, the 128-register cap spilled the 4 x 4 loads.
 // E: as GEMM1's; W8A8 reads act_quantized (by slot) with quant2's scales, 16-row items on
 // MMAs (warp_mma_rows: lane (g, q) holds rows g and g + 8 of the item).
-template <class T, class E, int kRowsPerItem, int kUnroll>
+// kCtaThreads: kThreads, or 512 for W8A8 when H's 16-row blocks are no more than the SMs
+// (launch_small_batch).
+template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads>
 __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, int rows_per_cta) {
   constexpr bool kQuant = !std::is_same_v<T, E>;
+  constexpr int kCtaWarps = kCtaThreads / 32;
+  static_assert(kCtaThreads >= kMaxSlots, "one thread per slot builds the slot tables");
   static_assert(!kQuant || kRowsPerItem == 16, "W8A8 items are an MMA's 16 rows");
   // NOTE: 16-row items with 4 slots a pass spilled (64 accumulators).
   constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
@@ -652,11 +662,12 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   const int row_groups = rows_per_cta / kRowsPerItem;
   // W8A8: the CTA's items in teams that split K (one warp an item for 16-bit operands).
   const int steps = (I + kMmaStep - 1) / kMmaStep;
-  const MmaTeams teams(kQuant ? t.num_distinct * row_groups : kWarps, 1, steps, kQuant ? steps_per_block(p.quant2) : 1);
-  __shared__ float red[kQuant ? kMmaReduceFloats : 1];
+  const MmaTeams<kCtaWarps> teams(kQuant ? t.num_distinct * row_groups : kCtaWarps, 1, steps,
+                                  kQuant ? steps_per_block(p.quant2) : 1);
+  __shared__ float red[kQuant ? kMmaReduceFloatsFor<kCtaWarps> : 1];
   for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
     const int items = t.num_distinct * row_groups;
-    for (int item = kQuant ? teams.team : warp; item < items; item += kQuant ? teams.count : kWarps) {
+    for (int item = kQuant ? teams.team : warp; item < items; item += kQuant ? teams.count : kCtaWarps) {
       const int d = item / row_groups, row0 = (item - d * row_groups) * kRowsPerItem;
       const int64_t expert = t.distinct_expert[d];
       const E* w = w2 + expert * p.w2_stride_expert;
@@ -717,7 +728,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
     __syncthreads();
     const int rows_here = min(rows_per_cta, H - h0);
     if (p.no_combine) {
-      for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kThreads) {
+      for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kCtaThreads) {
         const int slot = i / rows_here, r = i - slot * rows_here;
         const int token = slot / top_k, j = slot - token * top_k;
         const float w = p.router_weight_on_input ? 1.f : routed_weight(p, slot);
@@ -725,7 +736,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         out[token * p.out_stride_token + j * p.out_stride_k + h0 + r] = from_float<T>(value);
       }
     } else {
-      for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kThreads) {
+      for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kCtaThreads) {
         const int token = i / rows_here, r = i - token * rows_here;
         float sum = 0.f;
         for (int j = 0; j < top_k; ++j) {
@@ -766,12 +777,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // NOTE: two CTAs an SM for 8-bit operands (MMAs: 123 registers), for twice the warps
-// streaming rows at decode.
-template <class T, class E, int kRowsPerItem, int kUnroll>
-__global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 1 : 2)
+// streaming rows at decode; one of 512 threads where H has too few 16-row blocks for
+// two CTAs an SM (launch_small_batch).
+template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads = kThreads>
+__global__ void __launch_bounds__(kCtaThreads, std::is_same_v<T, E> || kCtaThreads > kThreads ? 1 : 2)
     small_batch_gemm2_kernel(const SmallBatchMoeParams p, int rows_per_cta) {
   if constexpr (operands_run_here<E>()) {
-    small_batch_gemm2<T, E, kRowsPerItem, kUnroll>(p, rows_per_cta);
+    small_batch_gemm2<T, E, kRowsPerItem, kUnroll, kCtaThreads>(p, rows_per_cta);
   } else {
     __trap();
   }
@@ -779,25 +791,25 @@ __global__ void __launch_bounds__(kThreads, std::is_same_v<T, E> ? 1 : 2)
 
 // CTAs of `kernel` the device holds at once (occupancy query, cached per device; one
 // cache per kernel instance through the template).
-template <auto kKernel>
+template <auto kKernel, int kCtaThreads = kThreads>
 int resident_ctas() {
   static std::atomic<int> cache[64] = {};
   return cached_per_device(cache, [](const DeviceInfo& device) {
     int per_sm = 0;
-    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
+    MOELORA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kCtaThreads, 0));
     return std::max(1, per_sm) * device.num_sms;
   });
 }
 
 // GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave
 // covers H.
-template <auto kKernel, int kRowsPerItem>
+template <auto kKernel, int kRowsPerItem, int kCtaThreads = kThreads>
 void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream) {
-  const int64_t resident = resident_ctas<kKernel>();
+  const int64_t resident = resident_ctas<kKernel, kCtaThreads>();
   const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
   const int rows_per_cta = int((rows + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem);
   const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
-  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kThreads), 0, stream, p, rows_per_cta);
+  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kCtaThreads), 0, stream, p, rows_per_cta);
 }
 
 template <class T, class E, ActivationKind kAct>
@@ -808,7 +820,15 @@ void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int s
   // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16). 8-bit operands:
   // always the MMA's 16-row items.
   if constexpr (!std::is_same_v<T, E>) {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
+    // NOTE: a CTA takes 16 rows of H at least (an MMA's), so H = 2048 (Qwen3-30B, OLMoE)
+    // filled 128 CTAs: one of 8 warps an SM, each warp through 4-5 items of 16 rows in turn
+    // (OLMoE M = 8: GEMM2 55 us at 43% of DRAM peak, GEMM1 63 us at 74%; ncu, H100).
+    // There, CTAs of 16 warps.
+    if ((p.H + 15) / 16 <= int64_t(current_device_info().num_sms)) {
+      launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1, 2 * kThreads>, 16, 2 * kThreads>(p, stream);
+    } else {
+      launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
+    }
   } else if (p.I <= 512) {
     launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
   } else {
