@@ -239,7 +239,8 @@ struct GemmParams {
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
 // from topk_ids: GEMM1 + activation into `act`, then GEMM2 + the top-k sum into `out`.
 // fused_experts_small_batch_supported() says whether the kernels take these (unit K
-// strides, 16-byte aligned rows, 16-bit float types, at most kSmallBatchMaxSlots slots).
+// strides, 16-byte aligned rows, 16-bit float types, at most kSmallBatchMaxSlots slots;
+// kSmallBatchMaxSlots8Bit with quant13 enabled).
 struct SmallBatchMoeParams {
   DType dtype;                    // bf16 or fp16: x, w13, w2, act, out
   const void* x;                  // [num_tokens, H], unit stride on H

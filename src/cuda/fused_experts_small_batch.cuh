@@ -1,6 +1,7 @@
 // fused_experts' small-batch path (MoeKernelConfig::small_batch): two kernels straight
-// from topk_ids, for chunks of at most kSmallBatchMaxSlots slots. The kernels and their
-// launchers; fused_experts_small_batch{,_fp8,_int8}.cu instantiate them.
+// from topk_ids, for chunks of at most kSmallBatchMaxSlots slots (kSmallBatchMaxSlots8Bit
+// with 8-bit experts). The kernels and their launchers; fused_experts_small_batch{,_fp8,
+// _int8}.cu instantiate them.
 //
 // At a few tokens the layer is a stream of the routed experts' weights (Qwen3-30B at
 // M = 1: 8 experts, 75 MB, 25 us at the copy rate), and the aligned path's fixed costs
