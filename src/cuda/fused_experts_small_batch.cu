@@ -22,8 +22,9 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   // K <= 2^17.
   const bool int32_sums = p.quant13.element != DType::kInt8 || (p.H <= (int64_t(1) << 17) && p.I <= (int64_t(1) << 17));
   const int64_t max_slots = p.quant13.enabled ? kSmallBatchMaxSlots8Bit : kSmallBatchMaxSlots;
+  // I < 2^27: GEMM1's units (distinct experts x I / 8, 128 x 2^24 at most) stay in 32 bits.
   return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= max_slots &&
-         p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 30) &&
+         p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 27) &&
          rows_aligned && blocks && (!p.quant13.enabled || int32_sums);
 }
 

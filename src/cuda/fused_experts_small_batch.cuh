@@ -579,7 +579,8 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int steps = (H + kMmaStep - 1) / kMmaStep;
   const MmaTeams teams(int(num_units), int(gridDim.x), steps, steps_per_block(p.quant13));
   __shared__ float red[kMmaReduceFloats];
-  // num_units < 2^31 (fewer than 64 experts times I / 8): 32-bit unit math.
+  // num_units < 2^31 (at most 128 distinct experts times I / 8, I < 2^27: supported()):
+  // 32-bit unit math.
   for (int unit = int(blockIdx.x) * teams.count + teams.team; unit < num_units; unit += int(gridDim.x) * teams.count) {
     const int d = unit / column_groups, j = (unit - d * column_groups) * 8 + g;
     const int64_t expert = t.distinct_expert[d];
