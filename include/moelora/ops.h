@@ -136,11 +136,11 @@ struct MoeKernelConfig {
   int64_t block_size = 0;  // 0: heuristic
   GemmTile gemm1, gemm2;
   // fused_experts on CUDA, for chunks of at most kSmallBatchMaxSlots slots (8-bit experts:
-  // kSmallBatchMaxSlots8Bit):
-  // two kernels read topk_ids directly (no alignment, no padding rows), stream each
-  // routed expert's weight rows once with CUDA-core dot products, and sum the top-k in
-  // GEMM2. A chunk that does not qualify (more slots, fp32, rows not 16-byte aligned)
-  // takes the aligned path with block_size and the tiles above.
+  // kSmallBatchMaxSlots8Bit): two kernels read topk_ids directly (no alignment, no padding
+  // rows), stream each routed expert's weight rows once (CUDA-core dot products; MMAs for
+  // 8-bit experts), and sum the top-k in GEMM2. A chunk that does not qualify (more slots,
+  // fp32, rows not 16-byte aligned) takes the aligned path with block_size and the tiles
+  // above.
   bool small_batch = false;
   // fused_experts on CUDA, for chunks whose activation goes in sorted order (both GEMMs
   // on kSm90 tensor-core tiles, at least 512 slots): first copy the chunk's hidden rows

@@ -44,15 +44,15 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   // slots an expert on average. NOTE: measured on H100, fp8_block (docs/PERF_NOTES.md, issue
   // 28 step 2): 1.6-6.1x faster than the W8A8 tile kernels from 1024 slots on every model;
   // at 2048 slots level with 16 slots an expert (Qwen3-30B), 11% slower with 8 (DeepSeek-V3).
-  const int64_t grouped_slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
-  config.grouped_gemm = shape.quant.enabled() && facts.sm90_kernels && grouped_slots >= kGroupedMinSlots &&
-                        grouped_slots >= 16 * shape.num_experts;
+  const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
+  config.grouped_gemm =
+      shape.quant.enabled() && facts.sm90_kernels && slots >= kGroupedMinSlots && slots >= 16 * shape.num_experts;
   // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while there
   // are no more slots than experts (most routed experts then see one pass of at most 8
   // slots). NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28 step 4): at 128 slots the
   // MMA small-batch kernels beat the W8A8 tile kernels the bf16 tables pick there.
   const bool small_batch_8bit =
-      shape.quant.enabled() && grouped_slots <= std::min(kSmallBatchMaxSlots8Bit, shape.num_experts);
+      shape.quant.enabled() && slots <= std::min(kSmallBatchMaxSlots8Bit, shape.num_experts);
   const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
   if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));
@@ -77,7 +77,6 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   // matches every cell the H100 tuner measured (docs/PERF_NOTES.md, issue 3 step 5):
   // small-batch won up to 64 slots on the 64-256-expert models and up to 8 on Mixtral
   // (8 experts), and lost beyond.
-  const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   const int64_t slots_per_expert = ceil_div(slots, std::max<int64_t>(shape.num_experts, 1));
   if (facts.sm90_kernels && slots_per_expert >= 192) config.block_size = 128;
   config.small_batch = slots <= std::min(kSmallBatchMaxSlots, shape.num_experts) || small_batch_8bit;
