@@ -477,6 +477,34 @@ template <int kCtaWarps>
 constexpr int kMmaReduceFloatsFor = kCtaWarps * kMmaTiles * 4 * 32;
 constexpr int kMmaReduceFloats = kMmaReduceFloatsFor<kWarps>;
 
+// A warp item's passes over the slots of its expert (distinct expert d of the tables, at
+// most kMmaVecs slots a pass; a: the vectors' rows, row_of(slot) the row of a slot): each
+// pass's products, summed over the team; its first warp then hands use(slot, product with
+// row g, product with row g + 8) for each of its lane's vectors.
+template <class E, int kCtaWarps, class RowOf, class Use>
+__device__ __forceinline__ void mma_item_passes(const detail::GemmQuantParams& q, MmaRows<E>& m, const SlotTables& t,
+                                                int d, const E* a, int64_t a_stride, RowOf row_of, int K, int steps,
+                                                const MmaTeams<kCtaWarps>& teams, float* red, Use use) {
+  const int quad = int(threadIdx.x) % 4;
+  const int end = t.group_begin[d + 1];
+  for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
+    const int n = min(kMmaVecs, end - pass);
+    set_pass_vectors(m, t.sorted_slot + pass, n, a, a_stride, row_of);
+    float acc[kMmaTiles][4];
+    warp_mma_rows(q, m, (n + 7) / 8, K, teams.step_begin(), teams.step_end(steps), acc);
+    teams.reduce(acc, red);
+    if (teams.member != 0) continue;
+#pragma unroll
+    for (int tile = 0; tile < kMmaTiles; ++tile) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = tile * 8 + 2 * quad + c;
+        if (col < n) use(t.sorted_slot[pass + col], acc[tile][c], acc[tile][2 + c]);
+      }
+    }
+  }
+}
+
 // acc[r][lane]: the value of slot `lane` of a pass (lane < kVecs), without register
 // indexing.
 template <int kRows, int kVecs>
@@ -560,7 +588,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const E* x = static_cast<const E*>(p.x);
   const E* w13 = static_cast<const E*>(p.w13);
   const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4;
   // The caller quantizes every row of act (a per-tensor scale reads them all): the rows
   // of slots without a local expert get zeros, which move no absmax.
   // NOTE: a warp a slot, only where it has none (the loop over every element with a
@@ -590,23 +618,8 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
     m.row_hi = w13 + expert * p.w13_stride_expert + up_row * p.w13_stride_n;
     m.w_scale[0] = weight_scales(p.quant13, expert, gate_row);
     m.w_scale[1] = weight_scales(p.quant13, expert, up_row);
-    const int begin = t.group_begin[d], end = t.group_begin[d + 1];
-    for (int pass = begin; pass < end; pass += kMmaVecs) {
-      const int n = min(kMmaVecs, end - pass);
-      set_pass_vectors(m, t.sorted_slot + pass, n, x, p.x_stride_token, [&](int slot) { return slot / top_k; });
-      float acc[kMmaTiles][4];
-      warp_mma_rows(p.quant13, m, (n + 7) / 8, H, teams.step_begin(), teams.step_end(steps), acc);
-      teams.reduce(acc, red);
-      if (teams.member != 0) continue;
-#pragma unroll
-      for (int tile = 0; tile < kMmaTiles; ++tile) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int col = tile * 8 + 2 * q + c;
-          if (col < n) store_activation<T, kAct, true>(p, t.sorted_slot[pass + col], j, acc[tile][c], acc[tile][2 + c]);
-        }
-      }
-    }
+    mma_item_passes(p.quant13, m, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, steps, teams,
+                    red, [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up); });
   }
 }
 
@@ -676,34 +689,21 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
       const int end = t.group_begin[d + 1];
       // Rows past H (the last block) repeat row H - 1; their sums are never read.
       if constexpr (kQuant) {
-        const int g = lane / 4, q = lane % 4;
+        const int g = lane / 4;
         const int h_lo = min(h0 + row0 + g, H - 1), h_hi = min(h0 + row0 + g + 8, H - 1);
         MmaRows<E> m;
         m.row_lo = w + int64_t(h_lo) * p.w2_stride_n;
         m.row_hi = w + int64_t(h_hi) * p.w2_stride_n;
         m.w_scale[0] = weight_scales(p.quant2, expert, h_lo);
         m.w_scale[1] = weight_scales(p.quant2, expert, h_hi);
-        for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
-          const int n = min(kMmaVecs, end - pass);
-          set_pass_vectors(m, t.sorted_slot + pass, n, act, int64_t(I), [](int slot) { return slot; });
-          float acc[kMmaTiles][4];
-          warp_mma_rows(p.quant2, m, (n + 7) / 8, I, teams.step_begin(), teams.step_end(steps), acc);
-          teams.reduce(acc, red);
-          if (teams.member != 0) continue;
-#pragma unroll
-          for (int tile = 0; tile < kMmaTiles; ++tile) {
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const int col = tile * 8 + 2 * q + c;
-              if (col >= n) continue;
-              const int slot = t.sorted_slot[pass + col];
-              // LoRA: the slot's delta joins before the routed weight.
-              const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
-              partial[slot][row0 + g] = acc[tile][c] + (delta ? to_float(delta[h_lo]) : 0.f);
-              partial[slot][row0 + g + 8] = acc[tile][2 + c] + (delta ? to_float(delta[h_hi]) : 0.f);
-            }
-          }
-        }
+        mma_item_passes(p.quant2, m, t, d, act, int64_t(I), [](int slot) { return slot; }, I, steps, teams, red,
+                        [&](int slot, float product_lo, float product_hi) {
+                          // LoRA: the slot's delta joins before the routed weight.
+                          const T* delta =
+                              p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+                          partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
+                          partial[slot][row0 + g + 8] = product_hi + (delta ? to_float(delta[h_hi]) : 0.f);
+                        });
       } else {
         const E* rows[kRowsPerItem];
 #pragma unroll

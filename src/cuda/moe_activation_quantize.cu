@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
 #pragma unroll
           for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
         }
-#pragma unroll
-        for (int offset = 8; offset > 0; offset /= 2) absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+        absmax = team_max<kScaleBlock / kVec>(absmax);
         const float scale = scale_of(absmax, kQmax<Out>);
         if (col < width) {
           if (threadIdx.x % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;

@@ -98,10 +98,10 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // at large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu,
 // H100); the chunks alone gained little: it is issue-bound (~65 instructions an element:
 // the IEEE division, the clamp, the conversion), hence the occupancy below.
-template <class In, class Out, int kTeam, int kVec, Pass kPass>
 // one_wave: the grid is resident at once (no later waves to take SM slots from), so the
 // next kernel may launch as soon as this one has waited: its CTAs then do their prologue
 // and park while this one runs (decode: x's or act's few rows before a small-batch GEMM).
+template <class In, class Out, int kTeam, int kVec, Pass kPass>
 __global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p, bool one_wave) {
   // NOTE: a team of 16 serves 128-column groups, one chunk a thread: keeping one chunk
   // fits three CTAs an SM (85 registers; four spilled). At 94 registers, two CTAs, the
