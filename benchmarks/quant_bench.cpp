@@ -37,7 +37,9 @@
 // --grouped on|off forces MoeKernelConfig::grouped_gemm (CUTLASS grouped GEMMs) on or off
 // in every cell (a caller's config: no small-batch kernels, the heuristic block size), for
 // the crossover against the W8A8 tile kernels; without it the layer's heuristic decides.
-// The JSON row's "grouped" key says which ("auto" without the flag).
+// --grouped-tiles T1,T2 (T: 128 or 64) forces the grouped path with GEMM1's and GEMM2's
+// MoeKernelConfig::grouped_tiles (128 x 128 cooperative or 64 x 128 pingpong tiles).
+// The JSON row's "grouped" key says which ("auto" without either flag; "on 64,128" ...).
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -65,7 +67,7 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off]";
+constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
 
 struct Options : LayerBenchOptions {
   std::vector<QuantMethod> schemes{QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
@@ -73,6 +75,8 @@ struct Options : LayerBenchOptions {
   bool static_act = false;   // fp8_tensor: static activation scales
   int64_t check_tokens = 64;  // most tokens a check reads
   std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
+  // --grouped-tiles: each GEMM's tiles (kAuto without the flag)
+  moelora::GroupedGemmTiles grouped_tiles1 = moelora::GroupedGemmTiles::kAuto, grouped_tiles2 = moelora::GroupedGemmTiles::kAuto;
 };
 
 [[noreturn]] void usage(const std::string& why) { exit_with_usage("quant_bench", why, kOwnFlags); }
@@ -95,11 +99,25 @@ Options parse(int argc, char** argv) {
                            } else if (arg == "--static-act") o.static_act = true;
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
                            else if (arg == "--grouped") o.grouped = value();
-                           else return false;
+                           else if (arg == "--grouped-tiles") {
+                             const std::string text = value();
+                             const std::vector<std::string> rows = split_commas(text);
+                             auto tiles = [&](const std::string& r) {
+                               if (r == "128") return moelora::GroupedGemmTiles::kCooperative128;
+                               if (r == "64") return moelora::GroupedGemmTiles::kPingpong64;
+                               usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + text);
+                             };
+                             if (rows.size() != 2) usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + text);
+                             o.grouped_tiles1 = tiles(rows[0]);
+                             o.grouped_tiles2 = tiles(rows[1]);
+                             o.grouped = "on " + text;
+                           } else return false;
                            return true;
                          });
   if (o.check_tokens < 2) usage("--check-tokens takes 2 or more");
-  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
+  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto" && o.grouped_tiles1 == moelora::GroupedGemmTiles::kAuto) {
+    usage("--grouped takes on or off");
+  }
   return o;
 }
 
@@ -404,9 +422,11 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
                           const std::vector<uint16_t>& w2_bf16, const Ceilings& ceilings, Bf16Refs& bf16_refs) {
   LayerCell cell(m, M, kDtype, cuda, q.w13->values.ptr(), q.w2->values.ptr(), stacks, o.lora_adapters, o.lora_share,
                  &q.args);
-  static const moelora::MoeKernelConfig kGroupedOn{.grouped_gemm = true}, kGroupedOff{.grouped_gemm = false};
+  const moelora::MoeKernelConfig grouped_on{
+      .grouped_gemm = true, .grouped_tiles1 = o.grouped_tiles1, .grouped_tiles2 = o.grouped_tiles2};
+  static const moelora::MoeKernelConfig kGroupedOff{.grouped_gemm = false};
   const moelora::FusedExpertsOptions fo =
-      cell.options(o.grouped == "on" ? &kGroupedOn : o.grouped == "off" ? &kGroupedOff : nullptr);
+      cell.options(o.grouped == "auto" ? nullptr : o.grouped == "off" ? &kGroupedOff : &grouped_on);
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
   const double rate = q.scheme.element == DType::kInt8 ? ceilings.int8_tops : ceilings.fp8_tflops;
   std::vector<Row> rows;

@@ -131,6 +131,11 @@ struct GemmTile {
   // gains), and hands each tile through a queue (short K may pay for it).
   bool ordered = true;
 };
+// Tiles of a grouped GEMM (MoeKernelConfig::grouped_gemm): 128 x 128 with both consumer warp
+// groups on one tile (cooperative), or 64 x 128 with one tile per consumer warp group
+// (pingpong: one's epilogue runs under the other's mainloop, which pays where K is short;
+// and half the padding of a group with few rows).
+enum class GroupedGemmTiles : int8_t { kAuto = 0, kCooperative128 = 1, kPingpong64 = 2 };
 // One layer's config: the alignment block size and each GEMM's tile.
 struct MoeKernelConfig {
   int64_t block_size = 0;  // 0: heuristic
@@ -154,6 +159,9 @@ struct MoeKernelConfig {
   // least kGroupedMinSlots slots. The heuristic turns it on for those chunks; a chunk or
   // scheme the path does not take runs the W8A8 tile kernels.
   bool grouped_gemm = false;
+  // The grouped path's CUTLASS tiles for GEMM1 and GEMM2 (GroupedGemmTiles); kAuto: the
+  // heuristic (fused_experts_config).
+  GroupedGemmTiles grouped_tiles1 = GroupedGemmTiles::kAuto, grouped_tiles2 = GroupedGemmTiles::kAuto;
 };
 // Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its
 // buffers only for calls whose chunks reach it.

@@ -136,6 +136,14 @@ namespace detail {
 
 namespace {
 
+// A grouped GEMM's tiles (MoeKernelConfig::grouped_tiles1/2), the heuristic's where the
+// config leaves them to it: K is the GEMM's (H for GEMM1, I for GEMM2).
+GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t K) {
+  if (chosen != GroupedGemmTiles::kAuto) return chosen;
+  (void)K;
+  return GroupedGemmTiles::kCooperative128;
+}
+
 // Whether the chunk takes the grouped path (MoeKernelConfig::grouped_gemm), and its
 // parameters; then the alignment runs in blocks of 16 (the grouped GEMMs take any row
 // count per expert, so the least padding), and no small-batch kernel.
@@ -176,6 +184,8 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.args = byte_offset(ws, layout.grouped_args);
   g.cutlass_workspace = byte_offset(ws, layout.grouped_cutlass_workspace);
   g.cutlass_workspace_bytes = kGroupedExpertsCutlassWorkspaceBytes;
+  g.tiles1 = grouped_gemm_tiles(plan.config.grouped_tiles1, H);
+  g.tiles2 = grouped_gemm_tiles(plan.config.grouped_tiles2, I);
   plan.grouped = cuda::grouped_experts_supported(g);
   if (plan.grouped) {
     plan.config.block_size = 16;

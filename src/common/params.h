@@ -367,6 +367,7 @@ struct GroupedExpertsParams {
   void* args;                        // grouped_experts_args_bytes(num_groups)
   void* cutlass_workspace;
   int64_t cutlass_workspace_bytes;
+  GroupedGemmTiles tiles1, tiles2;   // each GEMM's CUTLASS tiles (not kAuto)
 };
 // The device arrays of both GEMMs: per GEMM, problem sizes (3 int32 a group, 16-byte
 // rounded), then eight 8-byte arrays (a, b, d pointers; their row strides; a and w scale

@@ -119,13 +119,19 @@ bool gemm_scales_supported(const GemmQuantParams& q, int64_t K) {
 #ifdef MOELORA_BUILD_SM90A
 using InstanceFn = void (*)(const GroupedGemmRun&, cudaStream_t);
 
-InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q) {
+InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q, GroupedGemmTiles tiles) {
   const bool bf16 = p.dtype == DType::kBFloat16;
+  const bool m64 = tiles == GroupedGemmTiles::kPingpong64;
   if (q.w_scales == ScaleGranularity::kBlock) {
-    return bf16 ? grouped_gemm_sm90_fp8_blockwise_bf16 : grouped_gemm_sm90_fp8_blockwise_fp16;
+    if (m64) return bf16 ? grouped_gemm_sm90_fp8_blockwise_bf16_m64 : grouped_gemm_sm90_fp8_blockwise_fp16_m64;
+    return bf16 ? grouped_gemm_sm90_fp8_blockwise_bf16_m128 : grouped_gemm_sm90_fp8_blockwise_fp16_m128;
   }
-  if (q.element == DType::kInt8) return bf16 ? grouped_gemm_sm90_int8_scaled_bf16 : grouped_gemm_sm90_int8_scaled_fp16;
-  return bf16 ? grouped_gemm_sm90_fp8_scaled_bf16 : grouped_gemm_sm90_fp8_scaled_fp16;
+  if (q.element == DType::kInt8) {
+    if (m64) return bf16 ? grouped_gemm_sm90_int8_scaled_bf16_m64 : grouped_gemm_sm90_int8_scaled_fp16_m64;
+    return bf16 ? grouped_gemm_sm90_int8_scaled_bf16_m128 : grouped_gemm_sm90_int8_scaled_fp16_m128;
+  }
+  if (m64) return bf16 ? grouped_gemm_sm90_fp8_scaled_bf16_m64 : grouped_gemm_sm90_fp8_scaled_fp16_m64;
+  return bf16 ? grouped_gemm_sm90_fp8_scaled_bf16_m128 : grouped_gemm_sm90_fp8_scaled_fp16_m128;
 }
 #endif
 
@@ -173,7 +179,9 @@ void grouped_experts_gemm(const GroupedExpertsParams& p, int gemm, Stream stream
   run.workspace = p.cutlass_workspace;
   run.workspace_bytes = p.cutlass_workspace_bytes;
 #ifdef MOELORA_BUILD_SM90A
-  instance_for(p, q)(run, static_cast<cudaStream_t>(stream));
+  const GroupedGemmTiles tiles = gemm == 1 ? p.tiles1 : p.tiles2;
+  if (tiles == GroupedGemmTiles::kAuto) throw std::logic_error("moelora.fused_experts: grouped GEMM tiles not chosen");
+  instance_for(p, q, tiles)(run, static_cast<cudaStream_t>(stream));
 #else
   (void)run;
   throw std::logic_error("moelora.fused_experts: the grouped path needs an sm_90a build");

@@ -3,6 +3,12 @@
 // serves which scheme, the scale layouts, and the hazards (PDL off, NDEBUG, no host
 // problem shapes, so no per-group alignment checks: fused_experts checks them).
 //
+// Two tile shapes (GroupedGemmTiles, a template parameter: one instance per TU):
+//   kCooperative128: 128 x 128 x 128 tiles, both consumer warp groups on one tile, the
+//     epilogue after the tile's mainloop.
+//   kPingpong64: 64 x 128 x 128 tiles, each consumer warp group on its own tile, so one's
+//     epilogue runs under the other's mainloop (short K, where the epilogue is a large share
+//     of a tile), and half the padding for groups of few rows.
 // Two scalings:
 //   kBlockwise: fp8 with 1x128 activation groups and 128x128 weight blocks, applied in the
 //     mainloop (FP8Blockwise), both scale tensors K-major (our layouts; no transpose).
@@ -43,9 +49,10 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using LayoutA = cutlass::layout::RowMajor;     // activation rows [M, K]
 using LayoutB = cutlass::layout::ColumnMajor;  // expert weights [N, K], K contiguous
 using LayoutD = cutlass::layout::RowMajor;     // [M, N]
-// NOTE: 128-row cooperative tiles with 1x2 clusters: the doc's probe compiled them with no
-// spills for all three collectives; the pair shares each A tile over two N tiles.
-using TileShape = Shape<_128, _128, _128>;
+// NOTE: 1x2 clusters: the pair shares each A tile over two N tiles. The doc's probe
+// compiled the 128-row cooperative tiles with no spills for all three collectives.
+template <GroupedGemmTiles kTiles>
+using TileShapeOf = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64, Shape<_64, _128, _128>, Shape<_128, _128, _128>>;
 using ClusterShape = Shape<_1, _2, _1>;
 constexpr int kAlignmentAB = 16;  // elements: 16 bytes of an 8-bit type (TMA)
 constexpr int kAlignmentD = 8;    // 16 bytes of bf16 / fp16
@@ -54,30 +61,45 @@ constexpr int kAlignmentD = 8;    // 16 bytes of bf16 / fp16
 // (w_scale (row broadcast: one per column, or a scalar) times the accumulator). float*
 // element types make both broadcasts read one pointer per group; the bool strides pick
 // vector or scalar at run time.
-template <class ElementOut>
+template <class ElementOut, class Tile>
 using ScaledEpilogue = cutlass::epilogue::fusion::Sm90EVT<
     cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementOut, float, cutlass::FloatRoundStyle::round_to_nearest>,
-    cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float*, float, Stride<bool, _0, _0>, 1>,
+    cutlass::epilogue::fusion::Sm90ColBroadcast<0, Tile, float*, float, Stride<bool, _0, _0>, 1>,
     cutlass::epilogue::fusion::Sm90EVT<
         cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float, cutlass::FloatRoundStyle::round_to_nearest>,
-        cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float*, float, Stride<_0, bool, _0>, 1>,
+        cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, Stride<_0, bool, _0>, 1>,
         cutlass::epilogue::fusion::Sm90AccFetch>>;
 
-template <class ElementIn, class ElementOut, Scaling kScaling>
+// The mainloop schedule of (tiles, scaling, element). fp8 with epilogue scales takes the
+// FastAccum mainloop: the wgmma accumulates a tile's whole K (no promotion to a second fp32
+// accumulator every 128 K), as vLLM's CUTLASS and Triton fp8 kernels do; the blockwise
+// mainloop promotes at every 128-K scale block anyway, and int8 accumulates exactly.
+template <GroupedGemmTiles kTiles, Scaling kScaling, bool kInt8>
+using MainloopScheduleOf = std::conditional_t<
+    kTiles == GroupedGemmTiles::kPingpong64,
+    std::conditional_t<kScaling == Scaling::kBlockwise, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+                       std::conditional_t<kInt8, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum>>,
+    std::conditional_t<kScaling == Scaling::kBlockwise, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+                       std::conditional_t<kInt8, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum>>>;
+
+template <class ElementIn, class ElementOut, Scaling kScaling, GroupedGemmTiles kTiles>
 struct GroupedGemm {
   static constexpr bool kInt8 = std::is_same_v<ElementIn, int8_t>;
   static_assert(!(kInt8 && kScaling == Scaling::kBlockwise), "CUTLASS has no int8 blockwise mainloop");
   using ElementAccumulator = std::conditional_t<kInt8, int32_t, float>;
+  using TileShape = TileShapeOf<kTiles>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, GMMA::Major::K, GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  using MainloopSchedule = std::conditional_t<kScaling == Scaling::kBlockwise,
-                                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
-                                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using MainloopSchedule = MainloopScheduleOf<kTiles, kScaling, kInt8>;
+  using EpilogueSchedule = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   using Fusion = std::conditional_t<kScaling == Scaling::kBlockwise,
                                     cutlass::epilogue::fusion::LinearCombination<ElementOut, float>,
-                                    ScaledEpilogue<ElementOut>>;
+                                    ScaledEpilogue<ElementOut, TileShape>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, float, void, LayoutD*, kAlignmentD,
@@ -101,9 +123,9 @@ struct GroupedGemm {
   static_assert(sizeof(typename ProblemShape::UnderlyingProblemShape) == 3 * sizeof(int32_t));
 };
 
-template <class ElementIn, class ElementOut, Scaling kScaling>
+template <class ElementIn, class ElementOut, Scaling kScaling, GroupedGemmTiles kTiles>
 void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* name) {
-  using G = GroupedGemm<ElementIn, ElementOut, kScaling>;
+  using G = GroupedGemm<ElementIn, ElementOut, kScaling, kTiles>;
   using Gemm = typename G::Gemm;
   const DeviceInfo& device = current_device_info();
   cutlass::KernelHardwareInfo hw_info;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "moelora/ops.h"
+
 namespace moelora::cuda {
 
 // One grouped GEMM, all arrays on the device and indexed by group (one group per expert):
@@ -37,13 +39,19 @@ struct GroupedGemmRun {
   int64_t workspace_bytes;
 };
 
-// The instances (grouped_gemm_sm90_*.cu; sm_90a builds only). 128x128x128 tiles, 1x2
-// clusters, cooperative schedule.
-void grouped_gemm_sm90_fp8_blockwise_bf16(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_blockwise_fp16(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_bf16(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_fp16(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_bf16(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_fp16(const GroupedGemmRun& r, cudaStream_t stream);
+// The instances (grouped_gemm_sm90_*.cu; sm_90a builds only), 1x2 clusters. _m128:
+// GroupedGemmTiles::kCooperative128, _m64: kPingpong64.
+void grouped_gemm_sm90_fp8_blockwise_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_blockwise_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_blockwise_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_blockwise_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_fp8_scaled_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+void grouped_gemm_sm90_int8_scaled_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
 
 }  // namespace moelora::cuda

@@ -795,6 +795,11 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
          static const MoeKernelConfig bad{24, {}, {}};
          o.config = &bad;
        }},
+      {"config grouped tiles out of range", "config.grouped_tiles2",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{.block_size = 16, .grouped_tiles2 = static_cast<GroupedGemmTiles>(3)};
+         o.config = &bad;
+       }},
       {"swiglu limit 0", "swiglu_limit",
        [](auto&, auto& o, auto&) {
          o.activation = Activation::kSwigluOai;

@@ -471,6 +471,13 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
 // The grouped GEMMs forced on (MoeKernelConfig::grouped_gemm): their cases take 1280 slots
 // or more, so the workspace holds the path's regions.
 const MoeKernelConfig kGrouped{.grouped_gemm = true};
+// ... with 64-row pingpong tiles for both GEMMs, or for GEMM2 only.
+const MoeKernelConfig kGroupedM64{.grouped_gemm = true,
+                                  .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
+                                  .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
+const MoeKernelConfig kGroupedM128M64{.grouped_gemm = true,
+                                      .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
+                                      .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
 
 std::vector<QuantLayerCase> quant_layer_cases() {
   std::vector<QuantLayerCase> cases;
@@ -642,6 +649,19 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.M = 300;
     x.options.chunk_size = 150;
     add("grouped_inplace_chunk150", x, {Backend::kCUDA});
+    x = grouped;
+    x.options.config = &kGroupedM64;
+    add("grouped_m64", x, {Backend::kCUDA});
+    x.M = 128;
+    x.H = 2880;
+    x.I = 1408;
+    x.dtype = DType::kFloat16;
+    add("grouped_m64_odd_H2880_I1408_fp16", x, {Backend::kCUDA});
+    x = grouped;
+    x.options.config = &kGroupedM128M64;
+    x.num_global = 32;
+    x.dropped_share = 0.1;
+    add("grouped_m128_m64_expert_map_dropped", x, {Backend::kCUDA});
     x = grouped;
     x.options.no_combine = true;  // not taken: the tile kernels write each slot's row
     x.expect_grouped = false;

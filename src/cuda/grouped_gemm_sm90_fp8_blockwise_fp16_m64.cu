@@ -1,0 +1,9 @@
+// The grouped W8A8 GEMM instance: fp8 blockwise operands, fp16 output, 64 x 128 pingpong tiles (grouped_gemm_sm90.cuh).
+#include "cuda/grouped_gemm_sm90.cuh"
+
+namespace moelora::cuda {
+void grouped_gemm_sm90_fp8_blockwise_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream) {
+  grouped_sm90::run_grouped_gemm<cutlass::float_e4m3_t, cutlass::half_t, grouped_sm90::Scaling::kBlockwise, GroupedGemmTiles::kPingpong64>(
+      r, stream, "grouped_gemm_sm90_fp8_blockwise_fp16_m64");
+}
+}  // namespace moelora::cuda
