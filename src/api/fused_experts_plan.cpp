@@ -136,13 +136,19 @@ namespace detail {
 
 namespace {
 
+#ifdef MOELORA_WITH_CUDA
 // A grouped GEMM's tiles (MoeKernelConfig::grouped_tiles1/2), the heuristic's where the
-// config leaves them to it: K is the GEMM's (H for GEMM1, I for GEMM2).
-GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t K) {
+// config leaves them to it. NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28 step 5),
+// 64-row pingpong tiles for both GEMMs against 128-row cooperative ones: faster at up to
+// 32 slots an expert (DeepSeek-V3 fp8_block M = 1024, 32 an expert: 829 -> 745 us;
+// Qwen3-30B M = 256, 16 an expert: 287 -> 276), level at 64 (Qwen3-30B M = 1024), slower
+// from 64 on the wide models (Mixtral M = 256: 612 -> 695) and at M >= 4096 on every model
+// (9-30%: the 128-row tiles read each weight tile half as often).
+GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t slots, int64_t num_experts) {
   if (chosen != GroupedGemmTiles::kAuto) return chosen;
-  (void)K;
-  return GroupedGemmTiles::kCooperative128;
+  return slots <= 32 * num_experts ? GroupedGemmTiles::kPingpong64 : GroupedGemmTiles::kCooperative128;
 }
+#endif
 
 // Whether the chunk takes the grouped path (MoeKernelConfig::grouped_gemm), and its
 // parameters; then the alignment runs in blocks of 16 (the grouped GEMMs take any row
@@ -184,8 +190,8 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.args = byte_offset(ws, layout.grouped_args);
   g.cutlass_workspace = byte_offset(ws, layout.grouped_cutlass_workspace);
   g.cutlass_workspace_bytes = kGroupedExpertsCutlassWorkspaceBytes;
-  g.tiles1 = grouped_gemm_tiles(plan.config.grouped_tiles1, H);
-  g.tiles2 = grouped_gemm_tiles(plan.config.grouped_tiles2, I);
+  g.tiles1 = grouped_gemm_tiles(plan.config.grouped_tiles1, plan.slots, E_global);
+  g.tiles2 = grouped_gemm_tiles(plan.config.grouped_tiles2, plan.slots, E_global);
   plan.grouped = cuda::grouped_experts_supported(g);
   if (plan.grouped) {
     plan.config.block_size = 16;

@@ -4,9 +4,14 @@
 // quantize kernel reading it back. Each value is the activation rounded to the layer dtype,
 // then quantized by the rules of cuda/quantize.cuh, as the reference does.
 //
-// One CTA per row (grid-stride), each thread 8 consecutive outputs (16-byte loads):
+// One team per row (grid-stride): a warp for rows of up to 1024 columns, else the CTA;
+// each thread 8 consecutive outputs (16-byte loads) a step:
 //   kBlock: the 16 threads of a 128-column block reduce its absmax with shuffles; one pass.
-//   kChannel: the CTA reduces the row's absmax, then a second pass (L1/L2 hits) quantizes.
+//   kChannel: the team reduces the row's absmax, then a second pass quantizes (its first
+//     kKeep steps from registers, the rest re-read: L1/L2 hits).
+// NOTE: with the CTA (128 threads) on every row, rows of 256 columns (DeepSeek-V3's I)
+// left 96 threads idle and 768 (Qwen3-30B's) 32: DeepSeek-V3 fp8_block at M = 8192 spent
+// 100 us here for 100 MB, Qwen3-30B fp8_channel 171 us for 250 MB (ncu, H100).
 //   kTensor dynamic: a first launch atomicMax-es each row's absmax into *amax, the second
 //     quantizes with scale_of(*amax) (its CTA 0 writes that scale for GEMM2). Static: one.
 #include <algorithm>
@@ -28,9 +33,10 @@ using detail::ActivationQuantizeParams;
 
 constexpr int kThreads = 128;
 constexpr int kVec = 8;                  // outputs per thread and step: 16 bytes of 16-bit input
-constexpr int kStep = kThreads * kVec;   // columns per CTA step
 constexpr int kScaleBlock = 128;         // kBlock scales: 16 threads a block
-constexpr int kKeep = 2;                 // per-row scales: steps a thread keeps (rows of 2048 columns)
+// Per-row scales: steps a thread keeps in registers (a warp's row: 1024 columns; the CTA's: 2048).
+template <int kTeam>
+constexpr int kKeep = kTeam == 32 ? 4 : 2;
 
 enum class Pass { kRows, kAmax, kTensor };
 
@@ -54,8 +60,13 @@ __device__ __forceinline__ void store_quantized(Out* out, const float (&v)[kVec]
   *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(q);
 }
 
-template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, Pass kPass>
+template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, Pass kPass, int kTeam>
 __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const ActivationQuantizeParams p) {
+  static_assert(kTeam == 32 || kTeam == kThreads, "a warp or the CTA a row");
+  constexpr int kStep = kTeam * kVec;  // columns per team step
+  constexpr int kRowsPerCta = kThreads / kTeam;
+  constexpr int kKept = kKeep<kTeam>;
+  const int team_lane = int(threadIdx.x) % kTeam;
   wait_for_previous_kernel();
   const int64_t entries = std::min<int64_t>(*p.num_tokens_post_padded, p.max_num_tokens_padded);
   const int64_t width = p.width;
@@ -64,8 +75,9 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
     tensor_scale = p.static_scale ? *p.scales : scale_of(*p.amax, kQmax<Out>);
     if (!p.static_scale && blockIdx.x == 0 && threadIdx.x == 0) *p.scales = tensor_scale;
   }
-  // NOTE: the row test is uniform over the CTA, so every thread reaches team_max's barriers.
-  for (int64_t row = blockIdx.x; row < entries; row += gridDim.x) {
+  // NOTE: the row test is uniform over the team (the CTA's barriers when the CTA is the team).
+  for (int64_t row = int64_t(blockIdx.x) * kRowsPerCta + int(threadIdx.x) / kTeam; row < entries;
+       row += int64_t(gridDim.x) * kRowsPerCta) {
     const int32_t slot = p.sorted_token_ids[row];
     if (slot < 0 || slot >= p.num_slots || p.expert_ids[row / p.block_size] < 0) continue;  // never computed
     const T* in = static_cast<const T*>(p.input) + row * 2 * width;
@@ -73,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
     if constexpr (kScales == ScaleGranularity::kBlock && kPass == Pass::kRows) {
       const int64_t scale_cols = (width + kScaleBlock - 1) / kScaleBlock;
       for (int64_t c0 = 0; c0 < width; c0 += kStep) {
-        const int64_t col = c0 + int64_t(threadIdx.x) * kVec;
+        const int64_t col = c0 + int64_t(team_lane) * kVec;
         float v[kVec] = {};
         float absmax = 0.f;
         if (col < width) {
@@ -84,7 +96,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
         absmax = team_max<kScaleBlock / kVec>(absmax);
         const float scale = scale_of(absmax, kQmax<Out>);
         if (col < width) {
-          if (threadIdx.x % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;
+          if (team_lane % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;
           store_quantized(out + col, v, scale);
         }
       }
@@ -94,36 +106,36 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
       // quantization (rows of up to kKeep x kStep columns are read and activated once).
       // NOTE: recomputed, Qwen3-30B fp8_channel at M = 8192 spent 212 us of 1350 here
       // (65536 rows of 768: two loads and two activations a value; ncu, H100).
-      float kept[kKeep][kVec];
+      float kept[kKept][kVec];
       if constexpr (kPass != Pass::kTensor) {
         float absmax = 0.f;
-        for (int64_t col = int64_t(threadIdx.x) * kVec, step = 0; col < width; col += kStep, ++step) {
+        for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
           float v[kVec];
           activations<T, kKind>(in, width, col, p, v);
 #pragma unroll
           for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
 #pragma unroll
-          for (int k = 0; k < kKeep; ++k) {
+          for (int k = 0; k < kKept; ++k) {
             if (step == k) {
 #pragma unroll
               for (int i = 0; i < kVec; ++i) kept[k][i] = v[i];
             }
           }
         }
-        absmax = team_max<kThreads>(absmax);
+        absmax = team_max<kTeam>(absmax);
         if constexpr (kPass == Pass::kAmax) {
           // Non-negative floats order like their bits.
-          if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(p.amax), __float_as_int(absmax));
+          if (team_lane == 0) atomicMax(reinterpret_cast<int*>(p.amax), __float_as_int(absmax));
           continue;
         }
         scale = scale_of(absmax, kQmax<Out>);
-        if (threadIdx.x == 0) p.scales[row] = scale;
+        if (team_lane == 0) p.scales[row] = scale;
       }
-      for (int64_t col = int64_t(threadIdx.x) * kVec, step = 0; col < width; col += kStep, ++step) {
+      for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
         float v[kVec];
-        if (kPass != Pass::kTensor && step < kKeep) {
+        if (kPass != Pass::kTensor && step < kKept) {
 #pragma unroll
-          for (int k = 0; k < kKeep; ++k) {
+          for (int k = 0; k < kKept; ++k) {
             if (step == k) {
 #pragma unroll
               for (int i = 0; i < kVec; ++i) v[i] = kept[k][i];
@@ -139,21 +151,28 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
   allow_next_kernel_launch();
 }
 
-template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales>
-void launch_scales(const ActivationQuantizeParams& p, cudaStream_t stream) {
-  const unsigned ctas =
-      unsigned(std::clamp<int64_t>(p.max_num_tokens_padded, 1, int64_t(current_device_info().num_sms) * 16));
+template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, int kTeam>
+void launch_team(const ActivationQuantizeParams& p, cudaStream_t stream) {
+  constexpr int kRowsPerCta = kThreads / kTeam;
+  const unsigned ctas = unsigned(std::clamp<int64_t>((p.max_num_tokens_padded + kRowsPerCta - 1) / kRowsPerCta, 1,
+                                                     int64_t(current_device_info().num_sms) * 16));
   if constexpr (kScales == ScaleGranularity::kTensor) {
     if (!p.static_scale) {
-      launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kAmax>, dim3(ctas), dim3(kThreads), 0,
-                    stream, p);
+      launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kAmax, kTeam>, dim3(ctas),
+                    dim3(kThreads), 0, stream, p);
     }
-    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kTensor>, dim3(ctas), dim3(kThreads), 0,
-                  stream, p);
+    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kTensor, kTeam>, dim3(ctas),
+                  dim3(kThreads), 0, stream, p);
   } else {
-    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kRows>, dim3(ctas), dim3(kThreads), 0,
-                  stream, p);
+    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kRows, kTeam>, dim3(ctas),
+                  dim3(kThreads), 0, stream, p);
   }
+}
+
+template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales>
+void launch_scales(const ActivationQuantizeParams& p, cudaStream_t stream) {
+  if (p.width <= 32 * kVec * kKeep<32>) return launch_team<T, Out, kKind, kScales, 32>(p, stream);
+  launch_team<T, Out, kKind, kScales, kThreads>(p, stream);
 }
 
 template <typename T, class Out, ActivationKind kKind>

@@ -96,17 +96,16 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // longer segments are read again (L1/L2 hits).
 // NOTE: with scalar 2-byte loads and 1-byte stores this kernel took 4-5x its bytes' time
 // at large M (38 us for Qwen3-30B's x at M = 4096; 248 us at DeepSeek-V3's M = 8192; ncu,
-// H100); the chunks alone gained little: it is issue-bound (~65 instructions an element:
-// the IEEE division, the clamp, the conversion), hence the occupancy below.
+// H100). Then, with one 16-byte chunk a thread (teams of 16 for a 128-column group, the
+// CTA for a per-token row), it ran at 0.8-1.2 TB/s (DeepSeek-V3 fp8_block M = 8192:
+// 144 us; Qwen3-30B per-token M = 8192: 66 us): too few bytes in flight an SM. Now a
+// team is sized so that each thread loads up to kKeep chunks before their first use.
 // one_wave: the grid is resident at once (no later waves to take SM slots from), so the
 // next kernel may launch as soon as this one has waited: its CTAs then do their prologue
 // and park while this one runs (decode: x's or act's few rows before a small-batch GEMM).
+constexpr int kKeep = 4;
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
-__global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : 1) quantize_kernel(const QuantizeParams p, bool one_wave) {
-  // NOTE: a team of 16 serves 128-column groups, one chunk a thread: keeping one chunk
-  // fits three CTAs an SM (85 registers; four spilled). At 94 registers, two CTAs, the
-  // kernel issued from 23% occupancy and took 35 us for Qwen3-30B's x at M = 4096 (ncu, H100).
-  constexpr int kKeep = kTeam == 16 ? 1 : 4;
+__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeParams p, bool one_wave) {
   wait_for_previous_kernel();
   if (one_wave) allow_next_kernel_launch();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
@@ -228,15 +227,15 @@ bool chunks_aligned(const QuantizeParams& p) {
 
 template <class In, class Out>
 void dispatch_team(const QuantizeParams& p, cudaStream_t stream) {
-  // Threads a segment needs: one a chunk, kKeep (4) chunks a thread before re-reads.
-  // NOTE: a team of 16 for a 128-column group (one chunk a thread), a warp up to 1024
-  // columns, beyond that the CTA, so a per-token row of a decode batch is not left to
-  // one warp.
+  // Threads a segment needs: kKeep chunks a thread before re-reads. A team of 4 for a
+  // 128-column group (4 chunks a thread), a warp up to 1024 columns, half the CTA up to
+  // 4096, beyond that the CTA.
   const int64_t segment_cols = std::min(p.block_cols, p.cols);
   if (chunks_aligned<In>(p)) {
     constexpr int kVec = Vec16<In>::kSize;
-    if (segment_cols <= 16 * kVec) return launch_quantize<In, Out, 16, kVec>(p, stream);
-    if (segment_cols <= 32 * 4 * kVec) return launch_quantize<In, Out, 32, kVec>(p, stream);
+    if (segment_cols <= 4 * kKeep * kVec) return launch_quantize<In, Out, 4, kVec>(p, stream);
+    if (segment_cols <= 32 * kKeep * kVec) return launch_quantize<In, Out, 32, kVec>(p, stream);
+    if (segment_cols <= 128 * kKeep * kVec) return launch_quantize<In, Out, 128, kVec>(p, stream);
     return launch_quantize<In, Out, kThreads, kVec>(p, stream);
   }
   if (segment_cols > 1024) return launch_quantize<In, Out, kThreads, 1>(p, stream);

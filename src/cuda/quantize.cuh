@@ -32,12 +32,13 @@ constexpr float kQmax = std::is_same_v<Out, int8_t> ? 127.f : 448.f;
 
 __device__ __forceinline__ float scale_of(float absmax, float qmax) { return fmaxf(absmax, kQuantAbsmaxFloor) / qmax; }
 
-// Max over the team (kTeam <= 32: aligned lanes of one warp, every lane of the warp
-// calling; a multiple of 32: the CTA of kTeam threads, through shared memory; every
-// thread of the CTA must call it).
+// Max over the team: kTeam <= 32 (a power of two), aligned lanes of one warp, every lane
+// of the warp calling; a multiple of 32, kTeam / 32 aligned warps through shared memory
+// (teams numbered threadIdx.x / kTeam), and then every thread of the CTA must call it.
 template <int kTeam>
 __device__ __forceinline__ float team_max(float v) {
-  static_assert(kTeam == 16 || kTeam % 32 == 0, "teams of 16 lanes, of a warp, or of warps");
+  static_assert((kTeam <= 32 && (kTeam & (kTeam - 1)) == 0) || kTeam % 32 == 0,
+                "teams of a power of two lanes of a warp, or of whole warps");
 #pragma unroll
   for (int offset = kTeam < 32 ? kTeam / 2 : 16; offset > 0; offset /= 2) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
@@ -45,13 +46,14 @@ __device__ __forceinline__ float team_max(float v) {
   if constexpr (kTeam <= 32) {
     return v;
   } else {
-    __shared__ float warp_max[kTeam / 32];
+    __shared__ float warp_max[32];  // one per warp of the CTA (at most 1024 threads)
     __syncthreads();  // an earlier segment's readers are done with warp_max
     if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
     __syncthreads();
-    float m = warp_max[0];
+    const int first = int(threadIdx.x) / kTeam * (kTeam / 32);
+    float m = warp_max[first];
 #pragma unroll
-    for (int w = 1; w < kTeam / 32; ++w) m = fmaxf(m, warp_max[w]);
+    for (int w = 1; w < kTeam / 32; ++w) m = fmaxf(m, warp_max[first + w]);
     return m;
   }
 }

@@ -132,10 +132,12 @@ std::vector<QuantizeCase> quantize_cases() {
     add("static_per_tensor", {"", backend, bf16, fp8, 0, 20, 256, 0, 0, true});
     add("static_per_tensor_int8", {"", backend, bf16, i8, 0, 20, 256, 0, 0, true});
     add("rows0", {"", backend, bf16, fp8, 0, 0, 256, 1, 128});
-    // The CUDA kernel's teams: a warp with four 16-byte chunks a lane (K 1000), the CTA
-    // re-reading what passes four chunks a thread (K 9000), and the one-element path for
-    // rows that do not split into 16-byte chunks (K 100).
+    // The CUDA kernel's teams: 4 lanes for a 128-column group (token_group128), a warp
+    // with four 16-byte chunks a lane (K 1000), half the CTA (K 2048: two rows a CTA meet
+    // in shared memory), the CTA re-reading what passes four chunks a thread (K 9000), and
+    // the one-element path for rows that do not split into 16-byte chunks (K 100).
     add("per_token_K1000", {"", backend, bf16, fp8, 0, 7, 1000, 1, 0});
+    add("per_token_K2048", {"", backend, bf16, fp8, 0, 37, 2048, 1, 0});
     add("per_token_K9000", {"", backend, bf16, i8, 0, 3, 9000, 1, 0});
     add("per_token_K100_scalar", {"", backend, bf16, fp8, 0, 6, 100, 1, 0});
     add("per_tensor_dynamic_K9000", {"", backend, fp16, fp8, 0, 4, 9000, 0, 0});
