@@ -104,8 +104,11 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // next kernel may launch as soon as this one has waited: its CTAs then do their prologue
 // and park while this one runs (decode: x's or act's few rows before a small-batch GEMM).
 constexpr int kKeep = 4;
+// NOTE: two CTAs an SM (16-bit input: 88-95 registers, no spills); fp32 input spilled 8-16
+// bytes at that bound and takes one (its chunks are 4 elements; not the layer's hot path).
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
-__global__ void __launch_bounds__(kThreads, 2) quantize_kernel(const QuantizeParams p, bool one_wave) {
+__global__ void __launch_bounds__(kThreads, std::is_same_v<In, float> ? 1 : 2)
+    quantize_kernel(const QuantizeParams p, bool one_wave) {
   wait_for_previous_kernel();
   if (one_wave) allow_next_kernel_launch();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
@@ -229,11 +232,19 @@ template <class In, class Out>
 void dispatch_team(const QuantizeParams& p, cudaStream_t stream) {
   // Threads a segment needs: kKeep chunks a thread before re-reads. A team of 4 for a
   // 128-column group (4 chunks a thread), a warp up to 1024 columns, half the CTA up to
-  // 4096, beyond that the CTA.
+  // 4096, beyond that the CTA. NOTE: a decode batch's few groups take teams of 16 (one
+  // chunk a thread, four times the threads on the few rows): with teams of 4 the fp8_block
+  // layer at M = 1 was 4-7% slower (H100, docs/PERF_NOTES.md issue 28 step 5).
   const int64_t segment_cols = std::min(p.block_cols, p.cols);
   if (chunks_aligned<In>(p)) {
     constexpr int kVec = Vec16<In>::kSize;
-    if (segment_cols <= 4 * kKeep * kVec) return launch_quantize<In, Out, 4, kVec>(p, stream);
+    if (segment_cols <= 4 * kKeep * kVec) {
+      const int64_t segments = p.batch * p.rows * ((p.cols + p.block_cols - 1) / p.block_cols);
+      if (segments * 16 <= int64_t(current_device_info().num_sms) * kThreads) {
+        return launch_quantize<In, Out, 16, kVec>(p, stream);
+      }
+      return launch_quantize<In, Out, 4, kVec>(p, stream);
+    }
     if (segment_cols <= 32 * kKeep * kVec) return launch_quantize<In, Out, 32, kVec>(p, stream);
     if (segment_cols <= 128 * kKeep * kVec) return launch_quantize<In, Out, 128, kVec>(p, stream);
     return launch_quantize<In, Out, kThreads, kVec>(p, stream);
