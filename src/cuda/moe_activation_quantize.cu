@@ -52,29 +52,6 @@ __device__ __forceinline__ void activations(const T* in, int64_t width, int64_t 
   }
 }
 
-// The activations of kSteps steps of one row, columns col + k * step_cols + [0, kVec):
-// every step's loads first (all its 16-byte chunks in flight at once), then the math.
-// Steps past width get zeros.
-template <typename T, ActivationKind kKind, int kSteps>
-__device__ __forceinline__ void activations_of_steps(const T* in, int64_t width, int64_t col, int64_t step_cols,
-                                                     const ActivationQuantizeParams& p, float (&v)[kSteps][kVec]) {
-  T gate[kSteps][kVec], up[kSteps][kVec];
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    if (col + k * step_cols < width) load_gate_up<T, kKind, kVec>(in, width, col + k * step_cols, gate[k], up[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    const bool inside = col + k * step_cols < width;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      v[k][i] = inside ? to_float(from_float<T>(gated_activation<kKind>(to_float(gate[k][i]), to_float(up[k][i]),
-                                                                         p.alpha, p.limit)))
-                       : 0.f;
-    }
-  }
-}
-
 template <class Out>
 __device__ __forceinline__ void store_quantized(Out* out, const float (&v)[kVec], float scale) {
   Out q[kVec];
@@ -107,48 +84,43 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
     Out* out = static_cast<Out*>(p.out) + row * width;
     if constexpr (kScales == ScaleGranularity::kBlock && kPass == Pass::kRows) {
       const int64_t scale_cols = (width + kScaleBlock - 1) / kScaleBlock;
-      // kSteps steps at a time, their loads together (the bound is uniform over the team).
-      // NOTE: swiglu_oai's interleaved pairs spilled 8-16 bytes at four steps (warp teams).
-      constexpr int kSteps = kKind == ActivationKind::kSwigluOai ? 2 : kKept;
-      for (int64_t c0 = 0; c0 < width; c0 += kSteps * kStep) {
-        float v[kSteps][kVec];
-        activations_of_steps<T, kKind, kSteps>(in, width, c0 + int64_t(team_lane) * kVec, kStep, p, v);
+      for (int64_t c0 = 0; c0 < width; c0 += kStep) {
+        const int64_t col = c0 + int64_t(team_lane) * kVec;
+        float v[kVec] = {};
+        float absmax = 0.f;
+        if (col < width) {
+          activations<T, kKind>(in, width, col, p, v);
 #pragma unroll
-        for (int k = 0; k < kSteps; ++k) {
-          const int64_t col = c0 + k * kStep + int64_t(team_lane) * kVec;
-          float absmax = 0.f;
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[k][i]));
-          absmax = team_max<kScaleBlock / kVec>(absmax);
-          const float scale = scale_of(absmax, kQmax<Out>);
-          if (col < width) {
-            if (team_lane % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;
-            store_quantized(out + col, v[k], scale);
-          }
+          for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
+        }
+        absmax = team_max<kScaleBlock / kVec>(absmax);
+        const float scale = scale_of(absmax, kQmax<Out>);
+        if (col < width) {
+          if (team_lane % (kScaleBlock / kVec) == 0) p.scales[row * scale_cols + col / kScaleBlock] = scale;
+          store_quantized(out + col, v, scale);
         }
       }
     } else {
       float scale = tensor_scale;
-      // The row's first kKept steps are loaded together and stay in registers between the
-      // absmax and the quantization (rows of up to kKept x kStep columns are read and
-      // activated once). NOTE: recomputed, Qwen3-30B fp8_channel at M = 8192 spent 212 us
-      // of 1350 here (65536 rows of 768: two loads and two activations a value; ncu, H100);
-      // kept but loaded a step at a time, 172 us (each warp waited out its steps' loads in turn).
+      // The row's first kKeep steps stay in registers between the absmax and the
+      // quantization (rows of up to kKeep x kStep columns are read and activated once).
+      // NOTE: recomputed, Qwen3-30B fp8_channel at M = 8192 spent 212 us of 1350 here
+      // (65536 rows of 768: two loads and two activations a value; ncu, H100).
       float kept[kKept][kVec];
-      const int64_t first_col = int64_t(team_lane) * kVec;
       if constexpr (kPass != Pass::kTensor) {
-        activations_of_steps<T, kKind, kKept>(in, width, first_col, kStep, p, kept);
         float absmax = 0.f;
-#pragma unroll
-        for (int k = 0; k < kKept; ++k) {
-#pragma unroll
-          for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(kept[k][i]));
-        }
-        for (int64_t col = first_col + kKept * kStep; col < width; col += kStep) {
+        for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
           float v[kVec];
           activations<T, kKind>(in, width, col, p, v);
 #pragma unroll
           for (int i = 0; i < kVec; ++i) absmax = fmaxf(absmax, fabsf(v[i]));
+#pragma unroll
+          for (int k = 0; k < kKept; ++k) {
+            if (step == k) {
+#pragma unroll
+              for (int i = 0; i < kVec; ++i) kept[k][i] = v[i];
+            }
+          }
         }
         absmax = team_max<kTeam>(absmax);
         if constexpr (kPass == Pass::kAmax) {
@@ -158,14 +130,20 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
         }
         scale = scale_of(absmax, kQmax<Out>);
         if (team_lane == 0) p.scales[row] = scale;
-#pragma unroll
-        for (int k = 0; k < kKept; ++k) {
-          if (first_col + k * kStep < width) store_quantized(out + first_col + k * kStep, kept[k], scale);
-        }
       }
-      for (int64_t col = first_col + (kPass != Pass::kTensor ? kKept * kStep : 0); col < width; col += kStep) {
+      for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
         float v[kVec];
-        activations<T, kKind>(in, width, col, p, v);
+        if (kPass != Pass::kTensor && step < kKept) {
+#pragma unroll
+          for (int k = 0; k < kKept; ++k) {
+            if (step == k) {
+#pragma unroll
+              for (int i = 0; i < kVec; ++i) v[i] = kept[k][i];
+            }
+          }
+        } else {
+          activations<T, kKind>(in, width, col, p, v);
+        }
         store_quantized(out + col, v, scale);
       }
     }

@@ -103,12 +103,17 @@ __device__ __forceinline__ SegmentIndex segment_index(const QuantizeParams& p, i
 // one_wave: the grid is resident at once (no later waves to take SM slots from), so the
 // next kernel may launch as soon as this one has waited: its CTAs then do their prologue
 // and park while this one runs (decode: x's or act's few rows before a small-batch GEMM).
+// NOTE: teams of 16 (decode grids) keep one chunk a thread at three CTAs an SM, the
+// kernel that served decode before the larger teams; the others keep kKeep at two CTAs an
+// SM (16-bit input: 88-95 registers, no spills; fp32 input spilled 8-16 bytes at that
+// bound and takes one: its chunks are 4 elements, not the layer's hot path).
 constexpr int kKeep = 4;
-// NOTE: two CTAs an SM (16-bit input: 88-95 registers, no spills); fp32 input spilled 8-16
-// bytes at that bound and takes one (its chunks are 4 elements; not the layer's hot path).
+template <int kTeam>
+constexpr int kKeepOf = kTeam == 16 ? 1 : kKeep;
 template <class In, class Out, int kTeam, int kVec, Pass kPass>
-__global__ void __launch_bounds__(kThreads, std::is_same_v<In, float> ? 1 : 2)
+__global__ void __launch_bounds__(kThreads, kTeam == 16 ? 3 : std::is_same_v<In, float> ? 1 : 2)
     quantize_kernel(const QuantizeParams p, bool one_wave) {
+  constexpr int kKept = kKeepOf<kTeam>;  // chunks a thread keeps
   wait_for_previous_kernel();
   if (one_wave) allow_next_kernel_launch();
   const int64_t col_blocks = (p.cols + p.block_cols - 1) / p.block_cols;
@@ -129,21 +134,21 @@ __global__ void __launch_bounds__(kThreads, std::is_same_v<In, float> ? 1 : 2)
     const In* x = input + at.b * p.input_stride_batch + at.row * p.input_stride_row;
     float* scale_ptr = p.scales + at.b * p.scales_stride_batch + at.row_block * p.scales_stride_row +
                        at.cb * p.scales_stride_col;
-    QuantChunk<In, Out, kVec> keep[kKeep];
+    QuantChunk<In, Out, kVec> keep[kKept];
     auto col_of = [&](int i) { return col_begin + (int64_t(i) * kTeam + team_lane) * kVec; };
     float scale = 0.f;
     if constexpr (kPass != Pass::kStatic && kPass != Pass::kFromAbsmax) {
       float absmax = 0.f;
       // The absmax pass alone keeps nothing: its writes come in the next launch.
-      constexpr int kKept = kPass == Pass::kAbsmax ? 0 : kKeep;
+      constexpr int kLoaded = kPass == Pass::kAbsmax ? 0 : kKept;
 #pragma unroll
-      for (int i = 0; i < kKept; ++i) {
+      for (int i = 0; i < kLoaded; ++i) {
         if (col_of(i) < col_end) {
           keep[i].load(x + col_of(i));
           absmax = fmaxf(absmax, keep[i].absmax());
         }
       }
-      for (int64_t c = col_of(kKept); c < col_end; c += kTeam * kVec) {
+      for (int64_t c = col_of(kLoaded); c < col_end; c += kTeam * kVec) {
         QuantChunk<In, Out, kVec> chunk;
         chunk.load(x + c);
         absmax = fmaxf(absmax, chunk.absmax());
@@ -159,16 +164,16 @@ __global__ void __launch_bounds__(kThreads, std::is_same_v<In, float> ? 1 : 2)
       if (!active) continue;
       scale = kPass == Pass::kFromAbsmax ? scale_of(*scale_ptr, kQmax<Out>) : *scale_ptr;
 #pragma unroll
-      for (int i = 0; i < kKeep; ++i) {
+      for (int i = 0; i < kKept; ++i) {
         if (col_of(i) < col_end) keep[i].load(x + col_of(i));
       }
     }
     Out* y = out + at.b * p.out_stride_batch + at.row * p.out_stride_row;
 #pragma unroll
-    for (int i = 0; i < kKeep; ++i) {
+    for (int i = 0; i < kKept; ++i) {
       if (col_of(i) < col_end) keep[i].store(y + col_of(i), scale);
     }
-    for (int64_t c = col_of(kKeep); c < col_end; c += kTeam * kVec) {
+    for (int64_t c = col_of(kKept); c < col_end; c += kTeam * kVec) {
       QuantChunk<In, Out, kVec> chunk;
       chunk.load(x + c);
       chunk.store(y + c, scale);
