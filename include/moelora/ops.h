@@ -164,8 +164,9 @@ struct MoeKernelConfig {
   GroupedGemmTiles grouped_tiles1 = GroupedGemmTiles::kAuto, grouped_tiles2 = GroupedGemmTiles::kAuto;
 };
 // Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its
-// buffers only for calls whose chunks reach it.
-constexpr int64_t kGroupedMinSlots = 512;
+// buffers only for calls whose chunks reach it. (The heuristic also asks for 16 slots an
+// expert: 128 slots reach it only with 8 experts, Mixtral's.)
+constexpr int64_t kGroupedMinSlots = 128;
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch: with
 // 16-bit experts, and with 8-bit ones (W8A8, whose kernels multiply on MMAs and take up to
 // 128 slots: a chunk of 128 slots over as many experts streams each routed expert once).

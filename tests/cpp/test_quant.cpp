@@ -669,7 +669,7 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.expect_grouped = false;
     add("grouped_no_combine", x, {Backend::kCUDA});
     x = grouped;
-    x.M = 50;  // 400 slots: under kGroupedMinSlots, no room reserved
+    x.M = 12;  // 96 slots: under kGroupedMinSlots, no room reserved
     x.expect_grouped = false;
     add("grouped_too_few_slots", x, {Backend::kCUDA});
   }
