@@ -119,19 +119,17 @@ bool gemm_scales_supported(const GemmQuantParams& q, int64_t K) {
 #ifdef MOELORA_BUILD_SM90A
 using InstanceFn = void (*)(const GroupedGemmRun&, cudaStream_t);
 
-InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q, GroupedGemmTiles tiles) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  const bool m64 = tiles == GroupedGemmTiles::kPingpong64;
-  if (q.w_scales == ScaleGranularity::kBlock) {
-    if (m64) return bf16 ? grouped_gemm_sm90_fp8_blockwise_bf16_m64 : grouped_gemm_sm90_fp8_blockwise_fp16_m64;
-    return bf16 ? grouped_gemm_sm90_fp8_blockwise_bf16_m128 : grouped_gemm_sm90_fp8_blockwise_fp16_m128;
-  }
-  if (q.element == DType::kInt8) {
-    if (m64) return bf16 ? grouped_gemm_sm90_int8_scaled_bf16_m64 : grouped_gemm_sm90_int8_scaled_fp16_m64;
-    return bf16 ? grouped_gemm_sm90_int8_scaled_bf16_m128 : grouped_gemm_sm90_int8_scaled_fp16_m128;
-  }
-  if (m64) return bf16 ? grouped_gemm_sm90_fp8_scaled_bf16_m64 : grouped_gemm_sm90_fp8_scaled_fp16_m64;
-  return bf16 ? grouped_gemm_sm90_fp8_scaled_bf16_m128 : grouped_gemm_sm90_fp8_scaled_fp16_m128;
+template <GroupedGemmOperands kOperands, GroupedGemmTiles kTiles>
+InstanceFn instance_for(DType out) {
+  return out == DType::kBFloat16 ? grouped_gemm_sm90<kOperands, DType::kBFloat16, kTiles>
+                                 : grouped_gemm_sm90<kOperands, DType::kFloat16, kTiles>;
+}
+
+template <GroupedGemmTiles kTiles>
+InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q) {
+  if (q.w_scales == ScaleGranularity::kBlock) return instance_for<GroupedGemmOperands::kFp8Blockwise, kTiles>(p.dtype);
+  if (q.element == DType::kInt8) return instance_for<GroupedGemmOperands::kInt8Scaled, kTiles>(p.dtype);
+  return instance_for<GroupedGemmOperands::kFp8Scaled, kTiles>(p.dtype);
 }
 #endif
 
@@ -181,7 +179,9 @@ void grouped_experts_gemm(const GroupedExpertsParams& p, int gemm, Stream stream
 #ifdef MOELORA_BUILD_SM90A
   const GroupedGemmTiles tiles = gemm == 1 ? p.tiles1 : p.tiles2;
   if (tiles == GroupedGemmTiles::kAuto) throw std::logic_error("moelora.fused_experts: grouped GEMM tiles not chosen");
-  instance_for(p, q, tiles)(run, static_cast<cudaStream_t>(stream));
+  const InstanceFn instance = tiles == GroupedGemmTiles::kPingpong64 ? instance_for<GroupedGemmTiles::kPingpong64>(p, q)
+                                                                       : instance_for<GroupedGemmTiles::kCooperative128>(p, q);
+  instance(run, static_cast<cudaStream_t>(stream));
 #else
   (void)run;
   throw std::logic_error("moelora.fused_experts: the grouped path needs an sm_90a build");

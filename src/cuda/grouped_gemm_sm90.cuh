@@ -121,9 +121,14 @@ struct GroupedGemm {
   static_assert(sizeof(typename ProblemShape::UnderlyingProblemShape) == 3 * sizeof(int32_t));
 };
 
+// operands, out: the instance's name parts, for its errors (composed only there).
 template <class ElementIn, class ElementOut, Scaling kScaling, GroupedGemmTiles kTiles>
-void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* name) {
+void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* operands, const char* out) {
   using G = GroupedGemm<ElementIn, ElementOut, kScaling, kTiles>;
+  auto name = [&] {
+    return std::string("grouped_gemm_sm90_") + operands + "_" + out +
+           (kTiles == GroupedGemmTiles::kPingpong64 ? "_m64" : "_m128");
+  };
   using Gemm = typename G::Gemm;
   const DeviceInfo& device = current_device_info();
   cutlass::KernelHardwareInfo hw_info;
@@ -165,7 +170,7 @@ void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* 
   }
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
   if (int64_t(workspace_bytes) > r.workspace_bytes) {
-    throw std::logic_error(std::string("moelora.") + name + ": CUTLASS asks for " + std::to_string(workspace_bytes) +
+    throw std::logic_error(std::string("moelora.") + name() + ": CUTLASS asks for " + std::to_string(workspace_bytes) +
                            " workspace bytes, " + std::to_string(r.workspace_bytes) + " reserved");
   }
   Gemm gemm;
@@ -175,9 +180,28 @@ void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* 
   // they must start after the kernels that wrote their arrays have finished.
   if (status == cutlass::Status::kSuccess) status = gemm.run(stream, nullptr, /*launch_with_pdl=*/false);
   if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error(std::string("moelora.") + name + ": CUTLASS failed: " + cutlassGetStatusString(status));
+    throw std::runtime_error(std::string("moelora.") + name() + ": CUTLASS failed: " + cutlassGetStatusString(status));
   }
   MOELORA_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moelora::cuda::grouped_sm90
+
+namespace moelora::cuda {
+
+template <GroupedGemmOperands kOperands, DType kOut, GroupedGemmTiles kTiles>
+void grouped_gemm_sm90(const GroupedGemmRun& r, cudaStream_t stream) {
+  static_assert(kOut == DType::kBFloat16 || kOut == DType::kFloat16, "bf16 or fp16 output");
+  using ElementIn = std::conditional_t<kOperands == GroupedGemmOperands::kInt8Scaled, int8_t, cutlass::float_e4m3_t>;
+  using ElementOut = std::conditional_t<kOut == DType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
+  constexpr grouped_sm90::Scaling kScaling = kOperands == GroupedGemmOperands::kFp8Blockwise
+                                                 ? grouped_sm90::Scaling::kBlockwise
+                                                 : grouped_sm90::Scaling::kEpilogue;
+  constexpr const char* kOperandsName = kOperands == GroupedGemmOperands::kFp8Blockwise ? "fp8_blockwise"
+                                        : kOperands == GroupedGemmOperands::kFp8Scaled  ? "fp8_scaled"
+                                                                                        : "int8_scaled";
+  grouped_sm90::run_grouped_gemm<ElementIn, ElementOut, kScaling, kTiles>(r, stream, kOperandsName,
+                                                                          kOut == DType::kBFloat16 ? "bf16" : "fp16");
+}
+
+}  // namespace moelora::cuda

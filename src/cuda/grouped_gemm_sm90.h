@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "moelora/ops.h"
+#include "moelora/tensor.h"
 
 namespace moelora::cuda {
 
@@ -39,19 +40,13 @@ struct GroupedGemmRun {
   int64_t workspace_bytes;
 };
 
-// The instances (grouped_gemm_sm90_*.cu; sm_90a builds only), 1x2 clusters. _m128:
-// GroupedGemmTiles::kCooperative128, _m64: kPingpong64.
-void grouped_gemm_sm90_fp8_blockwise_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_blockwise_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_bf16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_blockwise_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_blockwise_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_fp8_scaled_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_bf16_m64(const GroupedGemmRun& r, cudaStream_t stream);
-void grouped_gemm_sm90_int8_scaled_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream);
+// The 8-bit operands of an instance and where their scales apply (grouped_gemm_sm90.cuh).
+enum class GroupedGemmOperands { kFp8Blockwise, kFp8Scaled, kInt8Scaled };
+
+// The instances (sm_90a builds only; 1x2 clusters), defined in grouped_gemm_sm90.cuh and
+// instantiated one per TU, grouped_gemm_sm90_<operands>_<out>_<tiles>.cu: kOut bf16 or
+// fp16, tiles m128 (GroupedGemmTiles::kCooperative128) or m64 (kPingpong64).
+template <GroupedGemmOperands kOperands, DType kOut, GroupedGemmTiles kTiles>
+void grouped_gemm_sm90(const GroupedGemmRun& r, cudaStream_t stream);
 
 }  // namespace moelora::cuda

@@ -2,8 +2,6 @@
 #include "cuda/grouped_gemm_sm90.cuh"
 
 namespace moelora::cuda {
-void grouped_gemm_sm90_fp8_blockwise_fp16_m128(const GroupedGemmRun& r, cudaStream_t stream) {
-  grouped_sm90::run_grouped_gemm<cutlass::float_e4m3_t, cutlass::half_t, grouped_sm90::Scaling::kBlockwise, GroupedGemmTiles::kCooperative128>(
-      r, stream, "grouped_gemm_sm90_fp8_blockwise_fp16_m128");
-}
+template void grouped_gemm_sm90<GroupedGemmOperands::kFp8Blockwise, DType::kFloat16, GroupedGemmTiles::kCooperative128>(const GroupedGemmRun&,
+                                                                                                cudaStream_t);
 }  // namespace moelora::cuda

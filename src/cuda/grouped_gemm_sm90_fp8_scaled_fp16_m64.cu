@@ -2,8 +2,6 @@
 #include "cuda/grouped_gemm_sm90.cuh"
 
 namespace moelora::cuda {
-void grouped_gemm_sm90_fp8_scaled_fp16_m64(const GroupedGemmRun& r, cudaStream_t stream) {
-  grouped_sm90::run_grouped_gemm<cutlass::float_e4m3_t, cutlass::half_t, grouped_sm90::Scaling::kEpilogue, GroupedGemmTiles::kPingpong64>(
-      r, stream, "grouped_gemm_sm90_fp8_scaled_fp16_m64");
-}
+template void grouped_gemm_sm90<GroupedGemmOperands::kFp8Scaled, DType::kFloat16, GroupedGemmTiles::kPingpong64>(const GroupedGemmRun&,
+                                                                                                cudaStream_t);
 }  // namespace moelora::cuda
