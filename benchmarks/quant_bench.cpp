@@ -83,6 +83,7 @@ struct Options : LayerBenchOptions {
 
 Options parse(int argc, char** argv) {
   Options o;
+  std::string tiles_text;  // --grouped-tiles
   o.tokens = {1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192};
   parse_layer_bench_args(argc, argv, "quant_bench", kOwnFlags, "all", o,
                          [&](const std::string& arg, const std::function<std::string()>& value) {
@@ -99,24 +100,24 @@ Options parse(int argc, char** argv) {
                            } else if (arg == "--static-act") o.static_act = true;
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
                            else if (arg == "--grouped") o.grouped = value();
-                           else if (arg == "--grouped-tiles") {
-                             const std::string text = value();
-                             const std::vector<std::string> rows = split_commas(text);
-                             auto tiles = [&](const std::string& r) {
-                               if (r == "128") return moelora::GroupedGemmTiles::kCooperative128;
-                               if (r == "64") return moelora::GroupedGemmTiles::kPingpong64;
-                               usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + text);
-                             };
-                             if (rows.size() != 2) usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + text);
-                             o.grouped_tiles1 = tiles(rows[0]);
-                             o.grouped_tiles2 = tiles(rows[1]);
-                             o.grouped = "on " + text;
-                           } else return false;
+                           else if (arg == "--grouped-tiles") tiles_text = value();
+                           else return false;
                            return true;
                          });
   if (o.check_tokens < 2) usage("--check-tokens takes 2 or more");
-  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto" && o.grouped_tiles1 == moelora::GroupedGemmTiles::kAuto) {
-    usage("--grouped takes on or off");
+  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
+  if (!tiles_text.empty()) {
+    const std::vector<std::string> tiles = split_commas(tiles_text);
+    auto parse_tiles = [&](const std::string& t) {
+      if (t == "128") return moelora::GroupedGemmTiles::kCooperative128;
+      if (t == "64") return moelora::GroupedGemmTiles::kPingpong64;
+      usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + tiles_text);
+    };
+    if (tiles.size() != 2) usage("--grouped-tiles takes T1,T2 with T 128 or 64, got " + tiles_text);
+    if (o.grouped == "off") usage("--grouped-tiles runs the grouped path: not with --grouped off");
+    o.grouped_tiles1 = parse_tiles(tiles[0]);
+    o.grouped_tiles2 = parse_tiles(tiles[1]);
+    o.grouped = "on " + tiles_text;
   }
   return o;
 }
