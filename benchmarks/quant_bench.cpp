@@ -40,8 +40,6 @@
 // --grouped-tiles T1,T2 (T: 128 or 64) forces the grouped path with GEMM1's and GEMM2's
 // MoeKernelConfig::grouped_tiles (128 x 128 cooperative or 64 x 128 pingpong tiles).
 // The JSON row's "grouped" key says which ("auto" without either flag; "on 64,128" ...).
-// --fuse-quantize off: the small-batch kernels' inputs quantized by the quantize launches
-// (FusedExpertsOptions::fuse_quantize), for A/B at decode.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -69,9 +67,7 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags =
-    "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2] "
-    "[--fuse-quantize on|off]";
+constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
 
 struct Options : LayerBenchOptions {
   std::vector<QuantMethod> schemes{QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
@@ -79,7 +75,6 @@ struct Options : LayerBenchOptions {
   bool static_act = false;   // fp8_tensor: static activation scales
   int64_t check_tokens = 64;  // most tokens a check reads
   std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
-  std::string fuse_quantize = "on";  // --fuse-quantize
   // --grouped-tiles: each GEMM's tiles (kAuto without the flag)
   moelora::GroupedGemmTiles grouped_tiles1 = moelora::GroupedGemmTiles::kAuto, grouped_tiles2 = moelora::GroupedGemmTiles::kAuto;
 };
@@ -106,13 +101,11 @@ Options parse(int argc, char** argv) {
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
                            else if (arg == "--grouped") o.grouped = value();
                            else if (arg == "--grouped-tiles") tiles_text = value();
-                           else if (arg == "--fuse-quantize") o.fuse_quantize = value();
                            else return false;
                            return true;
                          });
   if (o.check_tokens < 2) usage("--check-tokens takes 2 or more");
   if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
-  if (o.fuse_quantize != "on" && o.fuse_quantize != "off") usage("--fuse-quantize takes on or off");
   if (!tiles_text.empty()) {
     const std::vector<std::string> tiles = split_commas(tiles_text);
     auto parse_tiles = [&](const std::string& t) {
@@ -433,9 +426,8 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
   const moelora::MoeKernelConfig grouped_on{
       .grouped_gemm = true, .grouped_tiles1 = o.grouped_tiles1, .grouped_tiles2 = o.grouped_tiles2};
   static const moelora::MoeKernelConfig kGroupedOff{.grouped_gemm = false};
-  moelora::FusedExpertsOptions fo =
+  const moelora::FusedExpertsOptions fo =
       cell.options(o.grouped == "auto" ? nullptr : o.grouped == "off" ? &kGroupedOff : &grouped_on);
-  fo.fuse_quantize = o.fuse_quantize == "on";
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
   const double rate = q.scheme.element == DType::kInt8 ? ceilings.int8_tops : ceilings.fp8_tflops;
   std::vector<Row> rows;

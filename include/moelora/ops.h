@@ -287,11 +287,6 @@ struct FusedExpertsOptions {
   // reaches memory). false runs the separate activation kernel, as the CPU backend
   // always does; for A/B measurements.
   bool fuse_activation = true;
-  // CUDA, quantized experts on the small-batch kernels: they quantize x and the activation
-  // themselves where the rows are few (tokens x H, slots x I at most 16384 elements each:
-  // decode), every CTA into its shared memory, instead of a quantize launch before each
-  // GEMM (the same values and scales). false: the quantize launches; for A/B measurements.
-  bool fuse_quantize = true;
   // CUDA, sm90 tiles: take output tiles (cluster tiles) in raster order from a device
   // counter (kept in the workspace) instead of a static persistent schedule, so the
   // m-tiles that share an expert's weight tile run together and read it from DRAM once.

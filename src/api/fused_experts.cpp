@@ -372,13 +372,8 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     // Quantized experts: x's rows quantized first; each GEMM's scales point at its input's.
     GemmQuantParams quant1 = call.quant.gemm1, quant2 = call.quant.gemm2;
     const bool static_scales = args.quant && args.quant->scheme.static_activation_scales;
-    // x's 8-bit rows: quantized by the small-batch kernels themselves where the plan says so
-    // and they take the chunk, else here (first thing, or before the aligned path).
-    auto quantize_x = [&]() {
-      quantize_rows(x_chunk, plan.x_quantized, plan.x_scales, plan, static_scales, device, stream);
-    };
     if (plan.quantized) {
-      if (!plan.small_batch_quantizes_x) quantize_x();
+      quantize_rows(x_chunk, plan.x_quantized, plan.x_scales, plan, static_scales, device, stream);
       quant1.a_scale = static_cast<const float*>(plan.x_scales.data);
       quant1.a_scale_stride_row = plan.x_scales.strides[0];
       quant1.a_scale_stride_k = plan.x_scales.strides[1];
@@ -401,16 +396,11 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       SmallBatchMoeParams small =
           small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind);
       if (plan.quantized) {
+        small.x = plan.x_quantized.data;
+        small.x_stride_token = plan.x_quantized.strides[0];
         small.quant13 = quant1;
         small.quant2 = quant2;
         small.act_quantized = plan.act_quantized.data;
-        small.fused_quantize_x = plan.small_batch_quantizes_x;
-        small.fused_quantize_act = plan.small_batch_quantizes_act;
-        small.static_activation_scales = static_scales;
-        if (!small.fused_quantize_x) {
-          small.x = plan.x_quantized.data;
-          small.x_stride_token = plan.x_quantized.strides[0];
-        }
       }
       // A chunk the kernels do not take (see SmallBatchMoeParams) runs the aligned path.
       if (cuda::fused_experts_small_batch_supported(small)) {
@@ -420,7 +410,7 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         }
         if (!args.lora) {
           cuda::fused_experts_small_batch(small, stream, /*stages=*/1);
-          if (!small.fused_quantize_act) gemm2_input();
+          gemm2_input();
           cuda::fused_experts_small_batch(small, stream, /*stages=*/2);
           continue;
         }
@@ -436,11 +426,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/1);
         add_lora_delta(lora2, false, act, 1, delta2, false, /*aligned=*/false, /*add_inputs=*/false);
         with_lora.down_delta = delta2.data;
-        if (!small.fused_quantize_act) gemm2_input();
+        gemm2_input();
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/2);
         continue;
       }
-      if (plan.small_batch_quantizes_x) quantize_x();
     }
 #endif
     AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);

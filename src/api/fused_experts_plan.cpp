@@ -420,9 +420,6 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     plan.act_quantized = view2d(byte_offset(ws, layout.quant_act), q.element, slots, I, I, 1, device);
     plan.act_scales = scales(layout.quant_act_scales, args.quant->a2_scale, slots, I);
     plan.grouped_params.x_tensor_scale = static_cast<const float*>(plan.x_scales.data);
-    const bool fused_quantize = plan.small_batch && !plan.grouped && options.fuse_quantize;
-    plan.small_batch_quantizes_x = fused_quantize && tokens * H <= kSmallBatchFusedQuantizeElements;
-    plan.small_batch_quantizes_act = fused_quantize && slots * I <= kSmallBatchFusedQuantizeElements;
   }
   return plan;
 }

@@ -79,9 +79,6 @@ struct FusedExpertsChunkPlan {
   TensorView act_quantized;  // [slots, I]
   TensorView act_scales;     // [slots, ceil(I / block_k)], [slots, 1] or [1, 1] (a2_scale when static)
   int64_t quant_block_rows = 1, quant_block_cols = 0;
-  // small_batch: the kernels quantize x / the activation into shared memory themselves
-  // (FusedExpertsOptions::fuse_quantize, rows within kSmallBatchFusedQuantizeElements).
-  bool small_batch_quantizes_x = false, small_batch_quantizes_act = false;
 
   // The grouped path (MoeKernelConfig::grouped_gemm, quantized experts on sm_90a): the
   // alignment in blocks of 16 with per-expert offsets and sizes and per-slot entries, then

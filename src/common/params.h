@@ -279,19 +279,7 @@ struct SmallBatchMoeParams {
   GemmQuantParams quant13{};
   GemmQuantParams quant2{};
   const void* act_quantized = nullptr;
-  // W8A8 decode: the kernels quantize x (GEMM1: p.x then holds the layer's `dtype` rows)
-  // and act (GEMM2: act_quantized unused) themselves into shared memory, every CTA all the
-  // rows, with quant13's / quant2's activation scales (static_activation_scales: their
-  // a_scale is the caller's one scale), instead of the caller's two quantize launches.
-  // At most kSmallBatchFusedQuantizeElements elements each (tokens x H, slots x I).
-  bool fused_quantize_x = false;
-  bool fused_quantize_act = false;
-  bool static_activation_scales = false;
 };
-// The most elements a small-batch CTA quantizes into shared memory (SmallBatchMoeParams::
-// fused_quantize_x / _act): 8 chunks of 16 bytes a thread of a 256-thread CTA, all in
-// flight at once; 16 KB of 8-bit rows.
-constexpr int64_t kSmallBatchFusedQuantizeElements = 16384;
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
 struct ActivationParams {

@@ -21,20 +21,11 @@ bool fused_experts_small_batch_supported(const SmallBatchMoeParams& p) {
   // int8 MMAs sum a slice of K in int32 between folds: 127 x 127 x K stays below 2^31 for
   // K <= 2^17.
   const bool int32_sums = p.quant13.element != DType::kInt8 || (p.H <= (int64_t(1) << 17) && p.I <= (int64_t(1) << 17));
-  // The kernels' own quantization of x / act: 8-bit experts, rows within the budget of
-  // kSmallBatchFusedQuantizeElements, K blocks of 64 columns or more (a scale per 64 at most).
-  const bool fused_quantize =
-      (!p.fused_quantize_x && !p.fused_quantize_act) ||
-      (p.quant13.enabled && (!p.fused_quantize_x || p.num_tokens * p.H <= detail::kSmallBatchFusedQuantizeElements) &&
-       (!p.fused_quantize_act || slots * p.I <= detail::kSmallBatchFusedQuantizeElements) &&
-       (p.quant13.a_scales != ScaleGranularity::kBlock || (p.quant13.block_k >= 64 && p.quant2.block_k >= 64)) &&
-       (!p.fused_quantize_x || fused_quantize_scale_strides(p.H, p.quant13)) &&
-       (!p.fused_quantize_act || fused_quantize_scale_strides(p.I, p.quant2)));
   const int64_t max_slots = p.quant13.enabled ? kSmallBatchMaxSlots8Bit : kSmallBatchMaxSlots;
   // I < 2^27: GEMM1's units (distinct experts x I / 8, 128 x 2^24 at most) stay in 32 bits.
   return (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16) && slots >= 1 && slots <= max_slots &&
          p.H % chunk == 0 && p.I % chunk == 0 && p.H < (int64_t(1) << 30) && p.I < (int64_t(1) << 27) &&
-         rows_aligned && blocks && (!p.quant13.enabled || int32_sums) && fused_quantize;
+         rows_aligned && blocks && (!p.quant13.enabled || int32_sums);
 }
 
 void fused_experts_small_batch(const SmallBatchMoeParams& p, Stream stream, int stages) {

@@ -41,7 +41,6 @@
 #include "cuda/launch.cuh"
 #include "cuda/mma_sm80.cuh"
 #include "cuda/numeric.cuh"
-#include "cuda/small_batch_quantize.cuh"
 
 namespace moelora::cuda::small_batch {
 
@@ -585,18 +584,8 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p, 
 // warp unit is (expert, 8 columns): its 16 MMA rows are the 8 gate rows (g) and the 8 up
 // rows (g + 8), so lane (g, q) ends with column j0 + g's gate and up for its vectors.
 template <class T, class E, ActivationKind kAct>
-__device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams& p, const SlotTables& t,
-                                                       unsigned char* fused_shared) {
+__device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams& p, const SlotTables& t) {
   const E* x = static_cast<const E*>(p.x);
-  int64_t x_stride = p.x_stride_token;
-  detail::GemmQuantParams quant13 = p.quant13;
-  if (p.fused_quantize_x) {  // x's rows in `dtype`: quantized here, into shared memory
-    quant13.a_scale = quantize_rows_into_shared<T, E, kThreads>(static_cast<const T*>(p.x), p.x_stride_token,
-                                                                int(p.num_tokens), int(p.H), p.quant13,
-                                                                p.static_activation_scales, fused_shared);
-    x = reinterpret_cast<const E*>(fused_shared);
-    x_stride = fused_quantize_row_stride(p.H);
-  }
   const E* w13 = static_cast<const E*>(p.w13);
   const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
   const int lane = int(threadIdx.x) % 32, g = lane / 4;
@@ -616,7 +605,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
   const int column_groups = I / 8;
   const int64_t num_units = int64_t(t.num_distinct) * column_groups;
   const int steps = (H + kMmaStep - 1) / kMmaStep;
-  const MmaTeams teams(int(num_units), int(gridDim.x), steps, steps_per_block(quant13));
+  const MmaTeams teams(int(num_units), int(gridDim.x), steps, steps_per_block(p.quant13));
   __shared__ float red[kMmaReduceFloats];
   // num_units < 2^31 (at most 128 distinct experts times I / 8, I < 2^27: supported()):
   // 32-bit unit math.
@@ -627,33 +616,31 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
     MmaRows<E> m;
     m.row_lo = w13 + expert * p.w13_stride_expert + gate_row * p.w13_stride_n;
     m.row_hi = w13 + expert * p.w13_stride_expert + up_row * p.w13_stride_n;
-    m.w_scale[0] = weight_scales(quant13, expert, gate_row);
-    m.w_scale[1] = weight_scales(quant13, expert, up_row);
-    mma_item_passes(quant13, m, t, d, x, x_stride, [&](int slot) { return slot / top_k; }, H, steps, teams, red,
-                    [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up); });
+    m.w_scale[0] = weight_scales(p.quant13, expert, gate_row);
+    m.w_scale[1] = weight_scales(p.quant13, expert, up_row);
+    mma_item_passes(p.quant13, m, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, steps, teams,
+                    red, [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up); });
   }
 }
 
 template <class T, class E, ActivationKind kAct>
 __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) {
   __shared__ SlotTables t;
-  extern __shared__ __align__(16) unsigned char fused_shared[];  // fused_quantize_x: x's 8-bit rows
-  // 8-bit operands quantized by the caller: the tables before the wait, while x's
-  // quantization runs (it lets this grid launch right after its own wait, so every
-  // kernel that wrote topk_ids and expert_map, the layer's inputs, has completed).
-  // Otherwise this kernel may be the layer's first, after a kernel that gives no such
-  // promise.
-  const bool tables_first = !std::is_same_v<T, E> && !p.fused_quantize_x;
-  if (tables_first) build_slot_tables(p, t);
+  // 8-bit operands: the tables before the wait, while x's quantization runs (it lets
+  // this grid launch right after its own wait, so every kernel that wrote topk_ids and
+  // expert_map, the layer's inputs, has completed). 16-bit: this kernel may be the
+  // layer's first, after a kernel that gives no such promise.
+  constexpr bool kTablesFirst = !std::is_same_v<T, E>;
+  if constexpr (kTablesFirst) build_slot_tables(p, t);
   wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
-  if (!tables_first) build_slot_tables(p, t);
+  if constexpr (!kTablesFirst) build_slot_tables(p, t);
   if constexpr (std::is_same_v<T, E>) {
     small_batch_gemm1<T, kAct>(p, t);
   } else {
-    small_batch_gemm1_w8a8<T, E, kAct>(p, t, fused_shared);
+    small_batch_gemm1_w8a8<T, E, kAct>(p, t);
   }
 }
 
@@ -676,7 +663,6 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   constexpr int kVecs = kRowsPerItem > 4 ? 2 : kSlotsPerPass;
   __shared__ SlotTables t;
   __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]: each slot's dot products
-  extern __shared__ __align__(16) unsigned char fused_shared[];  // fused_quantize_act: act's 8-bit rows
   // NOTE: before the wait: the tables read only the layer's inputs (topk_ids,
   // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
   // kernel that wrote them has completed.
@@ -687,22 +673,12 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   T* out = static_cast<T*>(p.out);
   const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
   const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
-  int act_stride = I;
-  detail::GemmQuantParams quant2 = p.quant2;
-  if constexpr (kQuant) {
-    if (p.fused_quantize_act) {  // act's rows in `dtype` (GEMM1's): quantized here, into shared memory
-      quant2.a_scale = quantize_rows_into_shared<T, E, kCtaThreads>(static_cast<const T*>(p.act), I, num_slots, I,
-                                                                    p.quant2, p.static_activation_scales, fused_shared);
-      act = reinterpret_cast<const E*>(fused_shared);
-      act_stride = int(fused_quantize_row_stride(I));
-    }
-  }
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int row_groups = rows_per_cta / kRowsPerItem;
   // W8A8: the CTA's items in teams that split K (one warp an item for 16-bit operands).
   const int steps = (I + kMmaStep - 1) / kMmaStep;
   const MmaTeams<kCtaWarps> teams(kQuant ? t.num_distinct * row_groups : kCtaWarps, 1, steps,
-                                  kQuant ? steps_per_block(quant2) : 1);
+                                  kQuant ? steps_per_block(p.quant2) : 1);
   __shared__ float red[kQuant ? kMmaReduceFloatsFor<kCtaWarps> : 1];
   for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
     const int items = t.num_distinct * row_groups;
@@ -718,9 +694,9 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         MmaRows<E> m;
         m.row_lo = w + int64_t(h_lo) * p.w2_stride_n;
         m.row_hi = w + int64_t(h_hi) * p.w2_stride_n;
-        m.w_scale[0] = weight_scales(quant2, expert, h_lo);
-        m.w_scale[1] = weight_scales(quant2, expert, h_hi);
-        mma_item_passes(quant2, m, t, d, act, act_stride, [](int slot) { return slot; }, I, steps, teams, red,
+        m.w_scale[0] = weight_scales(p.quant2, expert, h_lo);
+        m.w_scale[1] = weight_scales(p.quant2, expert, h_hi);
+        mma_item_passes(p.quant2, m, t, d, act, int64_t(I), [](int slot) { return slot; }, I, steps, teams, red,
                         [&](int slot, float product_lo, float product_hi) {
                           // LoRA: the slot's delta joins before the routed weight.
                           const T* delta =
@@ -827,20 +803,6 @@ int resident_ctas() {
   });
 }
 
-// The dynamic shared memory of a kernel that quantizes its input rows (fused_quantize_x /
-// _act): allowed up to kFusedQuantizeMaxBytes once per device and instance (above the
-// default 48 KB with the static arrays); the launch's own size.
-template <auto kKernel>
-size_t fused_quantize_shared(bool fused, int64_t rows, int64_t width, const detail::GemmQuantParams& q) {
-  static std::atomic<int> cache[64] = {};
-  cached_per_device(cache, [](const DeviceInfo&) {
-    MOELORA_CUDA_CHECK(
-        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kFusedQuantizeMaxBytes));
-    return 1;
-  });
-  return fused ? size_t(fused_quantize_bytes(rows, width, q)) : 0;
-}
-
 // GEMM2 in blocks of rows (a multiple of the item's rows, at most 64) so that one wave
 // covers H.
 template <auto kKernel, int kRowsPerItem, int kCtaThreads = kThreads>
@@ -849,17 +811,13 @@ void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream)
   const int64_t rows = std::clamp<int64_t>((p.H + resident - 1) / resident, 1, kGemm2MaxRows);
   const int rows_per_cta = int((rows + kRowsPerItem - 1) / kRowsPerItem * kRowsPerItem);
   const int64_t ctas = std::min<int64_t>((p.H + rows_per_cta - 1) / rows_per_cta, resident);
-  const size_t shared = fused_quantize_shared<kKernel>(p.fused_quantize_act, p.num_tokens * p.top_k, p.I, p.quant2);
-  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kCtaThreads), shared, stream, p, rows_per_cta);
+  launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kCtaThreads), 0, stream, p, rows_per_cta);
 }
 
 template <class T, class E, ActivationKind kAct>
 void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
   constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
-  if (stages & 1) {
-    const size_t shared = fused_quantize_shared<gemm1>(p.fused_quantize_x, p.num_tokens, p.H, p.quant13);
-    launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), shared, stream, p);
-  }
+  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
   if (!(stages & 2)) return;
   // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16). 8-bit operands:
   // always the MMA's 16-row items.
