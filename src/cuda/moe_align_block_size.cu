@@ -12,6 +12,7 @@
 // contended shared-memory atomics in one SM. Eight CTAs share that work.
 #include <cooperative_groups.h>
 #include <cub/block/block_scan.cuh>
+#include <cutlass/fast_math.h>
 
 #include <algorithm>
 #include <climits>
@@ -41,27 +42,37 @@ constexpr int kAlignSmemBytes = 200 * 1024;
 // CTAs of the cluster (the portable maximum), and the slots that earn one more CTA.
 constexpr int kAlignMaxCtas = 8;
 constexpr int kAlignSlotsPerCta = 2048;
-constexpr int kAlignBatch = 8;  // slots a thread loads before using them
+// NOTE: 4, not 8: the unrolled loops are most of the kernel's code, and its one CTA at
+// decode waits on instruction fetch (in a graph, H100: 5.7 -> 5.0 us at 512 slots; 19.1 ->
+// 18.7 us at 65536 slots over 8 CTAs).
+constexpr int kAlignBatch = 4;  // slots a thread loads before using them
 
 // Group of a slot: its expert (times max_loras + 1, plus the token's adapter + 1 with
-// LoRA), or the trailing group num_groups - 1 when dropped or invalid.
+// adapters: kAdapters, max_loras > 0), or the trailing group num_groups - 1 when dropped
+// or invalid. top_k: a division by p.top_k as a multiply and a shift.
 // NOTE: 32-bit index math, and none for contiguous ids: per-slot instructions are the
 // kernel's time at large M (a 64-bit division per slot and pass made it 56 us at 32768
-// slots on one CTA; see docs/PERF_NOTES.md).
-__device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, bool contiguous, int num_groups) {
+// slots on one CTA; see docs/PERF_NOTES.md). The divisions by top_k as IEEE-exact integer
+// divisions (~25 instructions each, inlined in both unrolled slot loops) made the kernel
+// ~5K SASS instructions: its one CTA at decode waited mostly on instruction fetch.
+template <bool kAdapters, bool kInt64Ids>
+__device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, bool contiguous, int num_groups,
+                                        const cutlass::FastDivmod& top_k) {
   int64_t offset = slot;
-  if (!contiguous) {
-    const int token = slot / int(p.top_k), j = slot - token * int(p.top_k);
-    offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
-  }
-  const int64_t e = p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
-                                     : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+  int token = 0, j = 0;
+  if (!contiguous || kAdapters) top_k(token, j, slot);
+  if (!contiguous) offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
+  const int64_t e = kInt64Ids ? static_cast<const int64_t*>(p.topk_ids)[offset]
+                              : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
   if (e < 0 || e >= p.num_experts) return num_groups - 1;
-  if (p.max_loras == 0) return int(e);
-  const int token = slot / int(p.top_k);
-  const int lora = p.token_lora_ids[token * p.token_lora_ids_stride];
-  const bool active = lora >= 0 && lora < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[lora] != 0);
-  return int(e) * int(p.max_loras + 1) + (active ? lora + 1 : 0);
+  if constexpr (kAdapters) {
+    const int lora = p.token_lora_ids[token * p.token_lora_ids_stride];
+    const bool active =
+        lora >= 0 && lora < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[lora] != 0);
+    return int(e) * int(p.max_loras + 1) + (active ? lora + 1 : 0);
+  } else {
+    return int(e);
+  }
 }
 
 // The CTAs of the launch: a cluster on sm_90, else one CTA.
@@ -101,8 +112,14 @@ struct AlignCtas {
 // cache_slots: how many slots' groups the dynamic shared memory holds after the tables.
 // Segmented (AlignParams::entry_lora_ids): a third table holds each group's total, so the
 // last group of an expert can pad the expert's sum to the block size.
-__global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(const detail::AlignParams p,
-                                                                            int num_groups, int cache_slots) {
+// kAdapters: max_loras > 0 (virtual experts, the LoRA tables); kInt64Ids: topk_ids'
+// dtype. An instance carries only its own case's code: at decode the kernel's time is
+// instruction fetch (ncu, H100, 512 slots: 720 instructions a warp, one issued every 34
+// cycles, half of them waiting for an instruction).
+template <bool kAdapters, bool kInt64Ids>
+__global__ void __launch_bounds__(kAlignThreads)
+    moe_align_block_size_kernel(const detail::AlignParams p, int num_groups, int cache_slots,
+                                const cutlass::FastDivmod top_k) {
   using BlockScan = cub::BlockScan<int, kAlignThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   extern __shared__ int4 align_smem[];
@@ -110,7 +127,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   // this CTA's scatter cursor per group.
   int* group_count = reinterpret_cast<int*>(align_smem);
   int* group_cursor = group_count + num_groups;
-  const bool segmented = p.entry_lora_ids != nullptr;
+  const bool segmented = kAdapters && p.entry_lora_ids != nullptr;
   int* group_total = group_cursor + num_groups;  // [num_groups] when segmented
   uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_total + (segmented ? num_groups : 0));  // [cache_slots]
 
@@ -121,7 +138,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   const bool cached = slot_end - slot_begin <= cache_slots;
   const bool contiguous = p.topk_ids_stride_k == 1 && p.topk_ids_stride_token == p.top_k;
   const int block_size = int(p.block_size);
-  const int groups_per_expert = int(p.max_loras) + 1;
+  const int groups_per_expert = kAdapters ? int(p.max_loras) + 1 : 1;
   const int sentinel = num_slots;
   for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) group_count[g] = 0;
   wait_for_previous_kernel();
@@ -153,7 +170,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
-      g[i] = s < slot_end ? group_of(p, s, contiguous, num_groups) : -1;
+      g[i] = s < slot_end ? group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k) : -1;
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
@@ -224,7 +241,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
       // group's adapter bit in the blocks its slots reach.
       for (int b = start / block_size; b * block_size < start + padded[i]; ++b) {
         p.expert_ids[b] = expert;
-        if (p.block_lora_ids) p.block_lora_ids[b] = lora;
+        if (kAdapters && p.block_lora_ids) p.block_lora_ids[b] = lora;
       }
       if (segmented && lora >= 0) {
         const int total = group_total[g];
@@ -254,7 +271,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
   for (int b = total_padded / block_size + ctas.rank * kAlignThreads + threadIdx.x; b < int(p.max_num_blocks);
        b += ctas.count * kAlignThreads) {
     p.expert_ids[b] = -1;
-    if (p.block_lora_ids) p.block_lora_ids[b] = -1;
+    if (kAdapters && p.block_lora_ids) p.block_lora_ids[b] = -1;
   }
   // Every CTA has read every histogram (no CTA exits while another reads its shared
   // memory) and written its sentinels before any slot is scattered over them.
@@ -264,7 +281,9 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_block_size_kernel(con
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
-      g[i] = s >= slot_end ? -1 : cached ? int(slot_group[s - slot_begin]) : group_of(p, s, contiguous, num_groups);
+      g[i] = s >= slot_end   ? -1
+             : cached        ? int(slot_group[s - slot_begin])
+                             : group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k);
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
@@ -301,10 +320,14 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
   const int64_t table_bytes = (p.entry_lora_ids ? 3 : 2) * num_groups * int64_t(sizeof(int));
   const int cache_slots = int(std::min<int64_t>(share, (kAlignSmemBytes - table_bytes) / int64_t(sizeof(uint16_t))));
   const size_t smem_bytes = size_t(table_bytes + int64_t(cache_slots) * int64_t(sizeof(uint16_t)));
-  MOELORA_CUDA_CHECK(
-      cudaFuncSetAttribute(moe_align_block_size_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlignSmemBytes));
-  launch_kernel_in_clusters(moe_align_block_size_kernel, dim3(unsigned(ctas)), dim3(kAlignThreads), smem_bytes,
-                            static_cast<cudaStream_t>(stream), ctas, p, int(num_groups), cache_slots);
+  const auto kernel = p.max_loras > 0 ? (p.topk_ids_int64 ? moe_align_block_size_kernel<true, true>
+                                                          : moe_align_block_size_kernel<true, false>)
+                                      : (p.topk_ids_int64 ? moe_align_block_size_kernel<false, true>
+                                                          : moe_align_block_size_kernel<false, false>);
+  MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlignSmemBytes));
+  launch_kernel_in_clusters(kernel, dim3(unsigned(ctas)), dim3(kAlignThreads), smem_bytes,
+                            static_cast<cudaStream_t>(stream), ctas, p, int(num_groups), cache_slots,
+                            cutlass::FastDivmod(int(std::max<int64_t>(p.top_k, 1))));
 }
 
 }  // namespace moelora::cuda

@@ -28,11 +28,13 @@ struct AlignCase {
   int64_t M, top_k, num_experts, max_loras, block_size;
   double share;
   bool disable_some;
+  DType id_dtype = DType::kInt32;  // topk_ids' (each has its own CUDA kernel instance)
 };
 
 void PrintTo(const AlignCase& c, std::ostream* os) {
   *os << backend_name(c.backend) << "_M" << c.M << "_k" << c.top_k << "_E" << c.num_experts << "_L" << c.max_loras
-      << "_bs" << c.block_size << "_share" << int(c.share * 100) << (c.disable_some ? "_disabled" : "");
+      << "_bs" << c.block_size << "_share" << int(c.share * 100) << (c.disable_some ? "_disabled" : "")
+      << (c.id_dtype == DType::kInt64 ? "_ids64" : "");
 }
 
 class LoraAlignTest : public ::testing::TestWithParam<AlignCase> {};
@@ -50,7 +52,7 @@ TEST_P(LoraAlignTest, BlocksHaveOneExpertAndOneAdapter) {
   }
   const std::vector<int64_t> resolved = resolve_loras(token_loras, enabled);
 
-  Buffer topk(c.backend, DType::kInt32, c.M * c.top_k);
+  Buffer topk(c.backend, c.id_dtype, c.M * c.top_k);
   topk.write(topk.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
   topk.upload();
   Buffer lora_ids = buffer_with(c.backend, DType::kInt32, std::vector<double>(token_loras.begin(), token_loras.end()));
@@ -123,9 +125,11 @@ std::vector<AlignCase> align_cases() {
   for (Backend backend : all_backends()) {
     cases.push_back({backend, 1, 8, 128, 4, 16, 1.0, false});
     cases.push_back({backend, 37, 2, 8, 4, 16, 0.5, true});
+    cases.push_back({backend, 37, 2, 8, 4, 16, 0.5, true, DType::kInt64});
     cases.push_back({backend, 64, 8, 64, 16, 32, 0.5, false});
     cases.push_back({backend, 300, 8, 256, 64, 64, 1.0, true});   // 16641 groups: the CUDA maximum
     cases.push_back({backend, 3000, 4, 128, 4, 128, 1.0, false}); // a cluster of CTAs on sm_90
+    cases.push_back({backend, 3000, 4, 128, 4, 128, 1.0, false, DType::kInt64});
     cases.push_back({backend, 100, 4, 16, 1, 16, 0.0, false});    // nobody has an adapter
   }
   return cases;
