@@ -1,0 +1,249 @@
+// fused_experts' per-backend checks: repeated calls on one workspace, the workspace
+// query, the sorted-input reservation, ids out of range, bad arguments with the argument
+// named, empty views (the layer against its reference: test_fused_experts.cpp).
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/params.h"
+#include "fused_experts_testing.h"
+#include "test_util.h"
+
+namespace moelora::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+// ---- per-backend checks --------------------------------------------------------------
+
+class FusedExpertsBackendTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void SetUp() override { MOELORA_SKIP_UNLESS_AVAILABLE(GetParam()); }
+  Backend backend() const { return GetParam(); }
+};
+
+// Calls after the first reuse the workspace's tile counters and cached tables: the same
+// problem run three times (output poisoned before each) gives the same result each time.
+TEST(FusedExpertsRepeated, CallsReuseTheTileCounters) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  static const MoeKernelConfig kWgmma{128, {GemmKernel::kSm90, 64, 256}, {GemmKernel::kSm90, 128, 128}};
+#ifdef MOELORA_WITH_CUDA
+  if (!cuda::current_device_facts().sm90_kernels) GTEST_SKIP() << "wgmma tiles need an sm_90 device";
+#endif
+  LayerCase c;
+  c.backend = Backend::kCUDA;
+  c.M = 500;
+  c.top_k = 4;
+  c.num_global = c.num_local = 16;
+  c.options.config = &kWgmma;
+  c.options.chunk_size = 200;
+  std::mt19937 rng(907);
+  LayerProblem problem(c, rng);
+  const std::vector<double> expected = problem.reference(c);
+  TestStream stream(c.backend);
+  for (int call = 0; call < 3; ++call) {
+    problem.out.poison();
+    fused_experts(problem.args, c.options, stream.handle());
+    stream.sync();
+    problem.out.download();
+    EXPECT_LE(ref::rel_error(problem.out.read(problem.out_view), expected), ref::tolerance(c.dtype)) << "call " << call;
+    EXPECT_EQ(problem.out.count_unwritten(problem.out_view), 0) << "call " << call;
+  }
+}
+
+// The block size a chunk uses never needs more workspace than the query reported, for
+// any chunk count; and a larger workspace is fine.
+TEST_P(FusedExpertsBackendTest, WorkspaceQueryCoversEveryChunk) {
+  for (int64_t chunk_size : {int64_t(1), int64_t(7), int64_t(64 * 1024)}) {
+    FusedExpertsOptions options;
+    options.chunk_size = chunk_size;
+    const int64_t bytes = fused_experts_workspace_size({300, 8, 128, 2048, 768, DType::kBFloat16}, options);
+    EXPECT_GT(bytes, 0);
+    const int64_t block_size = fused_experts_block_size(std::min<int64_t>(300, chunk_size), 8, 128, options);
+    EXPECT_GE(block_size, 16);
+    EXPECT_LE(block_size, 256);
+    EXPECT_EQ(block_size % 16, 0);
+  }
+}
+
+// The sorted input ([padded entries, H]) is reserved only for configs that may use it: it
+// can exceed the [slots, max(2I, H)] region it shares (here H > 2I), by up to 255 rows
+// per expert.
+TEST(FusedExpertsWorkspace, SortedInputIsReservedOnlyWhenTheConfigAsksForIt) {
+  const FusedExpertsShape shape{1024, 8, 128, 2048, 768, DType::kBFloat16};
+  MoeKernelConfig config{128, {GemmKernel::kSm90, 128, 256}, {GemmKernel::kSm90, 128, 256}};
+  FusedExpertsOptions options;
+  options.config = &config;
+  const int64_t gathered = fused_experts_workspace_size(shape, options);
+  config.sorted_input = true;
+  const int64_t sorted = fused_experts_workspace_size(shape, options);
+  // 8192 slots + at most 129 x 127 padding rows (block size 128), each of H = 2048 bf16.
+  EXPECT_GT(sorted, gathered);
+  EXPECT_LE(sorted - gathered, (129 * 127 + 256) * 2048 * 2);
+  // Below 512 slots nothing is sorted: no room reserved.
+  const FusedExpertsShape small{63, 8, 128, 2048, 768, DType::kBFloat16};
+  const int64_t small_sorted = fused_experts_workspace_size(small, options);
+  config.sorted_input = false;
+  EXPECT_EQ(small_sorted, fused_experts_workspace_size(small, options));
+}
+
+// On the CPU an id out of range anywhere, even in the last chunk, is an error before any
+// chunk writes the output.
+TEST_P(FusedExpertsBackendTest, RejectsOutOfRangeIdBeforeWriting) {
+  if (backend() != Backend::kCPU) GTEST_SKIP() << "the CUDA backend cannot read ids on the host";
+  LayerCase c;
+  c.backend = backend();
+  c.options.chunk_size = 7;
+  std::mt19937 rng(701);
+  LayerProblem problem(c, rng);
+  problem.topk_ids.set(problem.ids_view.strides[0] * 19 + 1, 8);  // E = 8: one past the last expert
+  const std::string message = error_message([&] { fused_experts(problem.args, c.options); });
+  EXPECT_THAT(message, HasSubstr("'topk_ids'"));
+  EXPECT_THAT(message, HasSubstr("[19, 1]"));
+  EXPECT_EQ(problem.out.count_written(), 0);
+}
+
+TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
+  float any_storage[4] = {0, 0, 0, 0};
+  struct BadCase {
+    std::string what, argument;
+    std::function<void(FusedExpertsArgs&, FusedExpertsOptions&, LayerProblem&)> breaks;
+    bool cpu_only = false;  // needs ids readable on the host
+  };
+  Buffer other_dtype(backend(), DType::kFloat16, 8 * 80 * 136);
+  const std::vector<BadCase> bad_cases = {
+      {"rank 3 hidden_states", "hidden_states",
+       [](auto& a, auto&, auto&) {
+         a.hidden_states.rank = 3;
+         a.hidden_states.shape[2] = 1;
+         a.hidden_states.strides[2] = 1;
+       }},
+      {"rank above kMaxRank", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.rank = kMaxRank + 1; }},
+      {"int32 hidden_states", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.dtype = DType::kInt32; }},
+      {"null hidden_states", "hidden_states", [](auto& a, auto&, auto&) { a.hidden_states.data = nullptr; }},
+      {"w13 of another dtype", "w13", [&](auto& a, auto&, auto&) { a.w13 = other_dtype.view({8, 80, 136}); }},
+      {"w13 odd rows", "w13", [](auto& a, auto&, auto&) { a.w13.shape[1] = 79; }},
+      {"w13 of another hidden size", "w13", [](auto& a, auto&, auto&) { a.w13.shape[2] = 135; }},
+      {"w13 negative stride", "w13", [](auto& a, auto&, auto&) { a.w13.strides[2] = -1; }},
+      {"w2 of another intermediate size", "w2", [](auto& a, auto&, auto&) { a.w2.shape[2] = 39; }},
+      {"w2 of other experts", "w2", [](auto& a, auto&, auto&) { a.w2.shape[0] = 7; }},
+      {"w2 on another device", "w2",
+       [&](auto& a, auto&, auto&) { a.w2.device = other_device(backend()); a.w2.data = any_storage; }},
+      {"bf16 topk_weights", "topk_weights", [](auto& a, auto&, auto&) { a.topk_weights.dtype = DType::kBFloat16; }},
+      {"topk_weights of another top_k", "topk_weights", [](auto& a, auto&, auto&) { a.topk_weights.shape[1] = 1; }},
+      {"topk_ids of other tokens", "topk_ids", [](auto& a, auto&, auto&) { a.topk_ids.shape[0] = 19; }},
+      {"float topk_ids", "topk_ids", [](auto& a, auto&, auto&) { a.topk_ids.dtype = DType::kFloat32; }},
+      {"topk_ids on another device", "topk_ids",
+       [&](auto& a, auto&, auto&) { a.topk_ids.device = other_device(backend()); a.topk_ids.data = any_storage; }},
+      {"out of another hidden size", "out", [](auto& a, auto&, auto&) { a.out.shape[1] = 135; }},
+      {"out negative stride", "out", [](auto& a, auto&, auto&) { a.out.strides[0] = -136; }},
+      {"no_combine with a 2-D out", "out", [](auto&, auto& o, auto&) { o.no_combine = true; }},
+      {"out overlapping w2", "out", [](auto& a, auto&, auto&) { a.out.data = a.w2.data; }},
+      {"workspace too small", "workspace", [](auto& a, auto&, auto&) { a.workspace.shape[0] -= 1; }},
+      {"workspace unaligned", "workspace",
+       [](auto& a, auto&, auto&) { a.workspace.data = static_cast<char*>(a.workspace.data) + 4; }},
+      {"chunk_size 0", "chunk_size", [](auto&, auto& o, auto&) { o.chunk_size = 0; }},
+      {"block_size 40", "block_size", [](auto&, auto& o, auto&) { o.block_size = 40; }},
+      {"block_size 512", "block_size", [](auto&, auto& o, auto&) { o.block_size = 512; }},
+      {"config tile taller than its block", "config.gemm1",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{16, {GemmKernel::kSm80, 32, 64}, {}};
+         o.config = &bad;
+       }},
+      {"config sm90 tile 64 x 64", "config.gemm2",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{64, {}, {GemmKernel::kSm90, 64, 64}};
+         o.config = &bad;
+       }},
+      {"config tiles without a block size", "config",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{0, {GemmKernel::kSm80, 16, 64}, {}};
+         o.config = &bad;
+       }},
+      {"config block size 24", "config",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{24, {}, {}};
+         o.config = &bad;
+       }},
+      {"config grouped tiles out of range", "config.grouped_tiles2",
+       [](auto&, auto& o, auto&) {
+         static const MoeKernelConfig bad{.block_size = 16, .grouped_tiles2 = static_cast<GroupedGemmTiles>(3)};
+         o.config = &bad;
+       }},
+      {"swiglu limit 0", "swiglu_limit",
+       [](auto&, auto& o, auto&) {
+         o.activation = Activation::kSwigluOai;
+         o.swiglu_limit = 0.0f;
+       }},
+      {"expert_map of int64", "expert_map",
+       [](auto& a, auto&, auto& p) {
+         p.map_view.dtype = DType::kInt64;
+         p.map_view.shape[0] /= 2;
+         a.expert_map = &p.map_view;
+       }},
+      {"expert_map past the local experts", "expert_map",
+       [](auto& a, auto&, auto& p) {
+         p.expert_map.set(3, 8);  // w13 has 8 experts
+         a.expert_map = &p.map_view;
+       },
+       true},
+  };
+  for (const BadCase& bad : bad_cases) {
+    if (bad.cpu_only && backend() != Backend::kCPU) continue;
+    SCOPED_TRACE(bad.what);
+    LayerCase c;
+    c.backend = backend();
+    std::mt19937 rng(702);
+    LayerProblem problem(c, rng);
+    FusedExpertsArgs args = problem.args;
+    FusedExpertsOptions options = c.options;
+    bad.breaks(args, options, problem);
+    TestStream stream(backend());
+    const std::string message = error_message([&] { fused_experts(args, options, stream.handle()); });
+    EXPECT_THAT(message, HasSubstr(quoted(bad.argument)));
+    stream.sync();
+    problem.out.download();
+    EXPECT_EQ(problem.out.count_written(), 0);
+  }
+}
+
+// An empty batch may arrive with any strides (DLPack exporters report 0 for empty
+// arrays; seen with nanobind 3.1): it is accepted and nothing runs.
+TEST(FusedExpertsEmpty, EmptyViewsWithZeroStridesAreAccepted) {
+  const int64_t E = 2, top_k = 2, H = 16, I = 8;
+  std::vector<float> w13(E * 2 * I * H, 0.5f), w2(E * H * I, 0.5f), one(1);
+  std::vector<int32_t> ids(1);
+  std::vector<uint64_t> workspace(1024);
+  auto empty = [](void* data, DType dtype, std::initializer_list<int64_t> shape) {
+    TensorView t = TensorView::contiguous(data, dtype, shape);
+    for (int d = 0; d < t.rank; ++d) t.strides[d] = 0;
+    return t;
+  };
+  FusedExpertsArgs args{
+      .hidden_states = empty(one.data(), DType::kFloat32, {0, H}),
+      .w13 = TensorView::contiguous(w13.data(), DType::kFloat32, {E, 2 * I, H}),
+      .w2 = TensorView::contiguous(w2.data(), DType::kFloat32, {E, H, I}),
+      .topk_weights = empty(one.data(), DType::kFloat32, {0, top_k}),
+      .topk_ids = empty(ids.data(), DType::kInt32, {0, top_k}),
+      .out = empty(one.data() , DType::kFloat32, {0, H}),
+      .workspace = TensorView::contiguous(
+          reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(workspace.data()) + 255) / 256 * 256), DType::kInt32,
+          {1024}),
+  };
+  args.out.data = nullptr;  // no elements: no pointer needed
+  EXPECT_NO_THROW(fused_experts(args));
+  FusedExpertsOptions no_combine;
+  no_combine.no_combine = true;
+  args.out = empty(nullptr, DType::kFloat32, {0, top_k, H});
+  EXPECT_NO_THROW(fused_experts(args, no_combine));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, FusedExpertsBackendTest, ::testing::ValuesIn(all_backends()),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+}  // namespace
+}  // namespace moelora::test
