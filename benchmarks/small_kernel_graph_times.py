@@ -11,35 +11,17 @@ brief's models, the per-token-group quantize, moe_sum_reduce.
 On the GPU machine, after tools/build.sh (BUILD_DIR: /tmp/bg there):
   MOELORA_EXT_DIR=BUILD_DIR PYTHONPATH=python python3 benchmarks/small_kernel_graph_times.py
 """
-import statistics
-
 import torch
 
 import moelora
+from graph_timing import time_graph
 
 DEVICE = "cuda"
 
 
 def graph_time_us(fn, calls=50, replays=20):
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    """One call's time: `calls` calls of fn in one graph, the median of `replays` replays."""
+    return time_graph([fn] * calls, replays)
 
 
 def main():

@@ -62,7 +62,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 
@@ -95,6 +94,7 @@ if ARGS.device == "cpu":  # the interpreter must be chosen before triton.jit run
     os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 
+from graph_timing import time_graph  # noqa: E402
 from triton_moe_peer_kernels import (  # noqa: E402  (after the interpreter choice above)
     INTERPRET,
     align_block_size,
@@ -174,29 +174,6 @@ def menu_for(M, E, top_k, quick, scheme="bf16"):
     else:
         menu = MENU_FP8_SMALL if per_expert <= 16 else MENU_FP8_MID if per_expert <= 128 else MENU_FP8_LARGE
     return menu[:1] if quick else menu
-
-
-def time_graph(launches, iters):
-    """Median over `iters` replays of one graph holding all `launches`, per launch, in us."""
-    for f in launches:  # warm-up: Triton compiles here, outside the capture
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in launches:
-            f()
-    for _ in range(2):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3 / len(launches))
-    del g
-    return statistics.median(times)
 
 
 def tune(name, menu, make_launches, iters):
