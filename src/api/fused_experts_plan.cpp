@@ -27,6 +27,9 @@ int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_
   return 64;
 }
 
+// The heuristic's 8-bit small-batch limit in slots an expert (below, the NOTE).
+constexpr int64_t kSmallBatch8BitSlotsPerExpert = 4;
+
 MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
                                      const FusedExpertsOptions& options) {
   const int64_t heuristic_block_size = fused_experts_block_size(shape.num_tokens, shape.top_k, shape.num_experts, options);
@@ -47,12 +50,14 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   config.grouped_gemm =
       shape.quant.enabled() && facts.sm90_kernels && slots >= kGroupedMinSlots && slots >= 16 * shape.num_experts;
-  // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while there
-  // are no more slots than experts (most routed experts then see one pass of at most 8
-  // slots). NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28 step 4): at 128 slots the
-  // MMA small-batch kernels beat the W8A8 tile kernels the bf16 tables pick there.
+  // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while an
+  // expert averages at most kSmallBatch8BitSlotsPerExpert slots (most routed experts then
+  // see one pass of at most 8 slots). NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28
+  // steps 4 and 7): at 128 slots the MMA small-batch kernels beat the W8A8 tile kernels the
+  // bf16 tables pick there; at 2-4 slots an expert too (fp8_block OLMoE M = 16 174 -> 152
+  // us, Mixtral M = 8 483 -> 427, M = 16 525 -> 475), not at 8 (Mixtral M = 32 552 -> 638).
   const bool small_batch_8bit =
-      shape.quant.enabled() && slots <= std::min(kSmallBatchMaxSlots8Bit, shape.num_experts);
+      shape.quant.enabled() && slots <= std::min(kSmallBatchMaxSlots8Bit, kSmallBatch8BitSlotsPerExpert * shape.num_experts);
   const std::string file_name = detail::kernel_config_file_name(num_local_experts, shape.intermediate_size, shape.dtype, facts.name);
   if (const detail::KernelConfigTable* table = detail::find_kernel_config_table(file_name)) {
     const MoeKernelConfig tuned = detail::nearest_kernel_config(*table, std::max<int64_t>(shape.num_tokens, 1));

@@ -33,7 +33,9 @@
 
 namespace moelora::cuda {
 
-template <class Element_, int kBlockM_, int kBlockN_, bool kBlockScales_>
+// kStages_ 0: as many stages as ~80 KB of operands hold (at most 8). kMinBlocks_: CTAs an
+// SM the registers must allow (__launch_bounds__).
+template <class Element_, int kBlockM_, int kBlockN_, bool kBlockScales_, int kStages_ = 0, int kMinBlocks_ = 1>
 struct FusedMoeW8A8Config {
   using Element = Element_;  // cute::float_e4m3_t or int8_t
   static constexpr bool kFp8 = std::is_same_v<Element, cute::float_e4m3_t>;
@@ -48,7 +50,9 @@ struct FusedMoeW8A8Config {
   // NOTE: as fused_moe_sm80.cuh: ~80 KB of operands in flight per CTA for the weight
   // stream of small tiles (Little's law), at least three stages.
   static constexpr int kStageBytes = (kBlockM + kBlockN) * kBlockK;
-  static constexpr int kStages = (80 * 1024) / kStageBytes > 8 ? 8 : (80 * 1024) / kStageBytes;
+  static constexpr int kStagesByBytes = (80 * 1024) / kStageBytes > 8 ? 8 : (80 * 1024) / kStageBytes;
+  static constexpr int kStages = kStages_ > 0 ? kStages_ : kStagesByBytes;
+  static constexpr int kMinBlocks = kMinBlocks_;
   static_assert(kStages >= 3, "the pipeline needs three slots");
 
   static constexpr int kWarpsM = kBlockM >= 32 ? 2 : 1;
@@ -90,7 +94,7 @@ __device__ __forceinline__ void cp_async_4_zfill(float* smem, const float* src, 
 }
 
 template <class Config>
-__global__ void __launch_bounds__(Config::kThreads) fused_moe_w8a8_kernel(const detail::GemmParams p) {
+__global__ void __launch_bounds__(Config::kThreads, Config::kMinBlocks) fused_moe_w8a8_kernel(const detail::GemmParams p) {
   using namespace cute;
   using T = typename Config::Element;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kBlockK = Config::kBlockK;
@@ -294,9 +298,9 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_w8a8_kernel(const 
   }
 }
 
-template <class Element, int kBlockM, int kBlockN, bool kBlockScales>
+template <class Element, int kBlockM, int kBlockN, bool kBlockScales, int kStages = 0, int kMinBlocks = 1>
 void launch_fused_moe_w8a8(const detail::GemmParams& p, cudaStream_t stream) {
-  using Config = FusedMoeW8A8Config<Element, kBlockM, kBlockN, kBlockScales>;
+  using Config = FusedMoeW8A8Config<Element, kBlockM, kBlockN, kBlockScales, kStages, kMinBlocks>;
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
   const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
   const int64_t num_tiles = num_m_tiles * ((p.N + out_width - 1) / out_width);
@@ -306,19 +310,31 @@ void launch_fused_moe_w8a8(const detail::GemmParams& p, cudaStream_t stream) {
   launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p);
 }
 
-// The instances of one element type, 128 weight rows a tile: block_m 16 or, when the
-// block size allows, 64 (channel / tensor scales) or 32 (block scales).
+// The instances of one element type: block_m 16 or, when the block size allows, 64
+// (channel / tensor scales) or 32 (block scales).
 // NOTE: 64 x 128 with block scales spilled (ptxas: 56 B stores, 312 B loads): the
 // partial and the scaled accumulators are 128 registers a thread there.
+// NOTE: 16-row tiles over K >= 512 are 64 weight rows wide, 4 stages, 5 CTAs an SM (91
+// registers, 40 KB): measured on H100 (docs/PERF_NOTES.md, issue 28 step 7) against 16 x 128
+// (4 stages, 3 CTAs an SM by its 168 registers), GEMM1 alone: OLMoE fp8_block M = 64 184.7 ->
+// 177.9 us, Qwen3-30B M = 32 225.4 -> 217.4, DeepSeek-V3 M = 64 526.9 -> 507.9. Over
+// DeepSeek-V3's GEMM2 (K = 256: two K tiles a CTA) 64-wide tiles were slower (M = 64
+// 526.9 -> 529.1 us with 5 CTAs an SM, 550.4 with the registers' 4): those keep 128.
 template <class Element>
 void dispatch_fused_moe_w8a8(const detail::GemmParams& p, int block_m, cudaStream_t stream) {
   const bool block_scales = p.quant.w_scales == ScaleGranularity::kBlock;
-  if (block_scales) {
-    block_m >= 32 ? launch_fused_moe_w8a8<Element, 32, 128, true>(p, stream)
-                  : launch_fused_moe_w8a8<Element, 16, 128, true>(p, stream);
+  if (block_scales ? block_m < 32 : block_m != 64) {
+    if (p.K >= 512) {
+      block_scales ? launch_fused_moe_w8a8<Element, 16, 64, true, 4, 5>(p, stream)
+                   : launch_fused_moe_w8a8<Element, 16, 64, false, 4, 5>(p, stream);
+    } else {
+      block_scales ? launch_fused_moe_w8a8<Element, 16, 128, true>(p, stream)
+                   : launch_fused_moe_w8a8<Element, 16, 128, false>(p, stream);
+    }
+  } else if (block_scales) {
+    launch_fused_moe_w8a8<Element, 32, 128, true>(p, stream);
   } else {
-    block_m == 64 ? launch_fused_moe_w8a8<Element, 64, 128, false>(p, stream)
-                  : launch_fused_moe_w8a8<Element, 16, 128, false>(p, stream);
+    launch_fused_moe_w8a8<Element, 64, 128, false>(p, stream);
   }
 }
 
