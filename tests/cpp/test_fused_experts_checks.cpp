@@ -109,6 +109,16 @@ TEST_P(FusedExpertsBackendTest, RejectsOutOfRangeIdBeforeWriting) {
 
 TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
   float any_storage[4] = {0, 0, 0, 0};
+  // Caller configs check_kernel_config refuses, and a case setting one.
+  static const MoeKernelConfig kTileTallerThanBlock{16, {GemmKernel::kSm80, 32, 64}, {}};
+  static const MoeKernelConfig kSm90Tile64x64{64, {}, {GemmKernel::kSm90, 64, 64}};
+  static const MoeKernelConfig kTilesWithoutBlockSize{0, {GemmKernel::kSm80, 16, 64}, {}};
+  static const MoeKernelConfig kBlockSize24{24, {}, {}};
+  static const MoeKernelConfig kGroupedTilesOutOfRange{.block_size = 16,
+                                                       .grouped_tiles2 = static_cast<GroupedGemmTiles>(3)};
+  auto with_config = [](const MoeKernelConfig& config) {
+    return [&config](FusedExpertsArgs&, FusedExpertsOptions& o, LayerProblem&) { o.config = &config; };
+  };
   struct BadCase {
     std::string what, argument;
     std::function<void(FusedExpertsArgs&, FusedExpertsOptions&, LayerProblem&)> breaks;
@@ -149,31 +159,11 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
       {"chunk_size 0", "chunk_size", [](auto&, auto& o, auto&) { o.chunk_size = 0; }},
       {"block_size 40", "block_size", [](auto&, auto& o, auto&) { o.block_size = 40; }},
       {"block_size 512", "block_size", [](auto&, auto& o, auto&) { o.block_size = 512; }},
-      {"config tile taller than its block", "config.gemm1",
-       [](auto&, auto& o, auto&) {
-         static const MoeKernelConfig bad{16, {GemmKernel::kSm80, 32, 64}, {}};
-         o.config = &bad;
-       }},
-      {"config sm90 tile 64 x 64", "config.gemm2",
-       [](auto&, auto& o, auto&) {
-         static const MoeKernelConfig bad{64, {}, {GemmKernel::kSm90, 64, 64}};
-         o.config = &bad;
-       }},
-      {"config tiles without a block size", "config",
-       [](auto&, auto& o, auto&) {
-         static const MoeKernelConfig bad{0, {GemmKernel::kSm80, 16, 64}, {}};
-         o.config = &bad;
-       }},
-      {"config block size 24", "config",
-       [](auto&, auto& o, auto&) {
-         static const MoeKernelConfig bad{24, {}, {}};
-         o.config = &bad;
-       }},
-      {"config grouped tiles out of range", "config.grouped_tiles2",
-       [](auto&, auto& o, auto&) {
-         static const MoeKernelConfig bad{.block_size = 16, .grouped_tiles2 = static_cast<GroupedGemmTiles>(3)};
-         o.config = &bad;
-       }},
+      {"config tile taller than its block", "config.gemm1", with_config(kTileTallerThanBlock)},
+      {"config sm90 tile 64 x 64", "config.gemm2", with_config(kSm90Tile64x64)},
+      {"config tiles without a block size", "config", with_config(kTilesWithoutBlockSize)},
+      {"config block size 24", "config", with_config(kBlockSize24)},
+      {"config grouped tiles out of range", "config.grouped_tiles2", with_config(kGroupedTilesOutOfRange)},
       {"swiglu limit 0", "swiglu_limit",
        [](auto&, auto& o, auto&) {
          o.activation = Activation::kSwigluOai;
