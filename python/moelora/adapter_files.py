@@ -87,8 +87,15 @@ def _load_tensor_file(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+# An adapter already read (read_adapter's result): load_adapter takes it as a source, so
+# that a model's blocks share one read of the files.
+ReadAdapter = collections.namedtuple("ReadAdapter", "tensors config")
+
+
 def read_adapter(source):
     """(tensors: name -> tensor, config: dict or None) of a load_adapter source."""
+    if isinstance(source, ReadAdapter):
+        return dict(source.tensors), source.config
     if isinstance(source, dict):
         return dict(source), None
     if not isinstance(source, (str, os.PathLike)):

@@ -1,0 +1,1 @@
+"""moelora inside other libraries' models: see moelora.integrations.transformers."""
