@@ -26,3 +26,22 @@ if grep -q "wgmma.mma_async instructions are serialized" "$LOG"; then
   echo "error: ptxas serialised wgmma instructions (see above); fix the kernel before shipping it" >&2
   exit 1
 fi
+# Python: `import moelora` from anywhere without PYTHONPATH, as `pip install -e` would give: a
+# .pth file naming this checkout's python/ folder (the package then finds its extension in
+# build/, or in MOELORA_BUILD_DIR when set at import time). MOELORA_PTH=0 skips it.
+if [ "${MOELORA_PTH:-1}" != 0 ]; then
+  "$(command -v "${PYTHON:-python3}")" - "$PWD/python" <<'PY' || true
+import os, site, sys, sysconfig
+target = sys.argv[1]
+for folder in (sysconfig.get_paths()["purelib"], site.getusersitepackages()):
+    path = os.path.join(folder, "moelora-checkout.pth")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(target + "\n")
+    except OSError:
+        continue
+    print(f"python: `import moelora` finds this checkout ({path}; MOELORA_PTH=0 skips writing it)")
+    break
+PY
+fi

@@ -7,7 +7,8 @@ package also registers the ``torch.ops.moelora.*`` custom ops and exposes
 
 The compiled extension ``_moelora`` is looked up first in the folder named by the
 environment variable ``MOELORA_EXT_DIR`` (a CMake build dir, for development without
-pip), then inside this package (a pip install).
+pip), then inside this package (a pip install), then in the checkout's build folder
+(``build/``, or ``MOELORA_BUILD_DIR``) when the package is imported from a checkout.
 """
 
 import glob
@@ -18,26 +19,41 @@ import sys
 import warnings
 
 
-def _load_extension():
-    ext_dir = os.environ.get("MOELORA_EXT_DIR")
-    if ext_dir:
-        suffixes = importlib.machinery.EXTENSION_SUFFIXES
-        candidates = sorted(
-            path
-            for suffix in suffixes
-            for path in glob.glob(os.path.join(glob.escape(ext_dir), "_moelora" + suffix))
-        )
-        if candidates:
-            # Registered under the package's name so that `moelora._moelora` and pickled
-            # references resolve to this one copy.
-            spec = importlib.util.spec_from_file_location(f"{__name__}._moelora", candidates[0])
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            return module
-    from . import _moelora
+def _extension_in(folder):
+    """The path of a compiled _moelora in `folder`, or None."""
+    candidates = sorted(
+        path
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES
+        for path in glob.glob(os.path.join(glob.escape(folder), "_moelora" + suffix))
+    )
+    return candidates[0] if candidates else None
 
-    return _moelora
+
+def _load_extension():
+    """The compiled extension: from MOELORA_EXT_DIR, else inside this package (a pip
+    install), else from the checkout's build folder (tools/build.sh's, MOELORA_BUILD_DIR
+    or build/) when this package is the checkout's python/moelora."""
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+    checkout = os.path.dirname(os.path.dirname(package_dir))
+    folders = [os.environ.get("MOELORA_EXT_DIR"), package_dir]
+    if os.path.isfile(os.path.join(checkout, "tools", "build.sh")):
+        folders.append(os.path.join(checkout, os.environ.get("MOELORA_BUILD_DIR", "build")))
+    for folder in folders:
+        path = _extension_in(folder) if folder else None
+        if path is None:
+            continue
+        # Registered under the package's name so that `moelora._moelora` and pickled
+        # references resolve to this one copy.
+        spec = importlib.util.spec_from_file_location(f"{__name__}._moelora", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    searched = ", ".join(f for f in folders if f)
+    raise ImportError(
+        f"moelora: the compiled extension _moelora was not found (searched: {searched}). Build it with "
+        f"`bash tools/build.sh` from the repository root (it lands in build/), or set MOELORA_EXT_DIR to the "
+        f"CMake build folder that holds _moelora*.so, or `pip install .`")
 
 
 _ext = _load_extension()

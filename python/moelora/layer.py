@@ -40,10 +40,12 @@ class FusedMoE(torch.nn.Module):
     reads DeepSeek-V3 (weight_scale_inv) or per-tensor/per-channel (weight_scale,
     input_scale) checkpoints.
 
-    The weights are allocated uninitialised (torch.empty): the layer's output is
-    meaningless until load_weights (or load_quantized_experts) has filled them. Or pass
-    experts=(w13, w2): tensors of those shapes (and of `dtype` / on `device` when given)
-    that the layer takes as its weights, without a copy.
+    Weights: initialised as torch.nn.Linear initialises its own (each expert's
+    projections U(-1/sqrt(fan_in), 1/sqrt(fan_in))) until load_weights replaces them; a
+    quantized layer refuses to run (ValueError) until load_weights or
+    load_quantized_experts has filled it. Or pass experts=(w13, w2): tensors of those
+    shapes (and of `dtype` / on `device` when given) that the layer takes as its
+    weights, without a copy.
 
     Multi-LoRA (max_loras > 0): L = max_loras adapter slots of rank up to
     r = max_lora_rank, allocated once as buffers (the layer's dtype and device):
@@ -94,13 +96,27 @@ class FusedMoE(torch.nn.Module):
         weights = factory if quant is None else dict(dtype=getattr(torch, self.quant_scheme.element), device=device)
         shapes = {"w13": (self.num_local_experts, 2 * intermediate_size, hidden_size),
                   "w2": (self.num_local_experts, hidden_size, intermediate_size)}
+        # Quantized experts hold no meaningful value until loaded (their scales are ones):
+        # forward refuses to run before load_weights / load_quantized_experts.
+        self._weights_loaded = experts is not None or quant is None
         if experts is None:
             for name, shape in shapes.items():
                 setattr(self, name, torch.nn.Parameter(torch.empty(shape, **weights), requires_grad=False))
+            if quant is None:
+                self._init_like_linear()
         else:
             self._adopt_experts(experts, shapes, weights)
         self._init_quant(device)
         self._init_lora(max_loras, max_lora_rank, factory)
+
+    @torch.no_grad()
+    def _init_like_linear(self):
+        """Each expert's projections as torch.nn.Linear initialises its weight (kaiming
+        uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in)))."""
+        if self.w13.device.type == "meta":
+            return
+        self.w13.uniform_(-self.hidden_size ** -0.5, self.hidden_size ** -0.5)
+        self.w2.uniform_(-self.intermediate_size ** -0.5, self.intermediate_size ** -0.5)
 
     def _adopt_experts(self, experts, shapes, weights):
         """Takes (w13, w2) as the layer's weights without a copy (a model's expert tensors
@@ -198,6 +214,7 @@ class FusedMoE(torch.nn.Module):
         if self.quant_scheme is None:
             for name, value in values.items():
                 getattr(self, name).copy_(value)
+            self._weights_loaded = True
             return
         given = {"w13_weight_scale": w13_scale, "w2_weight_scale": w2_scale, "w13_input_scale": w13_input_scale,
                  "w2_input_scale": w2_input_scale}
@@ -232,6 +249,7 @@ class FusedMoE(torch.nn.Module):
         for name, value in given.items():
             if value is not None:
                 getattr(self, name).copy_(value)
+        self._weights_loaded = True
 
     @torch.no_grad()
     def load_quantized_experts(self, source, prefix):
@@ -279,6 +297,9 @@ class FusedMoE(torch.nn.Module):
         """hidden_states [*, H], topk_weights [M, top_k] float32, topk_ids [M, top_k]
         int32|int64 (M = the product of the leading dims), token_lora_ids [*] or [M]
         (optional) -> [*, H]."""
+        if not self._weights_loaded:
+            raise ValueError(f"FusedMoE.forward: the quantized experts ({self.quant_scheme.name}) are not loaded: "
+                             f"call load_weights(...) or load_quantized_experts(...) first")
         leading = hidden_states.shape[:-1]
         options = dict(activation=self.activation, routed_scaling_factor=self.routed_scaling_factor,
                        expert_map=self.expert_map, chunk_size=self.chunk_size, swiglu_alpha=self.swiglu_alpha,
