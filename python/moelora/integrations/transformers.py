@@ -72,7 +72,7 @@ class MoeloraMoeBlock(torch.nn.Module):
         self.topk_groups = topk_groups
         self.router_fp32 = router_fp32
         self.shared_experts = shared_experts
-        # Width of x inside the layer: H, or H plus the ones column and its padding.
+        # gpt-oss: the gate_up bias rides in w13 against a ones column appended to x (module doc).
         self.gate_up_bias = gate_up_bias
         self.down_bias = None if down_bias is None else torch.nn.Parameter(down_bias.detach(), requires_grad=False)
         self.returns_router_weights = returns_router_weights
