@@ -121,13 +121,21 @@ class FusedMoE(torch.nn.Module):
     def _adopt_experts(self, experts, shapes, weights):
         """Takes (w13, w2) as the layer's weights without a copy (a model's expert tensors
         moved into the layer: moelora.integrations.transformers)."""
+        if self.quant_scheme is not None:
+            raise ValueError("FusedMoE: experts expected None for a quantized layer (load_weights quantizes or "
+                             "takes the 8-bit weights with their scales)")
         if not isinstance(experts, (tuple, list)) or len(experts) != 2:
             raise ValueError("FusedMoE: experts expected a pair (w13, w2) of tensors")
         for name, value in zip(shapes, experts):
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"FusedMoE: experts' {name} expected a torch.Tensor, got {type(value).__name__}")
-            expected = dict(shape=shapes[name], dtype=weights["dtype"] or value.dtype,
-                            device=torch.device(weights["device"]) if weights["device"] is not None else value.device)
+            device = value.device
+            if weights["device"] is not None:
+                wanted = torch.device(weights["device"])
+                # "cuda" names any CUDA device; "cuda:1" only that one.
+                if wanted.type != device.type or (wanted.index is not None and wanted.index != device.index):
+                    device = wanted
+            expected = dict(shape=shapes[name], dtype=weights["dtype"] or value.dtype, device=device)
             got = dict(shape=tuple(value.shape), dtype=value.dtype, device=value.device)
             if got != expected:
                 raise ValueError(f"FusedMoE: experts' {name} expected shape {list(expected['shape'])}, "

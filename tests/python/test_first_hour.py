@@ -44,3 +44,15 @@ def test_import_without_the_extension_says_what_to_run(tmp_path):
     assert "the compiled extension _moelora was not found" in result.stderr
     assert "bash tools/build.sh" in result.stderr
     assert "circular import" not in result.stderr
+
+
+def test_fused_moe_takes_expert_tensors_without_a_copy():
+    w13, w2 = torch.randn(4, 64, 32), torch.randn(4, 32, 32)
+    layer = moelora.FusedMoE(4, 2, 32, 32, dtype=torch.float32, device="cpu", experts=(w13, w2))
+    assert layer.w13.data_ptr() == w13.data_ptr() and layer.w2.data_ptr() == w2.data_ptr()
+    with pytest.raises(ValueError, match=r"experts' w2 expected shape \[4, 32, 32\]"):
+        moelora.FusedMoE(4, 2, 32, 32, experts=(w13, torch.randn(4, 32, 16)))
+    with pytest.raises(ValueError, match="float16"):
+        moelora.FusedMoE(4, 2, 32, 32, dtype=torch.float16, experts=(w13, w2))
+    with pytest.raises(ValueError, match="experts expected None for a quantized layer"):
+        moelora.FusedMoE(4, 2, 32, 32, quant="fp8_channel", experts=(w13, w2))
