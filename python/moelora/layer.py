@@ -1,15 +1,12 @@
 """FusedMoE: an inference Mixture-of-Experts layer (torch.nn.Module) on moelora, with
 optional multi-LoRA adapter slots (see FusedMoE.load_adapter for the adapter formats)."""
 
-import os
-
 import torch
 
 from . import ops as _ops
-from . import quant_checkpoint
+from . import checkpoint, quant_checkpoint
 # read_safetensors stays importable from here, where it was first.
-from .adapter_files import (_ExpertShape, _load_tensor_file, parse_expert_lora, read_adapter,  # noqa: F401
-                            read_safetensors)
+from .adapter_files import _ExpertShape, parse_expert_lora, read_adapter, read_safetensors  # noqa: F401
 from . import torch_ops  # noqa: F401  (registers torch.ops.moelora.*)
 
 __all__ = ["FusedMoE"]
@@ -260,6 +257,32 @@ class FusedMoE(torch.nn.Module):
         self._weights_loaded = True
 
     @torch.no_grad()
+    def load_experts(self, source, prefix):
+        """Load this layer's experts from a model checkpoint: a .safetensors file, a folder
+        of shards, or a dict name -> tensor, in any naming moelora.checkpoint reads (per
+        expert gate_proj/up_proj/down_proj or Mixtral's w1/w3/w2, or the fused
+        gate_up_proj / down_proj). prefix: the MoE block's path in the checkpoint (e.g.
+        "model.layers.3.mlp", Mixtral's "model.layers.3.block_sparse_moe"). Only this
+        rank's experts (expert_map) are read. A quantized layer takes a quantized
+        checkpoint's 8-bit weights and scales (load_quantized_experts), or float weights
+        that it quantizes. Checkpoints with expert biases (gpt-oss) load through
+        moelora.integrations.transformers, whose block holds the biases."""
+        reader = checkpoint.CheckpointReader(source)
+        block = f"{prefix}.experts."
+        if self.quant_scheme is not None and any(
+                key.startswith(block) and key.endswith((".weight_scale_inv", ".weight_scale")) for key in reader):
+            return self.load_quantized_experts(reader, prefix)
+        experts = checkpoint.read_experts(reader, prefix, [e for e, _ in self._local_experts()], self.num_experts,
+                                          self.hidden_size, self.intermediate_size)
+        if experts.w13_bias is not None:
+            raise ValueError(f"FusedMoE.load_experts: '{block}' holds expert biases (gpt-oss), which this layer has "
+                             f"no place for: load it through moelora.integrations.transformers.load_experts")
+        if experts.interleaved != (self.activation == "swiglu_oai"):
+            raise ValueError(f"FusedMoE.load_experts: '{block}' holds {'interleaved' if experts.interleaved else 'halved'}"
+                             f" gate/up rows, activation {self.activation!r} expects the other")
+        self.load_weights(experts.w13, experts.w2)
+
+    @torch.no_grad()
     def load_quantized_experts(self, source, prefix):
         """Load this layer's quantized experts from a checkpoint (a .safetensors file, or a
         dict name -> tensor) in the DeepSeek-V3 layout (fp8 `weight` + `weight_scale_inv`
@@ -268,7 +291,7 @@ class FusedMoE(torch.nn.Module):
         (e.g. "model.layers.3.mlp"); experts are global ids (expert_map picks this rank's)."""
         if self.quant_scheme is None:
             raise ValueError("FusedMoE.load_quantized_experts: the layer has no quantization scheme (quant=None)")
-        tensors = source if isinstance(source, dict) else _load_tensor_file(os.fspath(source))
+        tensors = checkpoint.CheckpointReader(source)  # reads only the tensors asked for
         w13, w2, s13, s2, a13, a2 = quant_checkpoint.read_quantized_experts(
             tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,
             self.intermediate_size)

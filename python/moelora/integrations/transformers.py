@@ -33,9 +33,11 @@ import torch.nn.functional as F
 
 from .. import routing
 from ..adapter_files import ReadAdapter, read_adapter
+from ..checkpoint import CheckpointReader, read_experts
 from ..layer import FusedMoE
 
-__all__ = ["MoeloraMoeBlock", "patch_moe_blocks", "patched_blocks", "load_adapter", "unload_adapter", "adapters",
+__all__ = ["MoeloraMoeBlock", "patch_moe_blocks", "patched_blocks", "load_experts", "load_adapter", "unload_adapter",
+           "adapters",
            "SUPPORTED_BLOCKS"]
 
 # The transformers block classes this module replaces, by class name (no import of
@@ -84,6 +86,24 @@ class MoeloraMoeBlock(torch.nn.Module):
         return (f"routing={self.routing_kind}, renormalize={self.renormalize}, num_groups={self.num_groups}, "
                 f"topk_groups={self.topk_groups}, gate_up_bias={self.gate_up_bias}, "
                 f"down_bias={self.down_bias is not None}")
+
+    @torch.no_grad()
+    def load_experts(self, reader, prefix):
+        """This block's experts (and gpt-oss's biases) from a checkpoint reader
+        (moelora.checkpoint.CheckpointReader) under `prefix`."""
+        if not self.gate_up_bias:
+            return self.moe.load_experts(reader, prefix)
+        H, E = self.hidden_size, self.moe.num_experts
+        experts = read_experts(reader, prefix, list(range(E)), E, H, self.moe.intermediate_size)
+        if experts.w13_bias is None:
+            raise ValueError(f"MoeloraMoeBlock.load_experts: '{prefix}.experts.' holds no gate_up_proj_bias / "
+                             f"down_proj_bias, which this (gpt-oss) block expects")
+        extra = self.moe.hidden_size - H
+        w13, w2 = experts.w13, experts.w2
+        w13 = torch.cat([w13, experts.w13_bias.unsqueeze(-1), w13.new_zeros(E, w13.shape[1], extra - 1)], dim=2)
+        w2 = torch.cat([w2, w2.new_zeros(E, extra, w2.shape[2])], dim=1)
+        self.moe.load_weights(w13, w2)
+        self.down_bias.copy_(experts.w2_bias)
 
     def route(self, x):
         """x [M, H] -> (topk_weights [M, k] float32, topk_ids [M, k] int32)."""
@@ -240,6 +260,22 @@ def load_adapter(model, slot, source, scale=None):
             block.moe.unload_adapter(slot)
         raise
     return rank
+
+
+def load_experts(model, source):
+    """Load every patched block's experts from a checkpoint (a .safetensors file, a folder
+    of shards or a dict; moelora.checkpoint's namings), each under its module path or,
+    for Mixtral's original checkpoints, '...block_sparse_moe'. Tensors are read lazily:
+    only the experts' own."""
+    reader = CheckpointReader(source)
+    names = set(reader)
+    for name, block in _blocks_or_fail(model, "load_experts"):
+        candidates = [name] + ([name[:-len(".mlp")] + ".block_sparse_moe"] if name.endswith(".mlp") else [])
+        prefix = next((p for p in candidates if any(k.startswith(p + ".experts.") for k in names)), None)
+        if prefix is None:
+            raise ValueError(f"moelora.integrations.transformers.load_experts: no expert weights under "
+                             f"{' or '.join(repr(p + '.experts.') for p in candidates)} in the checkpoint")
+        block.load_experts(reader, prefix)
 
 
 def unload_adapter(model, slot):
