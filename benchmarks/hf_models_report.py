@@ -133,6 +133,32 @@ def main():
               f"transformers {ref['transformers_max_rel_logit_diff']:.2e})  greedy {row['greedy_match']}/{NEW} "
               f"(vs fp32: ours {ref['ours_greedy_match']}, transformers {ref['transformers_greedy_match']})  "
               f"peft {peft_text}  {'ok' if logits_ok and greedy_ok and peft_ok else 'FAIL'}")
+    # 8-bit experts on the same models: the logits' distance from our bf16 model and from
+    # the fp32 model (the quantization error, stated, not bounded: per-channel weight scales
+    # and per-token activation scales; block scales need H and I multiples of 128).
+    for family in hf_tiny_models.FAMILIES:
+        model32 = hf_tiny_models.tiny_model(family, device=args.device)
+        bf16 = copy.deepcopy(model32).to(torch.bfloat16)  # 8-bit experts take bf16/fp16 activations
+        mt.patch_moe_blocks(bf16)
+        ids = torch.randint(3, hf_tiny_models.VOCAB, (2, PROMPT),
+                            generator=torch.Generator().manual_seed(1)).to(args.device)
+        with torch.no_grad():
+            logits32, logits16 = model32(ids).logits.float(), bf16(ids).logits.float()
+            tokens16 = greedy(bf16, ids)
+        for scheme in ("fp8_channel", "int8_channel"):
+            quantized = copy.deepcopy(model32).to(torch.bfloat16)
+            mt.patch_moe_blocks(quantized, quant=scheme)
+            with torch.no_grad():
+                logits = quantized(ids).logits.float()
+                matched = int((greedy(quantized, ids) == tokens16).all(dim=0).sum())
+            row = {"op": "hf_model_quant", "model": f"{family}-tiny", "dtype": "bf16", "scheme": scheme,
+                   "device": args.device, "rel_logit_diff_vs_bf16": rel_max(logits, logits16),
+                   "rel_logit_diff_vs_fp32": rel_max(logits, logits32), "bf16_rel_logit_diff_vs_fp32":
+                   rel_max(logits16, logits32), "greedy_match_vs_bf16": matched, "greedy_tokens": NEW}
+            rows.append(row)
+            print(f"{family:12s} {scheme:12s} logits vs our bf16 {row['rel_logit_diff_vs_bf16']:.2e}, vs fp32 "
+                  f"{row['rel_logit_diff_vs_fp32']:.2e} (bf16 vs fp32 {row['bf16_rel_logit_diff_vs_fp32']:.2e})  "
+                  f"greedy vs bf16 {matched}/{NEW}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"transformers": transformers.__version__, "peft": peft.__version__, "torch": torch.__version__,
