@@ -21,7 +21,7 @@ transposed once. The replaced block is dropped, so no second copy stays behind.
 
 gpt-oss's expert biases: the kernels have no bias term. The gate_up bias rides in w13 as
 one more input column, against a column of ones appended to x (exact: a product by 1,
-its columns padded to a multiple of 8; w2 gets as many zero rows, whose output columns
+its columns padded to a multiple of 16; w2 gets as many zero rows, whose output columns
 are dropped); the down bias is added after the layer as
 sum_k w_k * down_bias[e_k] (the routed weights' sum of the per-expert bias). LoRA on a
 biased block is refused (its adapters' A would need the same extra column).
@@ -171,7 +171,8 @@ def _build_block(block, config, max_loras, max_lora_rank, quant, chunk_size):
             raise ValueError("moelora.integrations.transformers: LoRA slots on gpt-oss's biased experts are not "
                              "supported (max_loras expected 0)")
         E, H, two_i = experts.gate_up_proj.shape
-        extra = 8 - H % 8
+        # NOTE: 16, not 8: 8-bit experts on CUDA need H a multiple of 16 (16-byte rows).
+        extra = 16 - H % 16
         with torch.no_grad():
             gate_up = experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows gate/up interleaved
             w13 = torch.cat([gate_up, experts.gate_up_proj_bias.unsqueeze(-1),
