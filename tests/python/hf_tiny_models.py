@@ -49,3 +49,30 @@ def tiny_model(family, dtype=torch.float32, device="cpu", seed=0):
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     return model.to(dtype=dtype, device=device)
+
+
+def synthetic_batch(batch, length, generator):
+    """Token sequences of a fixed rule, next = (3 * token + 1) mod VOCAB, from random starts:
+    a permutation of the vocabulary, which the embeddings and head alone cannot represent
+    (VOCAB > hidden size), so a trained model leans on its MLPs, the experts."""
+    seq = [torch.randint(3, VOCAB, (batch, 1), generator=generator)]
+    for _ in range(length - 1):
+        seq.append((3 * seq[-1] + 1) % VOCAB)
+    return torch.cat(seq, dim=1)
+
+
+def trained_tiny_model(family, device="cpu", steps=300, seed=0):
+    """tiny_model trained `steps` Adam steps (fp32) on synthetic_batch, then in eval mode.
+    Random tiny models are chaotic (near-tied routers and next tokens: their own bf16 run
+    can be 0.3 of the logit scale from fp32); a trained one predicts decisively, so a bf16
+    comparison measures the kernels rather than the chaos."""
+    model = tiny_model(family, device=device, seed=seed).train()
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        ids = synthetic_batch(32, 16, generator).to(device)
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()

@@ -14,7 +14,7 @@ import moelora  # noqa: E402
 from moelora import routing  # noqa: E402
 from moelora.integrations import transformers as mt  # noqa: E402
 
-from hf_tiny_models import FAMILIES, VOCAB, tiny_model  # noqa: E402
+from hf_tiny_models import FAMILIES, VOCAB, tiny_model, trained_tiny_model  # noqa: E402
 
 requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and moelora.cuda_available()),
                                    reason="needs torch with CUDA and moelora's CUDA backend")
@@ -57,23 +57,21 @@ def test_patched_model_matches_transformers_fp32(family):
 @requires_cuda
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_matches_transformers_bf16_cuda(family):
-    """bf16: within 2e-2 of the eager bf16 model's logits, or no further from the fp32
-    model's than that eager bf16 model is (tiny random models are chaotic: OLMoE's eager
-    bf16 logits were 0.32 of the scale from its own fp32 ones on an H100, ours 0.02)."""
-    model32 = tiny_model(family, device="cuda")
-    reference = copy.deepcopy(model32).to(torch.bfloat16)
+    """bf16 on the GPU, the issue's bounds: logits within 2e-2 of the eager bf16 model's, at
+    least 30 of 32 greedy tokens identical. On a trained tiny model (trained_tiny_model):
+    random ones are chaotic (OLMoE's eager bf16 logits were 0.32 of the scale from its own
+    fp32 ones on an H100), so their bf16 runs disagree with any implementation."""
+    torch.manual_seed(0)
+    reference = trained_tiny_model(family, device="cuda").to(torch.bfloat16)
     patched = copy.deepcopy(reference)
     mt.patch_moe_blocks(patched)
     ids = _prompt(device="cuda")
     with torch.no_grad():
-        logits32 = model32(ids).logits.float()
         expected, got = reference(ids).logits.float(), patched(ids).logits.float()
-
-    def rel(a, b):
-        return ((a - b).abs().max() / b.abs().max()).item()
-
-    ours, eager = rel(got, logits32), rel(expected, logits32)
-    assert rel(got, expected) <= 2e-2 or ours <= max(2e-2, eager), (family, rel(got, expected), ours, eager)
+        rel = ((expected - got).abs().max() / expected.abs().max()).item()
+        matched = int((_greedy(reference, ids) == _greedy(patched, ids)).all(dim=0).sum())
+    assert rel <= 2e-2, f"{family}: max logit difference {rel:.3g} of the logit scale"
+    assert matched >= 30, f"{family}: {matched} of {NEW_TOKENS} greedy tokens identical"
 
 
 @pytest.mark.parametrize("family", LORA_FAMILIES)
