@@ -105,6 +105,10 @@ class FusedMoE(torch.nn.Module):
             self._adopt_experts(experts, shapes, weights)
         self._init_quant(device)
         self._init_lora(max_loras, max_lora_rank, factory)
+        # The hidden size adapters are written for: hidden_size, or less when the layer's
+        # x carries extra columns after the model's own (the transformers integration's
+        # bias column); load_adapter zero-pads them.
+        self.adapter_hidden_size = hidden_size
 
     @torch.no_grad()
     def _init_like_linear(self):
@@ -411,7 +415,7 @@ class FusedMoE(torch.nn.Module):
         """
         self._check_slot("load_adapter", slot)
         tensors, config = read_adapter(source)
-        layout = _ExpertShape(num_experts=self.num_experts, hidden_size=self.hidden_size,
+        layout = _ExpertShape(num_experts=self.num_experts, hidden_size=self.adapter_hidden_size,
                               intermediate_size=self.intermediate_size, max_rank=self.max_lora_rank,
                               interleaved_gate_up=self.activation == "swiglu_oai")
         parsed = parse_expert_lora(tensors, config, layout, prefix=prefix, scale=scale,
@@ -432,8 +436,10 @@ class FusedMoE(torch.nn.Module):
                 if pair is None:
                     continue
                 a, b = pair
-                dst_a[local, :a.shape[0]] = a
-                dst_b[local, :, :b.shape[1]] = b
+                # Zero-padded: a rank below r, and (adapter_hidden_size < H) the extra
+                # input columns of gate/up's A and output rows of down's B.
+                dst_a[local, :a.shape[0], :a.shape[1]] = a
+                dst_b[local, :b.shape[0], :b.shape[1]] = b
         self.w13_lora_a[:, slot].copy_(w13_a.to(self.w13_lora_a.dtype))
         self.w13_lora_b[:, slot].copy_(w13_b.to(self.w13_lora_b.dtype))
         self.w2_lora_a[slot].copy_(w2_a.to(self.w2_lora_a.dtype))

@@ -18,7 +18,8 @@ from hf_tiny_models import FAMILIES, VOCAB, tiny_model, trained_tiny_model  # no
 
 requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and moelora.cuda_available()),
                                    reason="needs torch with CUDA and moelora's CUDA backend")
-LORA_FAMILIES = tuple(f for f in FAMILIES if f != "gpt_oss")  # gpt-oss: biased experts, no LoRA slots
+# The experts taken as they are (gpt-oss's are transposed once, then the originals dropped).
+NO_COPY_FAMILIES = tuple(f for f in FAMILIES if f != "gpt_oss")
 PROMPT_LEN, NEW_TOKENS = 12, 32
 
 
@@ -74,7 +75,7 @@ def test_patched_model_matches_transformers_bf16_cuda(family):
     assert matched >= 30, f"{family}: {matched} of {NEW_TOKENS} greedy tokens identical"
 
 
-@pytest.mark.parametrize("family", LORA_FAMILIES)
+@pytest.mark.parametrize("family", NO_COPY_FAMILIES)
 def test_expert_tensors_move_without_a_copy(family):
     model = tiny_model(family)
     names = [n for n, m in model.named_modules() if type(m).__name__ in mt.SUPPORTED_BLOCKS]
@@ -139,7 +140,7 @@ def _rel(got, expected):
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
-@pytest.mark.parametrize("family", LORA_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_peft_adapters_serve_a_mixed_batch(family, tmp_path):
     base = tiny_model(family)
     adapters = _peft_adapters(base, tmp_path)
@@ -196,8 +197,6 @@ def test_errors_name_the_argument(tmp_path):
         mt.patch_moe_blocks(dense)
     with pytest.raises(ValueError, match="run patch_moe_blocks first"):
         mt.load_adapter(dense, 0, {})
-    with pytest.raises(ValueError, match="max_loras expected 0"):
-        mt.patch_moe_blocks(tiny_model("gpt_oss"), max_loras=1, max_lora_rank=8)
 
     model = tiny_model("mixtral")
     mt.patch_moe_blocks(model, max_loras=1, max_lora_rank=8)

@@ -23,8 +23,9 @@ gpt-oss's expert biases: the kernels have no bias term. The gate_up bias rides i
 one more input column, against a column of ones appended to x (exact: a product by 1,
 its columns padded to a multiple of 16; w2 gets as many zero rows, whose output columns
 are dropped); the down bias is added after the layer as
-sum_k w_k * down_bias[e_k] (the routed weights' sum of the per-expert bias). LoRA on a
-biased block is refused (its adapters' A would need the same extra column).
+sum_k w_k * down_bias[e_k] (the routed weights' sum of the per-expert bias). Adapters of a
+biased block are zero-padded over the extra columns (FusedMoE.adapter_hidden_size), so
+the bias column gets no LoRA delta, as in PEFT.
 """
 import contextlib
 
@@ -167,9 +168,6 @@ def _build_block(block, config, max_loras, max_lora_rank, quant, chunk_size):
     options = dict(max_loras=max_loras, max_lora_rank=max_lora_rank, chunk_size=chunk_size)
     if name == "GptOssMLP":
         experts, router = block.experts, block.router
-        if max_loras:
-            raise ValueError("moelora.integrations.transformers: LoRA slots on gpt-oss's biased experts are not "
-                             "supported (max_loras expected 0)")
         E, H, two_i = experts.gate_up_proj.shape
         # NOTE: 16, not 8: 8-bit experts on CUDA need H a multiple of 16 (16-byte rows).
         extra = 16 - H % 16
@@ -187,6 +185,7 @@ def _build_block(block, config, max_loras, max_lora_rank, quant, chunk_size):
                        **options)
         if quant is not None:
             moe.load_weights(w13, w2)
+        moe.adapter_hidden_size = H  # adapters see the model's H; the ones column's A / B stay zero
         return MoeloraMoeBlock(routing_kind="topk_softmax", moe=moe, router_weight=router.weight,
                                router_bias=router.bias, gate_up_bias=True, down_bias=experts.down_proj_bias,
                                returns_router_weights=True)
