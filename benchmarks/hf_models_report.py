@@ -85,6 +85,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--pytest-junit", help="a pytest --junitxml file of this machine's run: its counts go "
+                                               "into the report's 'tests'")
     parser.add_argument("--train-steps", type=int, default=300,
                         help="train each tiny model this many steps on a synthetic task first (0: random weights)")
     args = parser.parse_args()
@@ -172,9 +174,17 @@ def main():
                   f"{row['rel_logit_diff_vs_fp32']:.2e} (bf16 vs fp32 {row['bf16_rel_logit_diff_vs_fp32']:.2e})  "
                   f"greedy vs bf16 {matched}/{NEW}")
     if args.json:
+        report = {"transformers": transformers.__version__, "peft": peft.__version__, "torch": torch.__version__,
+                  "bounds": BOUNDS, "rows": rows}
+        if args.pytest_junit:
+            import xml.etree.ElementTree as ElementTree
+            suite = ElementTree.parse(args.pytest_junit).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+            report["tests"] = {"pytest": counts, "device": args.device}
         with open(args.json, "w") as f:
-            json.dump({"transformers": transformers.__version__, "peft": peft.__version__, "torch": torch.__version__,
-                       "bounds": BOUNDS, "rows": rows}, f, indent=1)
+            json.dump(report, f, indent=1)
     print("verdict:", "ok" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -10,6 +10,8 @@ import re
 import numpy as np
 import torch
 
+from .checkpoint import _SafetensorsFile
+
 # ---- adapter files -------------------------------------------------------------------
 #
 # What load_adapter reads. The packed 3-D layout is PEFT's (peft/tuners/lora/layer.py,
@@ -35,11 +37,6 @@ _LAYOUTS = ("in_out", "out_in")
 _ExpertShape = collections.namedtuple(
     "_ExpertShape", "num_experts hidden_size intermediate_size max_rank interleaved_gate_up")
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-}
 
 
 def _error(message):
@@ -47,34 +44,10 @@ def _error(message):
 
 
 def read_safetensors(path):
-    """name -> CPU tensor of a .safetensors file, read without the safetensors package (its
-    format: an 8-byte little-endian header length, a JSON header of dtype / shape /
-    data_offsets per tensor, then the data)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if len(data) < 8:
-        raise _error(f"'{path}' is not a safetensors file (shorter than its header)")
-    header_len = int.from_bytes(data[:8], "little")
-    try:
-        header = json.loads(data[8:8 + header_len])
-    except ValueError:
-        raise _error(f"'{path}' is not a safetensors file (its header is not JSON)") from None
-    base = 8 + header_len
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise _error(f"tensor '{name}' of '{path}' has an unsupported dtype {info.get('dtype')!r}")
-        begin, end = info["data_offsets"]
-        shape = [int(d) for d in info["shape"]]
-        if begin == end:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(bytearray(data[base + begin:base + end]), dtype=dtype)
-        tensors[name] = flat.reshape(shape)
-    return tensors
+    """name -> CPU tensor of a .safetensors file, read without the safetensors package
+    (moelora.checkpoint's reader, every tensor at once)."""
+    file = _SafetensorsFile(path)
+    return {name: file.read(name) for name in file.entries}
 
 
 def _load_tensor_file(path):

@@ -99,10 +99,7 @@ class MoeloraMoeBlock(torch.nn.Module):
         if experts.w13_bias is None:
             raise ValueError(f"MoeloraMoeBlock.load_experts: '{prefix}.experts.' holds no gate_up_proj_bias / "
                              f"down_proj_bias, which this (gpt-oss) block expects")
-        extra = self.moe.hidden_size - H
-        w13, w2 = experts.w13, experts.w2
-        w13 = torch.cat([w13, experts.w13_bias.unsqueeze(-1), w13.new_zeros(E, w13.shape[1], extra - 1)], dim=2)
-        w2 = torch.cat([w2, w2.new_zeros(E, extra, w2.shape[2])], dim=1)
+        w13, w2 = _with_bias_column(experts, self.moe.hidden_size - H)
         self.moe.load_weights(w13, w2)
         self.down_bias.copy_(experts.w2_bias)
 
@@ -163,6 +160,17 @@ def _activation(config):
     return _ACTIVATIONS[name]
 
 
+def _with_bias_column(experts, extra):
+    """gpt-oss's (w13, w2) for the layer: w13 [E, 2I, H + extra] with the gate_up bias in
+    column H (against x's ones column) and zeros after it; w2 [E, H + extra, I] with zero
+    rows for the extra output columns (dropped)."""
+    w13, w2 = experts.w13, experts.w2
+    E = w13.shape[0]
+    w13 = torch.cat([w13, experts.w13_bias.unsqueeze(-1), w13.new_zeros(E, w13.shape[1], extra - 1)], dim=2)
+    w2 = torch.cat([w2, w2.new_zeros(E, extra, w2.shape[2])], dim=1)
+    return w13.contiguous(), w2.contiguous()
+
+
 def _build_block(block, config, max_loras, max_lora_rank, quant, chunk_size):
     name = type(block).__name__
     options = dict(max_loras=max_loras, max_lora_rank=max_lora_rank, chunk_size=chunk_size)
@@ -171,13 +179,10 @@ def _build_block(block, config, max_loras, max_lora_rank, quant, chunk_size):
         E, H, two_i = experts.gate_up_proj.shape
         # NOTE: 16, not 8: 8-bit experts on CUDA need H a multiple of 16 (16-byte rows).
         extra = 16 - H % 16
-        with torch.no_grad():
-            gate_up = experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows gate/up interleaved
-            w13 = torch.cat([gate_up, experts.gate_up_proj_bias.unsqueeze(-1),
-                             gate_up.new_zeros(E, two_i, extra - 1)], dim=2).contiguous()
-            # [E, H, I], plus zero rows for the extra columns (dropped from the output)
-            w2 = torch.cat([experts.down_proj.transpose(1, 2), gate_up.new_zeros(E, extra, two_i // 2)],
-                           dim=1).contiguous()
+        with torch.no_grad():  # the module's tensors read as a checkpoint's: one layout conversion
+            module = {f"x.experts.{n}": p.data for n, p in experts.named_parameters()}
+            w13, w2 = _with_bias_column(read_experts(CheckpointReader(module), "x", list(range(E)), E, H, two_i // 2),
+                                         extra)
         moe = FusedMoE(E, router.top_k, H + extra, two_i // 2, activation="swiglu_oai",
                        swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit), quant=quant,
                        experts=(w13, w2) if quant is None else None,
@@ -294,6 +299,7 @@ def adapters(model, lora_ids):
     if ids.is_floating_point() or ids.is_complex() or ids.dim() not in (1, 2):
         raise ValueError(f"moelora.integrations.transformers.adapters: lora_ids expected an integer tensor [B] or "
                          f"[B, S], got {ids.dtype} of shape {list(ids.shape)}")
+    ids = ids.to(blocks[0][1].router_weight.device)  # once here, not per block and step
     previous = [block.token_lora_ids for _, block in blocks]
     for _, block in blocks:
         block.token_lora_ids = ids
