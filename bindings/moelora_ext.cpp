@@ -62,8 +62,9 @@ DType parse_dtype(const std::string& name) {
   if (name == "int64") return DType::kInt64;
   if (name == "float8_e4m3fn") return DType::kFloat8E4M3;
   if (name == "int8") return DType::kInt8;
+  if (name == "uint8") return DType::kUInt8;
   throw moelora::Error("moelora.view: dtype must be one of float32, float16, bfloat16, int32, "
-                       "int64, float8_e4m3fn, int8; got '" + name + "'");
+                       "int64, float8_e4m3fn, int8, uint8; got '" + name + "'");
 }
 
 std::optional<DType> dtype_from_dlpack(nb::dlpack::dtype dt) {
@@ -80,6 +81,9 @@ std::optional<DType> dtype_from_dlpack(nb::dlpack::dtype dt) {
       if (dt.bits == 32) return DType::kInt32;
       if (dt.bits == 64) return DType::kInt64;
       if (dt.bits == 8) return DType::kInt8;
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      if (dt.bits == 8) return DType::kUInt8;
       break;
     default:
       break;
@@ -207,9 +211,11 @@ std::optional<moelora::FusedExpertsQuant> make_quant(const std::optional<moelora
                                                      const std::optional<TensorView>& w13_scale,
                                                      const std::optional<TensorView>& w2_scale,
                                                      const std::optional<TensorView>& a13_scale,
-                                                     const std::optional<TensorView>& a2_scale) {
+                                                     const std::optional<TensorView>& a2_scale,
+                                                     const std::optional<TensorView>& w13_zero,
+                                                     const std::optional<TensorView>& w2_zero) {
   if (!scheme || !scheme->enabled()) {
-    if (w13_scale || w2_scale || a13_scale || a2_scale) {
+    if (w13_scale || w2_scale || a13_scale || a2_scale || w13_zero || w2_zero) {
       throw moelora::Error("moelora.fused_experts: argument 'quant' expected a scheme with w13_scale/w2_scale "
                            "(and a13_scale/a2_scale), got none");
     }
@@ -225,6 +231,8 @@ std::optional<moelora::FusedExpertsQuant> make_quant(const std::optional<moelora
   quant.w2_scale = *w2_scale;
   quant.a13_scale = optional_ptr(a13_scale);
   quant.a2_scale = optional_ptr(a2_scale);
+  quant.w13_zero = optional_ptr(w13_zero);
+  quant.w2_zero = optional_ptr(w2_zero);
   return quant;
 }
 
@@ -278,19 +286,34 @@ NB_MODULE(_moelora, m) {
       .def_ro("block_n", &moelora::QuantScheme::block_n)
       .def_ro("block_k", &moelora::QuantScheme::block_k)
       .def_ro("static_activation_scales", &moelora::QuantScheme::static_activation_scales)
+      .def_ro("weight_bits", &moelora::QuantScheme::weight_bits)
+      .def_ro("group_size", &moelora::QuantScheme::group_size)
+      .def_ro("zero_points", &moelora::QuantScheme::zero_points)
+      .def_prop_ro("weight_only", &moelora::QuantScheme::weight_only)
       .def("__repr__", [](const moelora::QuantScheme& q) {
+        if (q.weight_only()) {
+          return "QuantScheme(" + std::string(moelora::quant_method_name(q.method)) + ", group " +
+                 std::to_string(q.group_size) + (q.zero_points ? ", zero points)" : ")");
+        }
         return "QuantScheme(" + std::string(moelora::quant_method_name(q.method)) + ", block " +
                std::to_string(q.block_n) + "x" + std::to_string(q.block_k) +
                (q.static_activation_scales ? ", static activation scales)" : ")");
       });
   m.def(
       "quant_scheme",
-      [](const std::string& name, int64_t block_n, int64_t block_k, bool static_activation_scales) {
-        return moelora::make_quant_scheme(moelora::quant_method_from_name(name), block_n, block_k,
-                                          static_activation_scales);
+      [](const std::string& name, int64_t block_n, int64_t block_k, bool static_activation_scales,
+         int64_t group_size, bool zero_points) {
+        const moelora::QuantMethod method = moelora::quant_method_from_name(name);
+        if (method == moelora::QuantMethod::kW4A16 || method == moelora::QuantMethod::kW8A16) {
+          return moelora::make_weight_only_scheme(method, group_size, zero_points);
+        }
+        return moelora::make_quant_scheme(method, block_n, block_k, static_activation_scales);
       },
-      "name"_a, "block_n"_a = 128, "block_k"_a = 128, "static_activation_scales"_a = false,
-      "The scheme 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel' or 'int8_block'.");
+      "name"_a, "block_n"_a = 128, "block_k"_a = 128, "static_activation_scales"_a = false, "group_size"_a = 128,
+      "zero_points"_a = false,
+      "The scheme 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel' or 'int8_block' (block_n, block_k, "
+      "static_activation_scales), or weight-only 'w4a16' / 'w8a16' (group_size 32/64/128 or 0 per channel, "
+      "zero_points).");
   m.def(
       "quantize",
       [](const TensorView& input, const TensorView& out, const TensorView& scales, int64_t block_rows,
@@ -561,7 +584,8 @@ NB_MODULE(_moelora, m) {
          const std::optional<TensorView>& w2_lora_b, const std::optional<TensorView>& adapter_enabled,
          const std::optional<TensorView>& adapter_scale, const std::optional<moelora::QuantScheme>& quant,
          const std::optional<TensorView>& w13_scale, const std::optional<TensorView>& w2_scale,
-         const std::optional<TensorView>& a13_scale, const std::optional<TensorView>& a2_scale, uintptr_t stream) {
+         const std::optional<TensorView>& a13_scale, const std::optional<TensorView>& a2_scale,
+         const std::optional<TensorView>& w13_zero, const std::optional<TensorView>& w2_zero, uintptr_t stream) {
         moelora::FusedExpertsArgs args;
         args.hidden_states = hidden_states;
         args.w13 = w13;
@@ -598,7 +622,7 @@ NB_MODULE(_moelora, m) {
                                "' expected none without token_lora_ids and the LoRA stacks, got a tensor");
         }
         const std::optional<moelora::FusedExpertsQuant> quantized =
-            make_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale);
+            make_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, w13_zero, w2_zero);
         if (quantized) args.quant = &*quantized;
         const moelora::FusedExpertsOptions options =
             make_options(activation, swiglu_alpha, swiglu_limit, apply_router_weight_on_input,
@@ -615,5 +639,6 @@ NB_MODULE(_moelora, m) {
       "w13_lora_b"_a.none() = nb::none(), "w2_lora_a"_a.none() = nb::none(), "w2_lora_b"_a.none() = nb::none(),
       "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(),
       "quant"_a.none() = nb::none(), "w13_scale"_a.none() = nb::none(), "w2_scale"_a.none() = nb::none(),
-      "a13_scale"_a.none() = nb::none(), "a2_scale"_a.none() = nb::none(), "stream"_a = 0);
+      "a13_scale"_a.none() = nb::none(), "a2_scale"_a.none() = nb::none(), "w13_zero"_a.none() = nb::none(),
+      "w2_zero"_a.none() = nb::none(), "stream"_a = 0);
 }

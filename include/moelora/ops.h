@@ -309,7 +309,8 @@ struct FusedExpertsShape {
   int64_t max_loras = 0;
   int64_t lora_rank = 0;
   // Quantized experts (FusedExpertsArgs::quant): room for the 8-bit activations and
-  // their scales. Disabled: bf16/fp16 experts.
+  // their scales; weight-only, for the dequantized experts when a chunk has more slots
+  // than the decode kernels take. Disabled: bf16/fp16 experts.
   QuantScheme quant{};
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,
@@ -354,12 +355,27 @@ struct FusedExpertsLora {
 // applies the activation, rounds it to the layer dtype and quantizes it the same way
 // along I, runs GEMM2, and reduces in the layer dtype. hidden_states and out stay
 // bf16/fp16. LoRA adapters stay in the layer dtype and see the unquantized activations.
+//
+// Weight-only experts (issue 30; scheme.weight_only(): w4a16, w8a16). K: H for w13, I for
+// w2; N: 2I for w13, H for w2; G = scheme.group_size (0: per channel).
+//   w13 / w2: uint8 [E, N, K / 2] (4-bit: byte k / 2 holds k, the even k in the low nibble)
+//       or [E, N, K] (8-bit), unit stride on the last dim, 16-byte aligned rows on CUDA.
+//   w13_scale / w2_scale: the layer dtype, [E, N, K / G], or [E, N] per channel; any strides.
+//   w13_zero / w2_zero (scheme.zero_points): uint8 [E, N, K / G] (or [E, N]), one value a
+//       byte; or, 4-bit, packed two a byte along N ([E, N / 2, K / G], the even n in the low
+//       nibble: vLLM's w13_qzeros). Without zero points: 8 (4-bit) or 128 (8-bit).
+// A weight is (q - zero) * scale; the GEMMs run on bf16/fp16 activations. On CUDA, chunks
+// of at most kSmallBatchMaxSlots8Bit slots run the decode kernels, which stream the packed
+// weights and dequantize in registers; larger calls dequantize the experts once into the
+// workspace (fused_experts_workspace_size counts it) and run the 16-bit GEMMs.
 struct FusedExpertsQuant {
   QuantScheme scheme;
   TensorView w13_scale;
   TensorView w2_scale;
   const TensorView* a13_scale = nullptr;
   const TensorView* a2_scale = nullptr;
+  const TensorView* w13_zero = nullptr;  // weight-only with zero points
+  const TensorView* w2_zero = nullptr;
 };
 
 struct FusedExpertsArgs {

@@ -1,9 +1,12 @@
-// moelora public API: 8-bit quantization (issue 28) — the schemes of quantized experts
-// and the quantization op every scheme is built from.
+// moelora public API: quantized experts — the schemes, and the quantization op the 8-bit
+// schemes are built from.
 //
-// A quantized tensor is its 8-bit elements (DType::kFloat8E4M3 or DType::kInt8) and fp32
-// scales, one per block of elements: value = element * scale. The schemes below name
-// vLLM's and SGLang's (DESIGN.md, "Quantized experts").
+// W8A8 (issue 28): a quantized tensor is its 8-bit elements (DType::kFloat8E4M3 or
+// DType::kInt8) and fp32 scales, one per block of elements: value = element * scale.
+// Weight-only (issue 30, w4a16 / w8a16): the weights are unsigned 4- or 8-bit integers
+// (DType::kUInt8 bytes) with a zero point and a scale in the layer dtype per group of K:
+// value = (q - zero) * scale; activations stay bf16/fp16. The schemes below name vLLM's
+// and SGLang's (DESIGN.md, "Quantized experts").
 #pragma once
 
 #include <cstdint>
@@ -20,7 +23,16 @@ namespace moelora {
 //             activations: per token group of block_k, [M, K / block_k])
 enum class ScaleGranularity : int8_t { kTensor, kChannel, kBlock };
 
-enum class QuantMethod : int8_t { kNone, kFp8Block, kFp8Channel, kFp8Tensor, kInt8Channel, kInt8Block };
+enum class QuantMethod : int8_t {
+  kNone,
+  kFp8Block,
+  kFp8Channel,
+  kFp8Tensor,
+  kInt8Channel,
+  kInt8Block,
+  kW4A16,  // weight-only, 4-bit (GPTQ / AWQ int4)
+  kW8A16,  // weight-only, 8-bit (GPTQ int8)
+};
 
 // A quantization scheme of a layer's experts, as data: the element type of weights and
 // activations, and how the scales of each cover them. make_quant_scheme() fills it for
@@ -35,8 +47,17 @@ struct QuantScheme {
   // kTensor activations only: the scales are given (static, from the checkpoint's
   // input_scale) instead of computed from each chunk's values (dynamic).
   bool static_activation_scales = false;
+  // Weight-only schemes (element kUInt8; weight_scales kBlock with block_n = 1 and
+  // block_k = group_size, or kChannel): the bits of a weight (4: two a byte along K, the
+  // even k in the low nibble; 8: one a byte), the K of a scale group (32, 64 or 128; 0:
+  // one group per output channel), and whether zero points come with the scales (else
+  // the symmetric 8 / 128).
+  int weight_bits = 8;
+  int64_t group_size = 0;
+  bool zero_points = false;
 
   bool enabled() const { return method != QuantMethod::kNone; }
+  bool weight_only() const { return method == QuantMethod::kW4A16 || method == QuantMethod::kW8A16; }
 };
 
 // fp8_block (DeepSeek-V3, Qwen3-FP8: 128x128 weight blocks, 1x128 activation groups),
@@ -45,8 +66,12 @@ struct QuantScheme {
 // the activation group; block_n, block_k: 16 to 1024, powers of two.
 QuantScheme make_quant_scheme(QuantMethod method, int64_t block_n = 128, int64_t block_k = 128,
                               bool static_activation_scales = false);
-// "fp8_block", "fp8_channel", "fp8_tensor", "int8_channel", "int8_block"; throws
-// moelora::Error for any other name.
+// w4a16 / w8a16 (vLLM's use_int4_w4a16 / use_int8_w8a16 with block_shape [0, group_size]):
+// group_size 32, 64 or 128, or 0 for one scale per output channel; zero_points: the
+// layer takes zero points (GPTQ sym=False, AWQ zero_point=True).
+QuantScheme make_weight_only_scheme(QuantMethod method, int64_t group_size = 128, bool zero_points = false);
+// "fp8_block", "fp8_channel", "fp8_tensor", "int8_channel", "int8_block", "w4a16",
+// "w8a16"; throws moelora::Error for any other name.
 QuantMethod quant_method_from_name(const std::string& name);
 const char* quant_method_name(QuantMethod method);
 

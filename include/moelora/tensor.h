@@ -23,6 +23,9 @@ enum class DType : int8_t {
   // float8_e4m3fn: max 448, one NaN pattern 0x7f/0xff) and two's-complement int8.
   kFloat8E4M3,
   kInt8,
+  // Packed weight-only experts (issue 30): unsigned bytes, two 4-bit values or one 8-bit
+  // value each (QuantScheme::weight_bits); also their zero points.
+  kUInt8,
 };
 
 const char* dtype_name(DType dtype);

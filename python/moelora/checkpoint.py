@@ -138,6 +138,9 @@ class CheckpointReader(collections.abc.Mapping):
     def __iter__(self):
         return iter(self._dict if self._dict is not None else self._files)
 
+    def __contains__(self, name):
+        return name in (self._dict if self._dict is not None else self._files)
+
     def __len__(self):
         return len(self._dict if self._dict is not None else self._files)
 

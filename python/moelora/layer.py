@@ -25,6 +25,14 @@ class FusedMoE(torch.nn.Module):
     local index in w13/w2, or -1 for an expert held by another rank (those slots
     contribute zero here and the ranks' outputs are summed by the caller).
 
+    Weight-only experts (quant 'w4a16' / 'w8a16', or moelora.quant_scheme(name,
+    group_size=, zero_points=)): w13 [E_local, 2I, H * bits / 8] and w2 [E_local, H,
+    I * bits / 8] hold packed uint8 weights (4-bit: two a byte along K, the even k in the
+    low nibble), w13_weight_scale [E_local, 2I, H / G] / w2_weight_scale [E_local, H, I / G]
+    (or [E_local, N] per channel) in `dtype`, and with zero points w13_weight_zero /
+    w2_weight_zero (uint8, the scales' shapes). load_quantized_experts reads GPTQ / AWQ
+    checkpoints; load_weights quantizes float weights (round to nearest per group).
+
     Quantized experts (quant: 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel',
     'int8_block' or a moelora.QuantScheme): w13 / w2 hold the scheme's 8-bit elements
     (torch.float8_e4m3fn or torch.int8) and the layer has the float32 parameters
@@ -91,8 +99,12 @@ class FusedMoE(torch.nn.Module):
         factory = dict(dtype=dtype, device=device)
         self.quant_scheme = None if quant is None else _ops.quant_scheme(quant)
         weights = factory if quant is None else dict(dtype=getattr(torch, self.quant_scheme.element), device=device)
-        shapes = {"w13": (self.num_local_experts, 2 * intermediate_size, hidden_size),
-                  "w2": (self.num_local_experts, hidden_size, intermediate_size)}
+        # Weight-only 4-bit experts hold two weights a byte along K.
+        packed = 2 if self.quant_scheme is not None and self.quant_scheme.weight_only and \
+            self.quant_scheme.weight_bits == 4 else 1
+        shapes = {"w13": (self.num_local_experts, 2 * intermediate_size, hidden_size // packed),
+                  "w2": (self.num_local_experts, hidden_size, intermediate_size // packed)}
+        self._weight_only_scale_dtype = dtype or torch.bfloat16  # the activations' dtype
         # Quantized experts hold no meaningful value until loaded (their scales are ones):
         # forward refuses to run before load_weights / load_quantized_experts.
         self._weights_loaded = experts is not None or quant is None
@@ -147,22 +159,34 @@ class FusedMoE(torch.nn.Module):
     def _scale_shape(self, rows, cols):
         """The weight-scale shape of an [E_local, rows, cols] weight under the scheme."""
         q, E = self.quant_scheme, self.num_local_experts
+        if q.weight_only:
+            return (E, rows, cols // q.group_size) if q.group_size else (E, rows)
         if q.weight_scales == _ops._ext.ScaleGranularity.block:
             return (E, -(-rows // q.block_n), -(-cols // q.block_k))
         return (E, rows) if q.weight_scales == _ops._ext.ScaleGranularity.channel else (E,)
 
     def _init_quant(self, device):
-        names = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale")
+        names = ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale", "w13_weight_zero",
+                 "w2_weight_zero")
         if self.quant_scheme is None:
             for name in names:
                 self.register_parameter(name, None)
             return
-        H, I = self.hidden_size, self.intermediate_size
+        q, H, I = self.quant_scheme, self.hidden_size, self.intermediate_size
+        if q.weight_only and (H % 2 or I % 2) and q.weight_bits == 4:
+            raise ValueError(f"FusedMoE: {q.name} expected an even hidden_size and intermediate_size (two 4-bit "
+                             f"weights a byte), got {H} and {I}")
+        if q.weight_only and q.group_size and (H % q.group_size or I % q.group_size):
+            raise ValueError(f"FusedMoE: {q.name} group_size {q.group_size} expected to divide hidden_size {H} and "
+                             f"intermediate_size {I}")
         shapes = [self._scale_shape(2 * I, H), self._scale_shape(H, I)]
-        shapes += [(1,), (1,)] if self.quant_scheme.static_activation_scales else [None, None]
-        for name, shape in zip(names, shapes):
+        shapes += [(1,), (1,)] if q.static_activation_scales else [None, None]
+        # Weight-only: scales in the activations' dtype, zero points (one a byte) with zero_points.
+        shapes += [shapes[0], shapes[1]] if q.weight_only and q.zero_points else [None, None]
+        for i, (name, shape) in enumerate(zip(names, shapes)):
+            dtype = torch.uint8 if i >= 4 else self._weight_only_scale_dtype if q.weight_only else torch.float32
             value = None if shape is None else torch.nn.Parameter(
-                torch.ones(shape, dtype=torch.float32, device=device), requires_grad=False)
+                torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
             self.register_parameter(name, value)
 
     def _init_lora(self, max_loras, max_lora_rank, factory):
@@ -207,15 +231,67 @@ class FusedMoE(torch.nn.Module):
         return text
 
     @torch.no_grad()
-    def load_weights(self, w13, w2, w13_scale=None, w2_scale=None, w13_input_scale=None, w2_input_scale=None):
+    def _load_weight_only(self, values, w13_scale, w2_scale, w13_zero, w2_zero):
+        """load_weights of a weight-only layer: packed uint8 w13 / w2 with their scales (and
+        zero points), or float weights [E, 2I, H] / [E, H, I] quantized here (round to
+        nearest per group). Nothing is written when an argument is refused."""
+        q = self.quant_scheme
+        given = {"w13_weight_scale": w13_scale, "w2_weight_scale": w2_scale, "w13_weight_zero": w13_zero,
+                 "w2_weight_zero": w2_zero}
+        float_shapes = {"w13": (self.num_local_experts, 2 * self.intermediate_size, self.hidden_size),
+                        "w2": (self.num_local_experts, self.hidden_size, self.intermediate_size)}
+        if w13_scale is None and w2_scale is None and values["w13"].is_floating_point():
+            for name in ("w13", "w2"):
+                if tuple(values[name].shape) != float_shapes[name]:
+                    raise ValueError(f"FusedMoE.load_weights: float {name} expected shape {list(float_shapes[name])},"
+                                     f" got {list(values[name].shape)}")
+                packed, scale, zero = _ops.quantize_weights(values[name].to(self.w13.device, self._weight_only_scale_dtype), q)
+                values[name], given[f"{name}_weight_scale"], given[f"{name}_weight_zero"] = packed, scale, zero
+        for name, value in values.items():
+            param = getattr(self, name)
+            if value.dtype != torch.uint8 or value.shape != param.shape:
+                raise ValueError(f"FusedMoE.load_weights: {name} expected uint8 {list(param.shape)} (scheme "
+                                 f"{q.name}, packed) with its scales, or float weights to quantize, got "
+                                 f"{value.dtype} {list(value.shape)}")
+        for name, value in given.items():
+            param = getattr(self, name)
+            if (param is None) != (value is None):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected "
+                                 f"{'none' if param is None else 'a tensor of shape ' + str(list(param.shape))}"
+                                 f" for scheme {q!r}, got {'none' if value is None else 'a tensor'}")
+            if value is None:
+                continue
+            value = torch.as_tensor(value)
+            if value.shape != param.shape or (name.endswith("zero") and value.dtype != torch.uint8):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected {param.dtype} {list(param.shape)}, "
+                                 f"got {value.dtype} {list(value.shape)}")
+            if name.endswith("scale") and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected finite scales, got NaN or inf")
+            if name.endswith("zero") and int(value.max()) >= (1 << q.weight_bits):
+                raise ValueError(f"FusedMoE.load_weights: {name} expected zero points below {1 << q.weight_bits}, "
+                                 f"got {int(value.max())}")
+            given[name] = value.to(device=param.device, dtype=param.dtype)
+        for name, value in list(values.items()) + list(given.items()):
+            if value is not None:
+                getattr(self, name).copy_(value)
+        self._weights_loaded = True
+
+    @torch.no_grad()
+    def load_weights(self, w13, w2, w13_scale=None, w2_scale=None, w13_input_scale=None, w2_input_scale=None,
+                     w13_zero=None, w2_zero=None):
         """Copy w13 [E_local, 2I, H] and w2 [E_local, H, I] (any dtype/device) into the layer.
 
         Quantized layers: the scheme's 8-bit w13/w2 with their scales (the layouts of the
         w13_weight_scale / w2_weight_scale parameters, and the input scales for static
         activation scales), or float weights without scales, quantized here with
         moelora.quantize_weights on the layer's device. Scales must be finite and > 0.
+        Weight-only layers (w4a16 / w8a16): packed uint8 w13 / w2 with scales in the layer
+        dtype and, with zero points, w13_zero / w2_zero (uint8, one a byte); or float
+        weights, quantized here (round to nearest per group).
         Nothing is written when an argument is refused."""
         values = {"w13": torch.as_tensor(w13), "w2": torch.as_tensor(w2)}
+        if self.quant_scheme is not None and self.quant_scheme.weight_only:
+            return self._load_weight_only(values, w13_scale, w2_scale, w13_zero, w2_zero)
         for name, value in values.items():
             if value.shape != getattr(self, name).shape:
                 raise ValueError(f"FusedMoE.load_weights: {name} expected shape {list(getattr(self, name).shape)}, "
@@ -274,7 +350,8 @@ class FusedMoE(torch.nn.Module):
         reader = checkpoint.CheckpointReader(source)
         block = f"{prefix}.experts."
         if self.quant_scheme is not None and any(
-                key.startswith(block) and key.endswith((".weight_scale_inv", ".weight_scale")) for key in reader):
+                key.startswith(block) and key.endswith((".weight_scale_inv", ".weight_scale", ".qweight"))
+                for key in reader):
             return self.load_quantized_experts(reader, prefix)
         experts = checkpoint.read_experts(reader, prefix, [e for e, _ in self._local_experts()], self.num_experts,
                                           self.hidden_size, self.intermediate_size)
@@ -287,15 +364,24 @@ class FusedMoE(torch.nn.Module):
         self.load_weights(experts.w13, experts.w2)
 
     @torch.no_grad()
-    def load_quantized_experts(self, source, prefix):
+    def load_quantized_experts(self, source, prefix, quant_config=None):
         """Load this layer's quantized experts from a checkpoint (a .safetensors file, or a
         dict name -> tensor) in the DeepSeek-V3 layout (fp8 `weight` + `weight_scale_inv`
         per 128x128 block) or the per-tensor / per-channel layout (`weight_scale`,
-        `input_scale`): see moelora.quant_checkpoint. prefix: the MoE block's module path
-        (e.g. "model.layers.3.mlp"); experts are global ids (expert_map picks this rank's)."""
+        `input_scale`); weight-only layers from GPTQ or AWQ tensors (`qweight`, `qzeros`,
+        `scales`, `g_idx`), with quant_config the checkpoint's quantization_config (bits,
+        group_size, sym / zero_point, desc_act, checkpoint_format): see
+        moelora.quant_checkpoint. prefix: the MoE block's module path (e.g.
+        "model.layers.3.mlp"); experts are global ids (expert_map picks this rank's)."""
         if self.quant_scheme is None:
             raise ValueError("FusedMoE.load_quantized_experts: the layer has no quantization scheme (quant=None)")
         tensors = checkpoint.CheckpointReader(source)  # reads only the tensors asked for
+        if self.quant_scheme.weight_only:
+            w13, w2, s13, s2, z13, z2 = quant_checkpoint.read_weight_only_experts(
+                tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,
+                self.intermediate_size, quant_config)
+            self.load_weights(w13, w2, s13.to(self._weight_only_scale_dtype), s2.to(self._weight_only_scale_dtype), w13_zero=z13, w2_zero=z2)
+            return
         w13, w2, s13, s2, a13, a2 = quant_checkpoint.read_quantized_experts(
             tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,
             self.intermediate_size)
@@ -306,6 +392,9 @@ class FusedMoE(torch.nn.Module):
         q = self.quant_scheme
         if q is None:
             return {}
+        if q.weight_only:
+            return dict(quant=q.name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
+                        group_size=q.group_size, w13_zero=self.w13_weight_zero, w2_zero=self.w2_weight_zero)
         return dict(quant=q.name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
                     a13_scale=self.w13_input_scale, a2_scale=self.w2_input_scale, quant_block_n=q.block_n,
                     quant_block_k=q.block_k)

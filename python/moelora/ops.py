@@ -488,14 +488,17 @@ def sparse_mla_decode(q, kv, indices, softmax_scale, topk_length=None, attn_sink
 
 # ---- quantization -------------------------------------------------------------------
 
-def quant_scheme(name, block_n=128, block_k=128, static_activation_scales=False):
+def quant_scheme(name, block_n=128, block_k=128, static_activation_scales=False, group_size=128, zero_points=False):
     """The QuantScheme of 'fp8_block', 'fp8_channel', 'fp8_tensor', 'int8_channel' or
-    'int8_block' (include/moelora/quant.h); a QuantScheme is returned as it is."""
+    'int8_block' (block_n, block_k, static_activation_scales), or of weight-only 'w4a16' /
+    'w8a16' (group_size 32, 64, 128 or 0 per channel; zero_points) (include/moelora/quant.h);
+    a QuantScheme is returned as it is."""
     if isinstance(name, _ext.QuantScheme):
         return name
     if not isinstance(name, str):
         raise TypeError(f"moelora.quant_scheme: expected a scheme name or a QuantScheme, got {type(name).__name__}")
-    return _ext.quant_scheme(name, int(block_n), int(block_k), bool(static_activation_scales))
+    return _ext.quant_scheme(name, int(block_n), int(block_k), bool(static_activation_scales), int(group_size),
+                             bool(zero_points))
 
 
 def _quant_dtype(op, dtype):
@@ -592,8 +595,15 @@ def quantize_weights(w, scheme):
     """Quantize expert weights w [E, N, K] (bf16/fp16/fp32) for a scheme (a name or a
     QuantScheme): returns (w_q [E, N, K] fp8/int8, w_scale) with w_scale [E, ceil(N /
     block_n), ceil(K / block_k)] (block), [E, N] (channel) or [E] (tensor), float32: the
-    layouts fused_experts takes (DeepSeek-V3's weight_scale_inv for block scales)."""
+    layouts fused_experts takes (DeepSeek-V3's weight_scale_inv for block scales).
+    Weight-only schemes (torch tensors): (w_packed uint8, w_scale in w's dtype (bf16 for
+    fp32), w_zero uint8 or None), round to nearest per group (weight_only.py)."""
     scheme = quant_scheme(scheme)
+    if scheme.weight_only:
+        from . import weight_only
+        q, scales, zeros = weight_only.quantize_weight_only(w, scheme.weight_bits, scheme.group_size,
+                                                           scheme.zero_points)
+        return weight_only.to_layer(q, scheme.weight_bits), scales, zeros
     g = scheme.weight_scales
     if g == _ext.ScaleGranularity.block:
         return quantize(w, scheme.block_n, scheme.block_k, scheme.element)
@@ -610,6 +620,10 @@ class MoeQuant:
     int8) and w13_scale / w2_scale its float32 scales (quantize_weights' layouts);
     a13_scale / a2_scale ([1] float32): static activation scales of GEMM1's and GEMM2's
     inputs (fp8_tensor with static_activation_scales).
+    Weight-only 'w4a16' / 'w8a16' (quant_scheme(name, group_size=, zero_points=)): w13 / w2
+    hold packed uint8 weights, w13_scale / w2_scale are in the layer dtype [E, N, K / G]
+    (or [E, N]), w13_zero / w2_zero the uint8 zero points with zero_points
+    (include/moelora/ops.h, FusedExpertsQuant).
     """
 
     scheme: object
@@ -617,6 +631,8 @@ class MoeQuant:
     w2_scale: object
     a13_scale: object = None
     a2_scale: object = None
+    w13_zero: object = None
+    w2_zero: object = None
 
 
 @dataclasses.dataclass
@@ -667,8 +683,8 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     Returns out [M, H] (routed_scaling_factor * the weighted sum over the top_k experts),
     or [M, top_k, H] with no_combine. inplace writes into hidden_states and returns it.
     block_size 0 lets the library choose. lora: a MoeLora (multi-LoRA adapters), or None.
-    quant: a MoeQuant (w13 / w2 hold fp8 or int8 experts; include/moelora/ops.h
-    FusedExpertsQuant gives the arithmetic), or None.
+    quant: a MoeQuant (w13 / w2 hold fp8 or int8 experts, or packed 4/8-bit weight-only
+    ones; include/moelora/ops.h FusedExpertsQuant gives the arithmetic), or None.
     """
     op = "fused_experts"
     activation = _activation_enum(activation)
@@ -727,7 +743,9 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
         quant_args = dict(quant=scheme, w13_scale=_view(op, "w13_scale", quant.w13_scale),
                           w2_scale=_view(op, "w2_scale", quant.w2_scale),
                           a13_scale=_optional_view(op, "a13_scale", quant.a13_scale),
-                          a2_scale=_optional_view(op, "a2_scale", quant.a2_scale))
+                          a2_scale=_optional_view(op, "a2_scale", quant.a2_scale),
+                          w13_zero=_optional_view(op, "w13_zero", quant.w13_zero),
+                          w2_zero=_optional_view(op, "w2_zero", quant.w2_zero))
 
     num_experts = _dim(map_view, 0) if map_view is not None else _dim(w13_view, 0)
     options = dict(
@@ -735,8 +753,9 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
         apply_router_weight_on_input=bool(apply_router_weight_on_input), no_combine=bool(no_combine),
         routed_scaling_factor=float(routed_scaling_factor), chunk_size=int(chunk_size),
         block_size=int(block_size))
+    # w13's rows are 2I for every scheme (w2's last dim is I / 2 for 4-bit weights).
     workspace_bytes = _ext.fused_experts_workspace_size(
-        num_tokens, top_k, num_experts, hidden_size, _dim(w2_view, -1),
+        num_tokens, top_k, num_experts, hidden_size, _dim(w13_view, 1) // 2,
         x_view.dtype if x_view.dtype in ("float32", "float16", "bfloat16") else "float32",
         num_local_experts=_dim(w13_view, 0), max_loras=max_loras, lora_rank=lora_rank, quant=scheme, **options)
     workspace = _aligned_workspace(hidden_states, max(workspace_bytes, 0))

@@ -7,6 +7,8 @@ Two layouts, per expert and projection (nn.Linear orientation, [out, in]):
 - per-tensor / per-channel (compressed-tensors, fp8 or int8): <proj>.weight,
   <proj>.weight_scale ([] or [1] per tensor, [out] or [out, 1] per channel) and, for
   static activation scales, <proj>.input_scale ([] or [1]).
+- weight-only (issue 30): GPTQ (qweight, qzeros, scales, g_idx) or AWQ (qweight, qzeros,
+  scales) per expert and projection: read_weight_only_experts.
 <proj> is gate_proj / up_proj / down_proj, or Mixtral's w1 / w3 / w2. The layer's
 w13 [E, 2I, H] stacks gate rows then up rows (gpt-oss's interleaved rows are not a
 checkpoint layout of this kind). Every error is a ValueError naming the key.
@@ -96,3 +98,89 @@ def read_quantized_experts(tensors, prefix, scheme, local_experts, hidden_size, 
     a13 = torch.stack(in13).max().reshape(1) if in13 else None
     a2 = torch.stack(in2).max().reshape(1) if in2 else None
     return torch.stack(w13), torch.stack(w2), torch.stack(s13), torch.stack(s2), a13, a2
+
+
+# ---- weight-only experts (GPTQ / AWQ, issue 30) -------------------------------------
+
+def _weight_only_format(tensors, key, quant_config):
+    """'gptq' or 'awq': the config's quant_method, else from the qweight's shape (GPTQ
+    packs along K: [K / PF, N]; AWQ along N: [K, N / 8])."""
+    method = (quant_config or {}).get("quant_method")
+    if method in ("gptq", "awq"):
+        return method
+    if method is not None:
+        raise _error(f"quant_config's quant_method expected 'gptq' or 'awq', got {method!r}")
+    return "gptq" if f"{key}.g_idx" in tensors else "awq"
+
+
+def read_weight_only_experts(tensors, prefix, scheme, local_experts, hidden_size, intermediate_size,
+                             quant_config=None):
+    """(w13, w2, w13_scale, w2_scale, w13_zero, w2_zero) of the experts `local_experts`
+    (global ids, in local order) from GPTQ or AWQ tensors (<prefix>.experts.<e>.<proj>.
+    qweight / qzeros / scales [/ g_idx]), in the layer's layout (moelora.weight_only):
+    packed uint8 [E, N, K * bits / 8], scales [E, N, K / G] (or [E, N]) as stored, zero
+    points uint8 [E, N, K / G] (or [E, N]) or None. quant_config: the checkpoint's
+    quantization_config (quant_method 'gptq' / 'awq', bits, group_size, sym, desc_act,
+    checkpoint_format 'gptq' / 'gptq_v2', zero_point); it must agree with the scheme."""
+    from . import weight_only
+    config = dict(quant_config or {})
+    bits, group_size = scheme.weight_bits, scheme.group_size
+    if int(config.get("bits", config.get("w_bit", bits))) != bits:
+        raise _error(f"quant_config's bits {config.get('bits', config.get('w_bit'))} differ from scheme "
+                     f"{scheme.name} ({bits} bits)")
+    config_group = int(config.get("group_size", config.get("q_group_size", group_size or -1)))
+    if (config_group if config_group > 0 else 0) != group_size:
+        raise _error(f"quant_config's group_size {config_group} differs from the scheme's ({group_size}; 0: per "
+                     f"channel, -1 in a checkpoint)")
+    if config.get("desc_act") and group_size:
+        raise _error("quant_config has desc_act (act-order): not supported (the layer applies scale groups in K "
+                     "order); requantize without desc_act")
+    gate, up, down = None, None, None
+    for names in _PROJECTIONS:
+        if f"{prefix}.experts.{local_experts[0] if local_experts else 0}.{names[0]}.qweight" in tensors:
+            gate, up, down = names
+    if gate is None:
+        raise _error(f"no weight-only experts under '{prefix}.experts.' (expected gate_proj/up_proj/down_proj "
+                     f"or w1/w3/w2 .qweight keys)")
+    I, H = intermediate_size, hidden_size
+    stacks = {name: [] for name in ("w13", "w2", "s13", "s2", "z13", "z2")}
+    for expert in local_experts:
+        parts = {}
+        for proj, (N, K) in ((gate, (I, H)), (up, (I, H)), (down, (H, I))):
+            key = f"{prefix}.experts.{expert}.{proj}"
+            fmt = _weight_only_format(tensors, key, config)
+            if fmt == "awq":
+                if bits != 4:
+                    raise _error(f"key '{key}.qweight': AWQ checkpoints are 4-bit, scheme {scheme.name} is {bits}")
+                zero_point = bool(config.get("zero_point", scheme.zero_points))
+                if zero_point != scheme.zero_points:
+                    raise _error(f"quant_config's zero_point {zero_point} differs from the scheme's zero_points "
+                                 f"{scheme.zero_points}")
+                w, s, z = weight_only.from_awq(_get(tensors, f"{key}.qweight"),
+                                               _get(tensors, f"{key}.qzeros") if zero_point else None,
+                                               _get(tensors, f"{key}.scales"), group_size or -1, zero_point, name=key)
+            else:
+                sym = bool(config.get("sym", not scheme.zero_points))
+                if sym == scheme.zero_points:
+                    raise _error(f"quant_config's sym {sym} disagrees with the scheme's zero_points "
+                                 f"{scheme.zero_points}")
+                g_idx = tensors[f"{key}.g_idx"] if f"{key}.g_idx" in tensors else None
+                w, s, z = weight_only.from_gptq(_get(tensors, f"{key}.qweight"),
+                                                None if sym else _get(tensors, f"{key}.qzeros"),
+                                                _get(tensors, f"{key}.scales"), g_idx, bits, group_size or -1, sym,
+                                                config.get("checkpoint_format", "gptq"), name=key)
+            expected = (N, K * bits // 8)
+            if tuple(w.shape) != expected:
+                raise _error(f"key '{key}.qweight' holds a [{w.shape[0]}, {w.shape[1] * 8 // bits}] (out, in) "
+                             f"weight, expected [{N}, {K}]")
+            parts[proj] = (w, s, z)
+        stacks["w13"].append(torch.cat([parts[gate][0], parts[up][0]], dim=0))
+        stacks["s13"].append(torch.cat([parts[gate][1], parts[up][1]], dim=0))
+        stacks["w2"].append(parts[down][0])
+        stacks["s2"].append(parts[down][1])
+        if scheme.zero_points:
+            stacks["z13"].append(torch.cat([parts[gate][2], parts[up][2]], dim=0))
+            stacks["z2"].append(parts[down][2])
+    zeros = (torch.stack(stacks["z13"]), torch.stack(stacks["z2"])) if scheme.zero_points else (None, None)
+    return (torch.stack(stacks["w13"]), torch.stack(stacks["w2"]), torch.stack(stacks["s13"]),
+            torch.stack(stacks["s2"])) + zeros

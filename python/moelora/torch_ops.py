@@ -19,8 +19,9 @@ sparse_mla_decode returns (out, lse) (FlashMLA's sparse decode: q [T, Hq, 576], 
 
 Quantized experts (issue 28): fused_experts_quant is fused_experts on fp8/int8 experts
 (quant names the scheme: fp8_block, fp8_channel, fp8_tensor, int8_channel, int8_block;
-static activation scales when a13_scale/a2_scale are given); fused_experts_lora takes the
-same optional quant arguments. per_token_group_quant, scaled_fp8_quant and
+static activation scales when a13_scale/a2_scale are given), or on weight-only experts
+(issue 30: w4a16 / w8a16 with group_size, zero points when w13_zero/w2_zero are given);
+fused_experts_lora takes the same optional quant arguments. per_token_group_quant, scaled_fp8_quant and
 scaled_int8_quant follow vLLM's ops of those names.
 """
 
@@ -45,9 +46,11 @@ _LORA_ARGS = (
 _QUANT_ARGS = (
     "str quant, Tensor w13_scale, Tensor w2_scale, Tensor? a13_scale=None, Tensor? a2_scale=None, "
     "int quant_block_n=128, int quant_block_k=128")
+# Weight-only schemes (w4a16 / w8a16): the group size, and zero points (zero_points when given).
+_WEIGHT_ONLY_ARGS = "int group_size=128, Tensor? w13_zero=None, Tensor? w2_zero=None"
 _OPTIONAL_QUANT_ARGS = (
     "str? quant=None, Tensor? w13_scale=None, Tensor? w2_scale=None, Tensor? a13_scale=None, "
-    "Tensor? a2_scale=None, int quant_block_n=128, int quant_block_k=128")
+    f"Tensor? a2_scale=None, int quant_block_n=128, int quant_block_k=128, {_WEIGHT_ONLY_ARGS}")
 
 _SCHEMAS = {
     "moe_align_block_size":
@@ -84,7 +87,7 @@ _SCHEMAS = {
         f"fused_experts_quant(Tensor hidden_states, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         f"{_QUANT_ARGS}, str activation='silu', bool apply_router_weight_on_input=False, "
         "float routed_scaling_factor=1.0, Tensor? expert_map=None, int chunk_size=65536, "
-        "float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False) -> Tensor",
+        f"float swiglu_alpha=1.702, float swiglu_limit=7.0, bool no_combine=False, {_WEIGHT_ONLY_ARGS}) -> Tensor",
     "per_token_group_quant":
         "per_token_group_quant(Tensor x, int group_size=128, str dtype='float8_e4m3fn', "
         "bool column_major_scales=False) -> (Tensor, Tensor)",
@@ -168,13 +171,15 @@ def _fused_moe_lora(out, a, topk_ids, token_lora_ids, lora_a, lora_b, adapter_en
                         interleaved_slices=interleaved_slices, alignment=alignment)
 
 
-def _moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, block_n, block_k):
+def _moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, block_n, block_k, group_size=128, w13_zero=None,
+               w2_zero=None):
     """The MoeQuant of the schema's quant arguments (None without a scheme); static
-    activation scales when a13_scale is given."""
+    activation scales when a13_scale is given; weight-only zero points when w13_zero is."""
     if quant is None:
         return None
-    scheme = _ops.quant_scheme(quant, block_n, block_k, static_activation_scales=a13_scale is not None)
-    return _ops.MoeQuant(scheme, w13_scale, w2_scale, a13_scale, a2_scale)
+    scheme = _ops.quant_scheme(quant, block_n, block_k, static_activation_scales=a13_scale is not None,
+                               group_size=group_size, zero_points=w13_zero is not None)
+    return _ops.MoeQuant(scheme, w13_scale, w2_scale, a13_scale, a2_scale, w13_zero, w2_zero)
 
 
 def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lora_ids, w13_lora_a, w13_lora_b,
@@ -182,23 +187,24 @@ def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lo
                         apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                         chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
                         w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
-                        quant_block_k=128):
+                        quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None):
     lora = _ops.MoeLora(token_lora_ids, list(w13_lora_a), list(w13_lora_b), w2_lora_a, w2_lora_b,
                         adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
                           lora=lora, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
-                                                      quant_block_k))
+                                                      quant_block_k, group_size, w13_zero, w2_zero))
 
 
 def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, a13_scale=None,
                          a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
                          apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                         chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+                         chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, group_size=128,
+                         w13_zero=None, w2_zero=None):
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
                           quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
-                                           quant_block_k))
+                                           quant_block_k, group_size, w13_zero, w2_zero))
 
 
 def _per_token_group_quant(x, group_size=128, dtype="float8_e4m3fn", column_major_scales=False):
@@ -280,14 +286,15 @@ def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, tok
                              apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                              chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
                              w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
-                             quant_block_k=128):
+                             quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 
 def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
                               a13_scale=None, a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
                               apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                              chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+                              chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False,
+                              group_size=128, w13_zero=None, w2_zero=None):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 

@@ -41,8 +41,13 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   // Quantized experts hold the scheme's 8-bit elements; the others the layer's dtype.
   if (args.quant) check_quant_scheme(op, args.quant->scheme);
   const DType weight_dtype = args.quant ? args.quant->scheme.element : x.dtype;
+  // Weight-only 4-bit experts hold two weights a byte along K.
+  const QuantScheme no_scheme{};
+  const QuantScheme& scheme = args.quant ? args.quant->scheme : no_scheme;
   ArgCheck(op, "w13", args.w13).rank(3).dtype(weight_dtype).on(device, "hidden_states")
-      .dim(2, H, "hidden size, from 'hidden_states'");
+      .dim(2, packed_weight_cols(scheme, H),
+           scheme.weight_only() && scheme.weight_bits == 4 ? "ceil(hidden size / 2), 4-bit weights packed along K"
+                                                           : "hidden size, from 'hidden_states'");
   if (args.w13.shape[1] % 2 != 0) {
     fail(op, "argument 'w13' expected an even dim 1 (2 * intermediate size), got shape " + args.w13.shape_string());
   }
@@ -52,7 +57,11 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
                  args.w13.shape_string());
   }
   ArgCheck(op, "w2", args.w2).rank(3).dtype(weight_dtype).on(device, "hidden_states")
-      .dim(0, E_local, "experts, from 'w13'").dim(1, H, "hidden size").dim(2, I, "intermediate size, from 'w13'");
+      .dim(0, E_local, "experts, from 'w13'").dim(1, H, "hidden size")
+      .dim(2, packed_weight_cols(scheme, I),
+           scheme.weight_only() && scheme.weight_bits == 4 ? "ceil(intermediate size / 2), 4-bit weights packed along K"
+                                                           : "intermediate size, from 'w13'");
+  if (scheme.weight_only()) ArgCheck(op, "w13", args.w13).unit_stride(2), ArgCheck(op, "w2", args.w2).unit_stride(2);
   FusedExpertsQuantParams quant{};
   if (args.quant) quant = check_fused_experts_quant(op, args, E_local, H, I);
   ArgCheck(op, "topk_ids", args.topk_ids).rank(2).dtype_in({DType::kInt32, DType::kInt64})
@@ -144,7 +153,8 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
   }
   if (args.quant) {
-    for (const TensorView* t : {&args.quant->w13_scale, &args.quant->w2_scale, args.quant->a13_scale, args.quant->a2_scale}) {
+    for (const TensorView* t : {&args.quant->w13_scale, &args.quant->w2_scale, args.quant->a13_scale,
+                                args.quant->a2_scale, args.quant->w13_zero, args.quant->w2_zero}) {
       if (t && (detail::views_overlap(args.workspace, *t) || detail::views_overlap(args.out, *t))) {
         fail(op, "argument 'quant' expected scales disjoint from 'out' and 'workspace', got an overlap");
       }
@@ -282,15 +292,33 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
 
 }  // namespace
 
-void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options, Stream stream) {
-  const ValidatedCall call = validate_fused_experts(args, options);
+void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions& options, Stream stream) {
+  const ValidatedCall call = validate_fused_experts(call_args, options);
   const FusedExpertsShape& shape = call.shape;
   const LoraStack& lora13 = call.lora13;
   const LoraStack& lora2 = call.lora2;
   const WorkspaceLayout& layout = call.layout;
-  const TensorView& x = args.hidden_states;
+  const TensorView& x = call_args.hidden_states;
   const int64_t M = shape.num_tokens;
   if (M == 0) return;
+  // The arguments the kernels read: the caller's, but for weight-only experts on chunks
+  // past the decode kernels (the layout's dense experts), w13 and w2 dequantized into the
+  // workspace once for every chunk.
+  FusedExpertsArgs args = call_args;
+  const bool weight_only = call_args.quant && call_args.quant->scheme.weight_only();
+  if (weight_only && layout.weight_only_dense && on_cuda(x)) {
+#ifdef MOELORA_WITH_CUDA
+    const int64_t E = shape.num_local_experts, H = shape.hidden_size, I = shape.intermediate_size;
+    void* dense13 = byte_offset(call_args.workspace.data, layout.dense_w13);
+    void* dense2 = byte_offset(call_args.workspace.data, layout.dense_w2);
+    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w13, x.dtype, dense13, E, 2 * I, H}, stream);
+    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w2, x.dtype, dense2, E, H, I}, stream);
+    args.w13 = TensorView::contiguous(dense13, x.dtype, {E, 2 * I, H}, x.device);
+    args.w2 = TensorView::contiguous(dense2, x.dtype, {E, H, I}, x.device);
+#endif
+  }
+  // CPU: the GEMMs read the packed weights themselves.
+  const bool cpu_weight_only = weight_only && !on_cuda(x);
 
   const Device device = x.device;
   const DType dtype = x.dtype;
@@ -395,6 +423,16 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     if (plan.small_batch) {
       SmallBatchMoeParams small =
           small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind);
+      if (plan.weight_only) {
+        small.w13q = call.quant.w13;
+        small.w2q = call.quant.w2;
+        // The layout has no dense experts: the decode kernels must take the chunk.
+        if (!cuda::fused_experts_small_batch_supported(small)) {
+          fail("fused_experts", "argument 'hidden_states' expected 16-byte aligned rows (strides multiples of 8) for " +
+                                    std::string(quant_method_name(call_args.quant->scheme.method)) +
+                                    " experts at this batch size, got stride " + std::to_string(x.strides[0]));
+        }
+      }
       if (plan.quantized) {
         small.x = plan.x_quantized.data;
         small.x_stride_token = plan.x_quantized.strides[0];
@@ -472,6 +510,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                      top_k, block_size, config.gemm1);
       gemm1.quant = quant1;
+      if (cpu_weight_only) {  // K: w13's packed bytes otherwise
+        gemm1.weight_only = call.quant.w13;
+        gemm1.K = H;
+      }
       gemm1.a_rows_sorted = plan.sorted_input;
       gemm1.N = I;
       gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
@@ -489,6 +531,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
       GemmParams gemm1 = gemm_params(plan.quantized ? plan.x_quantized : x_chunk, args.w13, cache1, sorted_chunk,
                                      expert_chunk, ntpp, gemm1_weights, top_k, block_size, config.gemm1);
       gemm1.quant = quant1;
+      if (cpu_weight_only) {  // K: w13's packed bytes otherwise
+        gemm1.weight_only = call.quant.w13;
+        gemm1.K = H;
+      }
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
       if (args.lora) {
@@ -508,6 +554,10 @@ void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& opti
     GemmParams gemm2 = gemm_params(gemm2_input(), args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1,
                                    block_size, config.gemm2);
     gemm2.quant = quant2;
+    if (cpu_weight_only) {
+      gemm2.weight_only = call.quant.w2;
+      gemm2.K = I;
+    }
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = plan.sorted_activation;
     if (plan.fused_lora) with_fused_lora(gemm2, lora2, false, cache2, 1, plan.sorted_activation);

@@ -32,6 +32,12 @@ constexpr int64_t kSmallBatch8BitSlotsPerExpert = 4;
 
 MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
                                      const FusedExpertsOptions& options) {
+  // Weight-only experts past the decode kernels run the 16-bit GEMMs on dense copies.
+  if (shape.quant.weight_only()) {
+    FusedExpertsShape dense = shape;
+    dense.quant = QuantScheme{};
+    return fused_experts_config(dense, num_local_experts, device, options);
+  }
   const int64_t heuristic_block_size = fused_experts_block_size(shape.num_tokens, shape.top_k, shape.num_experts, options);
   if (options.config != nullptr) {
     MoeKernelConfig config = *options.config;
@@ -209,6 +215,12 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 
 }  // namespace
 
+bool weight_only_decode_only(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+  const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
+  return chunk_tokens * s.top_k <= kSmallBatchMaxSlots8Bit && s.hidden_size % 32 == 0 &&
+         s.intermediate_size % 32 == 0;
+}
+
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
@@ -242,7 +254,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
   // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16: its rows
   // are the padded entries of that alignment.
-  const bool grouped = s.quant.enabled() && s.max_loras == 0 && slots >= kGroupedMinSlots;
+  const bool grouped = s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots;
   l.grouped_rows = grouped ? moe_align_block_size_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
   // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
@@ -266,7 +278,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     // One per 16 entries of the blocks: blocks end at most 255 entries past the padded ones.
     l.lora_shrink_counters = take((l.capacity.max_num_tokens_padded / 16 + 16) * 4);
   }
-  if (s.quant.enabled()) {
+  l.weight_only_dense = s.quant.weight_only() && !weight_only_decode_only(s, o);
+  if (l.weight_only_dense) {
+    const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+    l.dense_w13 = take(E_local * 2 * s.intermediate_size * s.hidden_size * elem);
+    l.dense_w2 = take(E_local * s.hidden_size * s.intermediate_size * elem);
+  }
+  if (s.quant.enabled() && !s.quant.weight_only()) {
     // One fp32 scale per token group (block), per row (channel) or per chunk (tensor).
     auto scales = [&](int64_t rows, int64_t cols) {
       switch (s.quant.activation_scales) {
@@ -315,7 +333,8 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   chunk_shape.quant = shape.quant;
   config = fused_experts_config(chunk_shape, shape.num_local_experts, device, options);
   check_kernel_config("fused_experts", "config", config);
-  plan.quantized = args.quant != nullptr;
+  plan.quantized = args.quant != nullptr && !args.quant->scheme.weight_only();
+  plan.weight_only = args.quant != nullptr && args.quant->scheme.weight_only();
   plan_grouped_path(plan, args, options, layout, quant, E_global, H, I);
   const int64_t block_size = plan.block_size = config.block_size;
   const AlignCapacity cap = plan.capacity =
@@ -390,7 +409,8 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   // layer 24% at M = 4096 and made DeepSeek's (I = 256) 24% slower (PERF_NOTES step 7).
   plan.sorted_input =
       plan.sorted_activation && config.sorted_input && cap.max_num_tokens_padded <= layout.sorted_input_rows;
-  plan.small_batch = on_cuda(x) && config.small_batch;
+  // Weight-only: the decode kernels exactly when the call has no dense experts.
+  plan.small_batch = on_cuda(x) && (plan.weight_only ? !layout.weight_only_dense : config.small_batch);
   plan.fused_activation = on_cuda(x) && options.fuse_activation && (!args.lora || plan.fused_lora);
   // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
   plan.direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);

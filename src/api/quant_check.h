@@ -26,10 +26,20 @@ QuantizeParams quantize_params(const QuantizeArgs& args);
 // activation scales, and on CUDA that the device and the kernels take the scheme. Returns
 // GEMM1's and GEMM2's GemmQuantParams with the weight scales set (the activation scales
 // are each chunk's, set by the orchestration). E: local experts of w13.
+// Weight-only schemes: w13 / w2 (the packed weights, their scales and zero points)
+// instead, gemm1 / gemm2 disabled.
 struct FusedExpertsQuantParams {
   GemmQuantParams gemm1, gemm2;
+  WeightOnlyParams w13, w2;
 };
 FusedExpertsQuantParams check_fused_experts_quant(const char* op, const FusedExpertsArgs& args, int64_t E, int64_t H,
+                                                  int64_t I);
+
+// Weight-only schemes (weight_only.cpp): the bytes of a packed row of K weights, and the
+// checks of fused_experts' scales and zero points (w13 / w2 themselves checked by the
+// caller against packed_weight_cols).
+int64_t packed_weight_cols(const QuantScheme& scheme, int64_t K);
+FusedExpertsQuantParams check_weight_only_experts(const char* op, const FusedExpertsArgs& args, int64_t E, int64_t H,
                                                   int64_t I);
 
 }  // namespace moelora::detail

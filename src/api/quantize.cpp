@@ -41,10 +41,33 @@ QuantScheme make_quant_scheme(QuantMethod method, int64_t block_n, int64_t block
       s.weight_scales = s.activation_scales = ScaleGranularity::kTensor;
       s.static_activation_scales = static_activation_scales;
       break;
+    case QuantMethod::kW4A16:
+    case QuantMethod::kW8A16:
+      throw Error(std::string("moelora.make_quant_scheme: ") + quant_method_name(method) +
+                  " is weight-only: make it with make_weight_only_scheme(method, group_size, zero_points)");
   }
   s.element = method == QuantMethod::kInt8Block || method == QuantMethod::kInt8Channel ? DType::kInt8
                                                                                        : DType::kFloat8E4M3;
   detail::check_quant_scheme("make_quant_scheme", s);
+  return s;
+}
+
+QuantScheme make_weight_only_scheme(QuantMethod method, int64_t group_size, bool zero_points) {
+  if (method != QuantMethod::kW4A16 && method != QuantMethod::kW8A16) {
+    throw Error(std::string("moelora.make_weight_only_scheme: expected w4a16 or w8a16, got ") +
+                quant_method_name(method));
+  }
+  QuantScheme s;
+  s.method = method;
+  s.element = DType::kUInt8;
+  s.weight_bits = method == QuantMethod::kW4A16 ? 4 : 8;
+  s.group_size = group_size;
+  s.zero_points = zero_points;
+  s.weight_scales = group_size == 0 ? ScaleGranularity::kChannel : ScaleGranularity::kBlock;
+  s.activation_scales = ScaleGranularity::kChannel;  // unused: activations stay 16-bit
+  s.block_n = 1;
+  s.block_k = group_size;
+  detail::check_quant_scheme("make_weight_only_scheme", s);
   return s;
 }
 
@@ -56,23 +79,54 @@ const char* quant_method_name(QuantMethod method) {
     case QuantMethod::kFp8Tensor: return "fp8_tensor";
     case QuantMethod::kInt8Channel: return "int8_channel";
     case QuantMethod::kInt8Block: return "int8_block";
+    case QuantMethod::kW4A16: return "w4a16";
+    case QuantMethod::kW8A16: return "w8a16";
   }
   return "unknown";
 }
 
 QuantMethod quant_method_from_name(const std::string& name) {
   for (QuantMethod m : {QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
-                        QuantMethod::kInt8Channel, QuantMethod::kInt8Block}) {
+                        QuantMethod::kInt8Channel, QuantMethod::kInt8Block, QuantMethod::kW4A16,
+                        QuantMethod::kW8A16}) {
     if (name == quant_method_name(m)) return m;
   }
   throw Error("moelora.quant_scheme: unknown scheme '" + name +
-              "' (expected fp8_block, fp8_channel, fp8_tensor, int8_channel or int8_block)");
+              "' (expected fp8_block, fp8_channel, fp8_tensor, int8_channel, int8_block, w4a16 or w8a16)");
 }
 
 namespace detail {
 
+namespace {
+
+// A weight-only scheme: unsigned bytes, 4 or 8 bits by the method, groups of 32, 64 or
+// 128 along K (block_n 1, block_k the group) or per channel, no activation scales.
+void check_weight_only_scheme(const char* op, const QuantScheme& s) {
+  const std::string name = quant_method_name(s.method);
+  const int bits = s.method == QuantMethod::kW4A16 ? 4 : 8;
+  if (s.element != DType::kUInt8 || s.weight_bits != bits) {
+    fail(op, "argument 'quant' expected uint8 elements of " + std::to_string(bits) + " bits for scheme " + name +
+                 ", got " + dtype_name(s.element) + " of " + std::to_string(s.weight_bits) + " bits");
+  }
+  const bool channel = s.weight_scales == ScaleGranularity::kChannel && s.group_size == 0;
+  const bool grouped = s.weight_scales == ScaleGranularity::kBlock &&
+                       (s.group_size == 32 || s.group_size == 64 || s.group_size == 128) && s.block_n == 1 &&
+                       s.block_k == s.group_size;
+  if (!channel && !grouped) {
+    fail(op, "argument 'quant' expected group_size 32, 64 or 128 (kBlock scales, block 1 x group_size) or 0 (kChannel) "
+             "for scheme " + name + ", got group_size " + std::to_string(s.group_size));
+  }
+  if (s.static_activation_scales) {
+    fail(op, "argument 'quant' expected no activation scales for weight-only scheme " + name +
+                 " (static_activation_scales true)");
+  }
+}
+
+}  // namespace
+
 void check_quant_scheme(const char* op, const QuantScheme& s) {
   if (!s.enabled()) return;
+  if (s.weight_only()) return check_weight_only_scheme(op, s);
   const std::string name = quant_method_name(s.method);
   if (s.element != DType::kFloat8E4M3 && s.element != DType::kInt8) {
     fail(op, "argument 'quant' expected element float8_e4m3fn or int8 for scheme " + name + ", got " +
@@ -148,6 +202,11 @@ FusedExpertsQuantParams check_fused_experts_quant(const char* op, const FusedExp
   const QuantScheme& s = quant.scheme;
   if (!s.enabled()) fail(op, "argument 'quant' expected a scheme (method other than none), got none");
   check_quant_scheme(op, s);
+  if (s.weight_only()) return check_weight_only_experts(op, args, E, H, I);
+  if (quant.w13_zero || quant.w2_zero) {
+    fail(op, std::string("argument 'w13_zero' expected none: zero points belong to the weight-only schemes, got a "
+                         "tensor with ") + quant_method_name(s.method));
+  }
   const Device device = args.hidden_states.device;
   ArgCheck(op, "hidden_states", args.hidden_states).dtype_in({DType::kBFloat16, DType::kFloat16});
   FusedExpertsQuantParams p;

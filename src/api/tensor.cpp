@@ -15,6 +15,7 @@ const char* dtype_name(DType dtype) {
     case DType::kInt64: return "int64";
     case DType::kFloat8E4M3: return "float8_e4m3fn";
     case DType::kInt8: return "int8";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
@@ -23,6 +24,7 @@ size_t dtype_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat8E4M3:
     case DType::kInt8: return 1;
+    case DType::kUInt8: return 1;
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kFloat32:

@@ -173,6 +173,36 @@ struct GemmQuantParams {
   int64_t w_scale_stride_expert = 0, w_scale_stride_n = 0, w_scale_stride_k = 0;
 };
 
+// Weight-only experts (issue 30; FusedExpertsQuant with a w4a16 / w8a16 scheme): one
+// GEMM's packed weights, scales and zero points. w[e, n, k] = (q - zero) * scale with
+//   q: bits 4: (w[e][n][k / 2] >> 4 (k % 2)) & 15; bits 8: w[e][n][k]   (bytes)
+//   scale: scale[e][n][k / group_size] (group_size 0: one group, stride_k unused), `dtype`
+//   zero: null: 8 / 128; else zero[e][n][g], or zero_packed (4-bit): nibble n % 2 of
+//         zero[e][n / 2][g]
+// Strides in elements (bytes for w and zero).
+struct WeightOnlyParams {
+  bool enabled = false;
+  int bits = 4;
+  int64_t group_size = 0;
+  const uint8_t* w = nullptr;
+  int64_t w_stride_expert = 0, w_stride_n = 0;
+  DType scale_dtype = DType::kBFloat16;
+  const void* scale = nullptr;
+  int64_t scale_stride_expert = 0, scale_stride_n = 0, scale_stride_k = 0;
+  const uint8_t* zero = nullptr;
+  bool zero_packed = false;
+  int64_t zero_stride_expert = 0, zero_stride_n = 0, zero_stride_k = 0;
+};
+
+// Weight-only experts dequantized into the layer dtype (CUDA, fused_experts' larger
+// chunks): out[e][n][k] = (q - zero) * scale for e < num_experts, n < N, k < K.
+struct DequantizeExpertsParams {
+  WeightOnlyParams w;
+  DType dtype;  // of out
+  void* out;    // [num_experts, N, K] contiguous
+  int64_t num_experts, N, K;
+};
+
 // fused_moe: out[s] = a[s / top_k] · w[e]ᵀ (× routed weight) over aligned blocks.
 //
 // With `gated` (CUDA only; fused_experts' GEMM1), w holds 2N rows, a gate row and an up
@@ -234,6 +264,9 @@ struct GemmParams {
   // W8A8 (issue 28): a and w are 8-bit with scales; out keeps `dtype`. No LoRA expand,
   // no sorted rows.
   GemmQuantParams quant{};
+  // Weight-only experts (CPU backend only; CUDA runs the dequantized experts): w's rows
+  // come from these packed weights (w, w_stride_* unused).
+  WeightOnlyParams weight_only{};
 };
 
 // fused_experts' small-batch path (MoeKernelConfig::small_batch, CUDA only), straight
@@ -279,6 +312,10 @@ struct SmallBatchMoeParams {
   GemmQuantParams quant13{};
   GemmQuantParams quant2{};
   const void* act_quantized = nullptr;
+  // Weight-only experts (issue 30), w13q.enabled: w13 and w2 are these packed weights
+  // (w13, w2 and their strides unused); x and act stay in `dtype`.
+  WeightOnlyParams w13q{};
+  WeightOnlyParams w2q{};
 };
 
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
@@ -498,6 +535,8 @@ bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 // Both kernels, or one: GEMM1 + activation (stage 1), GEMM2 + the top-k sum (stage 2).
 // With LoRA the down delta is computed from GEMM1's output between the two.
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream, int stages = 3);
+// Weight-only experts into the layer dtype (fused_experts' chunks past the decode kernels).
+void dequantize_experts(const detail::DequantizeExpertsParams& p, Stream stream);
 // The split count for a shape on the current device (requested > 0: that, capped by the
 // key blocks of topk, or block pairs for the wgmma kernel, and kMlaMaxSplits), and the
 // workspace bytes of a split count.

@@ -6,7 +6,8 @@
 //       out[s, n] = (e == -1) ? 0 : Σ_k a[s / top_k, k] · w[e, n, k]  (× topk_weights[s])
 //
 // W8A8 (GemmParams::quant): a and w are dequantized row by row (element × its scale)
-// before the fp32 dot products.
+// before the fp32 dot products; weight-only experts (GemmParams::weight_only): w's rows,
+// (q - zero) × scale.
 //
 // Work items are (block, tile of N columns), so a few blocks with a wide N still keep
 // every thread busy. Each item converts its a rows and each w row to fp32 once and
@@ -58,6 +59,30 @@ void apply_scales(const detail::GemmQuantParams& q, bool weight, int64_t expert,
   }
   const float scale = g == ScaleGranularity::kChannel ? base[row * stride_row] : base[0];
   for (int64_t k = 0; k < K; ++k) values[k] *= scale;
+}
+
+// Weight-only experts: dst[k] = (q - zero) * scale of w's row n of `expert` (exact in
+// fp32: a scale of at most 11 significant bits times an integer of at most 9).
+void load_weight_only_row(const detail::WeightOnlyParams& q, int64_t expert, int64_t n, int64_t K, float* dst) {
+  const uint8_t* row = q.w + expert * q.w_stride_expert + n * q.w_stride_n;
+  const int64_t group_size = q.group_size > 0 ? q.group_size : K;
+  const uint16_t* scales = static_cast<const uint16_t*>(q.scale) + expert * q.scale_stride_expert + n * q.scale_stride_n;
+  const uint8_t* zeros = q.zero ? q.zero + expert * q.zero_stride_expert + (q.zero_packed ? n / 2 : n) * q.zero_stride_n
+                                : nullptr;
+  for (int64_t k0 = 0, g = 0; k0 < K; k0 += group_size, ++g) {
+    const uint16_t bits = scales[g * q.scale_stride_k];
+    const float scale = q.scale_dtype == DType::kBFloat16 ? host::to_float(host::bf16{bits})
+                                                          : host::to_float(host::fp16{bits});
+    int zero = q.bits == 4 ? 8 : 128;
+    if (zeros) {
+      const int byte = zeros[g * q.zero_stride_k];
+      zero = q.zero_packed ? (byte >> (4 * (n % 2))) & 15 : byte;
+    }
+    for (int64_t k = k0; k < std::min(K, k0 + group_size); ++k) {
+      const int value = q.bits == 4 ? (row[k / 2] >> (4 * (k % 2))) & 15 : row[k];
+      dst[k] = float(value - zero) * scale;
+    }
+  }
 }
 
 float routed_weight(const detail::GemmParams& p, int64_t slot) {
@@ -117,6 +142,10 @@ void fused_moe(const detail::GemmParams& p) {
     std::vector<float> w_tile(width * K);  // [width, K] w[expert, n_begin:n_end, :]
     for (int64_t n = 0; n < width; ++n) {
       const int64_t offset = expert * p.w_stride_expert + (n_begin + n) * p.w_stride_n;
+      if (p.weight_only.enabled) {
+        load_weight_only_row(p.weight_only, expert, n_begin + n, K, &w_tile[n * K]);
+        continue;
+      }
       load_row(operand, element_ptr(operand, p.w, offset), p.w_stride_k, K, &w_tile[n * K]);
       if (p.quant.enabled) apply_scales(p.quant, true, expert, n_begin + n, K, &w_tile[n * K]);
     }

@@ -269,6 +269,36 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
   }
 }
 
+// GEMM2's rows [h0, h0 + rows_here) of `out` from each slot's dot products (partial[slot]
+// [row - h0], the LoRA delta joined): the routed weights and the top-k sum in slot order,
+// or (no_combine) each slot's weighted row, zeros for the slots without a local expert.
+template <class T, int kCtaThreads>
+__device__ __forceinline__ void write_gemm2_rows(const SmallBatchMoeParams& p, const SlotTables& t,
+                                                 const float (*partial)[kGemm2MaxRows], int h0, int rows_here) {
+  T* out = static_cast<T*>(p.out);
+  const int top_k = int(p.top_k), num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
+  if (p.no_combine) {
+    for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kCtaThreads) {
+      const int slot = i / rows_here, r = i - slot * rows_here;
+      const int token = slot / top_k, j = slot - token * top_k;
+      const float w = p.router_weight_on_input ? 1.f : routed_weight(p, slot);
+      const float value = t.expert[slot] >= 0 ? w * partial[slot][r] : 0.f;
+      out[token * p.out_stride_token + j * p.out_stride_k + h0 + r] = from_float<T>(value);
+    }
+    return;
+  }
+  for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kCtaThreads) {
+    const int token = i / rows_here, r = i - token * rows_here;
+    float sum = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+      const int slot = token * top_k + j;
+      if (t.expert[slot] < 0) continue;
+      sum += (p.router_weight_on_input ? 1.f : routed_weight(p, slot)) * partial[slot][r];
+    }
+    out[token * p.out_stride_token + h0 + r] = from_float<T>(p.routed_scaling_factor * sum);
+  }
+}
+
 // GEMM2 + the top-k sum: out[m][h] = routed_scaling_factor × Σ_j w_mj × (act[m·top_k + j] ·
 // w2[e_mj][h]) over the slots with a local expert (w_mj = 1 when router_weight_on_input);
 // with no_combine out[m][j][h] = w_mj × (...), zeros for the other slots.
@@ -295,9 +325,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   wait_for_previous_kernel();
   const E* w2 = static_cast<const E*>(p.w2);
   const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
-  T* out = static_cast<T*>(p.out);
-  const int H = int(p.H), I = int(p.I), top_k = int(p.top_k);
-  const int num_tokens = int(p.num_tokens), num_slots = num_tokens * top_k;
+  const int H = int(p.H), I = int(p.I);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const int row_groups = rows_per_cta / kRowsPerItem;
   // W8A8: the CTA's items in teams that split K (one warp an item for 16-bit operands).
@@ -353,27 +381,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
       }
     }
     __syncthreads();
-    const int rows_here = min(rows_per_cta, H - h0);
-    if (p.no_combine) {
-      for (int i = int(threadIdx.x); i < num_slots * rows_here; i += kCtaThreads) {
-        const int slot = i / rows_here, r = i - slot * rows_here;
-        const int token = slot / top_k, j = slot - token * top_k;
-        const float w = p.router_weight_on_input ? 1.f : routed_weight(p, slot);
-        const float value = t.expert[slot] >= 0 ? w * partial[slot][r] : 0.f;
-        out[token * p.out_stride_token + j * p.out_stride_k + h0 + r] = from_float<T>(value);
-      }
-    } else {
-      for (int i = int(threadIdx.x); i < num_tokens * rows_here; i += kCtaThreads) {
-        const int token = i / rows_here, r = i - token * rows_here;
-        float sum = 0.f;
-        for (int j = 0; j < top_k; ++j) {
-          const int slot = token * top_k + j;
-          if (t.expert[slot] < 0) continue;
-          sum += (p.router_weight_on_input ? 1.f : routed_weight(p, slot)) * partial[slot][r];
-        }
-        out[token * p.out_stride_token + h0 + r] = from_float<T>(p.routed_scaling_factor * sum);
-      }
-    }
+    write_gemm2_rows<T, kCtaThreads>(p, t, partial, h0, min(rows_per_cta, H - h0));
     __syncthreads();  // partial is rewritten by the next block
   }
   allow_next_kernel_launch();
@@ -476,5 +484,7 @@ void dispatch_activation(const SmallBatchMoeParams& p, cudaStream_t stream, int 
 // parallel): layer dtype bf16 or fp16 (p.dtype), fp8 e4m3 or int8 operands.
 void launch_fp8(const SmallBatchMoeParams& p, cudaStream_t stream, int stages);
 void launch_int8(const SmallBatchMoeParams& p, cudaStream_t stream, int stages);
+// Weight-only experts (w13q enabled; fused_experts_small_batch_weight_only.cu).
+void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages);
 
 }  // namespace moelora::cuda::small_batch

@@ -42,6 +42,16 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// The same on fp16 operands.
+__device__ __forceinline__ void mma_fp16_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // c[4] += a[16x32] · b[32x8], 8-bit operands (mma.m16n8k32 fragments: a0 row g k 4q..4q+3,
 // a1 row g+8, a2/a3 the same rows at k + 16; b0 k 4q..4q+3 column g, b1 at k + 16):
 // fp8 e4m3 into fp32 (sm_89+; a trap below), int8 into int32.

@@ -1,0 +1,186 @@
+// fused_experts on weight-only experts (w4a16 / w8a16, issue 30): the small-batch
+// kernels on packed weights (the dot products: small_batch_weight_only.cuh), and the
+// dequantization of whole experts for the chunks past them.
+//
+// The kernels are the small-batch path's (fused_experts_small_batch.cuh): the same slot
+// tables built from topk_ids, GEMM1 over units of (routed expert, 8 columns) whose 16
+// MMA rows are the 8 gate and the 8 up rows, GEMM2 over (routed expert, 16 rows of H)
+// with each slot's products left in shared memory for the top-k sum in slot order; warps
+// in teams that split K when there are fewer items than warps (MmaTeams). x and act stay
+// in the layer dtype.
+#include "cuda/fused_experts_small_batch.cuh"
+#include "cuda/small_batch_weight_only.cuh"
+
+namespace moelora::cuda {
+
+namespace small_batch {
+
+namespace {
+
+template <class T, int kBits, ActivationKind kAct>
+__global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const SmallBatchMoeParams p) {
+  __shared__ SlotTables t;
+  __shared__ float red[kMmaReduceFloats];
+  // This kernel may be the layer's first, after a kernel that wrote topk_ids: the tables
+  // after the wait.
+  wait_for_previous_kernel();
+  allow_next_kernel_launch();  // one wave: GEMM2's CTAs may take the SM slots these free
+  build_slot_tables(p, t);
+  const T* x = static_cast<const T*>(p.x);
+  const int I = int(p.I), H = int(p.H), top_k = int(p.top_k);
+  const int g = int(threadIdx.x) % 32 / 4;
+  const bool interleaved = kAct == ActivationKind::kSwigluOai;
+  const int column_groups = I / 8;
+  const int num_units = t.num_distinct * column_groups;  // < 2^31: at most 128 experts x I / 8
+  const MmaTeams teams(num_units, int(gridDim.x), weight_only_steps<kBits>(H), 1);
+  for (int unit = int(blockIdx.x) * teams.count + teams.team; unit < num_units; unit += int(gridDim.x) * teams.count) {
+    const int d = unit / column_groups, j = (unit - d * column_groups) * 8 + g;
+    const int64_t expert = t.distinct_expert[d];
+    const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
+    weight_only_item_passes<T, kBits>(
+        p.w13q, expert, gate_row, up_row, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, teams,
+        red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up); });
+  }
+}
+
+// kCtaThreads: kThreads, or 512 when H's 16-row blocks are no more than the SMs (as the
+// W8A8 instances, launch_small_batch).
+template <class T, int kBits, int kCtaThreads>
+__global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
+    weight_only_gemm2_kernel(const SmallBatchMoeParams p, int rows_per_cta) {
+  constexpr int kCtaWarps = kCtaThreads / 32;
+  __shared__ SlotTables t;
+  __shared__ float partial[kMaxSlots][kGemm2MaxRows];  // [slot][row of the block]
+  __shared__ float red[kMmaReduceFloatsFor<kCtaWarps>];
+  // Before the wait: the tables read only the layer's inputs, and GEMM1 lets this grid
+  // launch only after its own wait.
+  build_slot_tables(p, t);
+  wait_for_previous_kernel();
+  const T* act = static_cast<const T*>(p.act);
+  const int H = int(p.H), I = int(p.I);
+  const int g = int(threadIdx.x) % 32 / 4;
+  const int row_groups = rows_per_cta / 16;
+  const MmaTeams<kCtaWarps> teams(t.num_distinct * row_groups, 1, weight_only_steps<kBits>(I), 1);
+  for (int h0 = int(blockIdx.x) * rows_per_cta; h0 < H; h0 += int(gridDim.x) * rows_per_cta) {
+    const int items = t.num_distinct * row_groups;
+    for (int item = teams.team; item < items; item += teams.count) {
+      const int d = item / row_groups, row0 = (item - d * row_groups) * 16;
+      // Rows past H (the last block) repeat row H - 1; their sums are never read.
+      const int h_lo = min(h0 + row0 + g, H - 1), h_hi = min(h0 + row0 + g + 8, H - 1);
+      weight_only_item_passes<T, kBits>(
+          p.w2q, t.distinct_expert[d], h_lo, h_hi, t, d, act, int64_t(I), [](int slot) { return slot; }, I, teams, red,
+          [&](int slot, float product_lo, float product_hi) {
+            // LoRA: the slot's delta joins before the routed weight.
+            const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+            partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
+            partial[slot][row0 + g + 8] = product_hi + (delta ? to_float(delta[h_hi]) : 0.f);
+          });
+    }
+    __syncthreads();
+    write_gemm2_rows<T, kCtaThreads>(p, t, partial, h0, min(rows_per_cta, H - h0));
+    __syncthreads();  // partial is rewritten by the next block
+  }
+  allow_next_kernel_launch();
+}
+
+template <class T, int kBits, ActivationKind kAct>
+void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  constexpr auto gemm1 = weight_only_gemm1_kernel<T, kBits, kAct>;
+  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  if (!(stages & 2)) return;
+  // NOTE: as the W8A8 instances: CTAs of 16 warps where H's 16-row blocks do not fill
+  // two CTAs an SM.
+  if ((p.H + 15) / 16 <= int64_t(current_device_info().num_sms)) {
+    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, 2 * kThreads>, 16, 2 * kThreads>(p, stream);
+  } else {
+    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, kThreads>, 16>(p, stream);
+  }
+}
+
+template <class T, int kBits>
+void dispatch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  switch (p.activation) {
+    case ActivationKind::kSiluAndMul: return launch_weight_only<T, kBits, ActivationKind::kSiluAndMul>(p, stream, stages);
+    case ActivationKind::kGeluAndMul: return launch_weight_only<T, kBits, ActivationKind::kGeluAndMul>(p, stream, stages);
+    case ActivationKind::kSwigluOai: return launch_weight_only<T, kBits, ActivationKind::kSwigluOai>(p, stream, stages);
+  }
+}
+
+}  // namespace
+
+void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  const bool four = p.w13q.bits == 4;
+  if (p.dtype == DType::kBFloat16) {
+    four ? dispatch_weight_only<__nv_bfloat16, 4>(p, stream, stages)
+         : dispatch_weight_only<__nv_bfloat16, 8>(p, stream, stages);
+  } else {
+    four ? dispatch_weight_only<__half, 4>(p, stream, stages) : dispatch_weight_only<__half, 8>(p, stream, stages);
+  }
+}
+
+}  // namespace small_batch
+
+namespace {
+
+// Thread i takes 16 packed bytes (32 4-bit or 16 8-bit weights, one scale group) of the
+// row it falls in, and writes their values. K % 32 == 0 (the API's CUDA check).
+template <class T, int kBits>
+__global__ void dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
+  constexpr int kValues = 128 / kBits;
+  wait_for_previous_kernel();
+  const detail::WeightOnlyParams& q = p.w;
+  const int64_t chunks_per_row = p.K / kValues;
+  const int64_t total = p.num_experts * p.N * chunks_per_row;
+  T* out = static_cast<T*>(p.out);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / chunks_per_row, chunk = i - row * chunks_per_row;
+    const int64_t e = row / p.N, n = row - e * p.N;
+    const int64_t k0 = chunk * kValues;
+    const uint4 packed = *reinterpret_cast<const uint4*>(q.w + e * q.w_stride_expert + n * q.w_stride_n + k0 * kBits / 8);
+    const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
+    const float scale = to_float(static_cast<const T*>(q.scale)[e * q.scale_stride_expert + n * q.scale_stride_n +
+                                                                group * q.scale_stride_k]);
+    int zero = kBits == 4 ? 8 : 128;
+    if (q.zero) {
+      const int byte = q.zero[e * q.zero_stride_expert + (q.zero_packed ? n >> 1 : n) * q.zero_stride_n +
+                              group * q.zero_stride_k];
+      zero = q.zero_packed ? (byte >> (4 * int(n & 1))) & 15 : byte;
+    }
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
+    T values[kValues];
+#pragma unroll
+    for (int v = 0; v < kValues; ++v) {
+      const int code = kBits == 4 ? (bytes[v / 2] >> (4 * (v % 2))) & 15 : bytes[v];
+      values[v] = from_float<T>(float(code - zero) * scale);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out + row * p.K + k0);
+#pragma unroll
+    for (int c = 0; c < kValues / 8; ++c) dst[c] = reinterpret_cast<const uint4*>(values)[c];
+  }
+  allow_next_kernel_launch();
+}
+
+template <class T>
+void launch_dequantize(const detail::DequantizeExpertsParams& p, cudaStream_t stream) {
+  const int64_t values = p.num_experts * p.N * p.K / (128 / p.w.bits);
+  const int64_t blocks = std::min<int64_t>((values + 255) / 256, int64_t(current_device_info().num_sms) * 8);
+  if (blocks == 0) return;
+  if (p.w.bits == 4) {
+    launch_kernel(dequantize_experts_kernel<T, 4>, dim3(unsigned(blocks)), dim3(256), 0, stream, p);
+  } else {
+    launch_kernel(dequantize_experts_kernel<T, 8>, dim3(unsigned(blocks)), dim3(256), 0, stream, p);
+  }
+}
+
+}  // namespace
+
+void dequantize_experts(const detail::DequantizeExpertsParams& p, Stream stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kBFloat16) {
+    launch_dequantize<__nv_bfloat16>(p, s);
+  } else {
+    launch_dequantize<__half>(p, s);
+  }
+}
+
+}  // namespace moelora::cuda

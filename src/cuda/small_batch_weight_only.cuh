@@ -1,0 +1,235 @@
+// The small-batch kernels' weight-only dot products (w4a16 / w8a16, issue 30): packed
+// weights streamed once from DRAM, dequantized in registers, multiplied on bf16/fp16
+// m16n8k16 MMAs against the 16-bit vectors (swap-AB: 16 weight rows fill the MMA's M,
+// the slots of a pass its N of 8).
+//
+// Lane (g, q) = (lane / 4, lane % 4) of a warp loads, per step of 64 packed bytes, the 16
+// bytes at 16q of its rows g and g + 8 (4-bit: 32 weights, k = 32q .. 32q + 31 of the
+// step; 8-bit: 16) and the same k of its vector g. The MMA's k order inside a step is
+// free as long as rows and vectors agree, so each lane feeds its own 16 bytes:
+// - 4-bit: LOP3 (q >> 4i) & 0x000f000f | EXP makes the 16-bit pair (base + v_i, base +
+//   v_{i+4}) of a word's nibbles i and i + 4 (k = 8w + i, 8w + i + 4), exact in bf16
+//   (base 128) and fp16 (base 1024); (pair - (base + zero)) * scale is the weight pair.
+//   The vector's pairs are permuted the same way (PRMT (x_i, x_{i+4})). FasterTransformer's
+//   and Marlin's conversion, here without the offline reshuffle of the weights: the
+//   layer keeps the checkpoint's plain layout.
+// - 8-bit: fp16 takes PRMT with 0x64 (1024 + v); bf16 builds 2^23 + v in fp32 (PRMT with
+//   0x4B000000), subtracts 2^23 + zero and converts the pair (exact: |v - zero| <= 255).
+// A lane's 16 bytes lie in one scale group (groups of 32, 64, 128 or a whole row), so a
+// lane loads one scale and one zero point per row a step. The only rounding before the
+// fp32 MMA sums is the product with the scale, once per weight, as dequantizing to
+// bf16/fp16 would do.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "common/params.h"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/numeric.cuh"
+#include "cuda/small_batch_mma.cuh"
+#include "cuda/small_batch_slots.cuh"
+
+namespace moelora::cuda::small_batch {
+
+using detail::WeightOnlyParams;
+
+// 64 packed bytes a step (kMmaStep); 2 steps in flight a round (a lane holds 2 x 2 weight
+// chunks and 2 x 4 or 2 x 2 vector chunks). NOTE: 4 steps spilled the 8-bit instances by
+// 16-48 B under the 128-register cap of two CTAs an SM.
+template <int kBits>
+constexpr int kWeightOnlyUnroll = 2;
+template <int kBits>
+constexpr int kWeightsPerStep = kMmaStep * 8 / kBits;  // K of a step: 128 (4-bit) or 64 (8-bit)
+
+// Steps of a packed row of K weights (the last may be partial).
+template <int kBits>
+__host__ __device__ constexpr int weight_only_steps(int K) {
+  return (K + kWeightsPerStep<kBits> - 1) / kWeightsPerStep<kBits>;
+}
+
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
+  return r;
+}
+
+template <class T>
+using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+
+template <class T>
+__device__ __forceinline__ Pair<T> as_pair(uint32_t v) {
+  return reinterpret_cast<const Pair<T>&>(v);
+}
+template <class T>
+__device__ __forceinline__ uint32_t as_bits(Pair<T> v) {
+  return reinterpret_cast<const uint32_t&>(v);
+}
+
+template <class T>
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_fp16_16x8x16(c, a0, a1, a2, a3, b0, b1);
+  } else {
+    mma_bf16_16x8x16(c, a0, a1, a2, a3, b0, b1);
+  }
+}
+
+// A row's constants for one lane-step (one scale group): the scale pair, the pair that
+// the conversion's base and the zero point make (4-bit; 8-bit fp16), and the zero point
+// (8-bit bf16, subtracted in fp32).
+template <class T>
+struct GroupConstants {
+  Pair<T> scale, offset;
+  float zero;
+};
+
+// The base the conversions add (exact with 8 / 11 significant bits): 4-bit 128 (bf16)
+// or 1024 (fp16); 8-bit fp16 1024.
+template <class T>
+constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
+
+template <class T, int kBits>
+__device__ __forceinline__ GroupConstants<T> group_constants(const WeightOnlyParams& q, int64_t expert, int64_t row,
+                                                             int64_t group) {
+  const T scale = static_cast<const T*>(q.scale)[expert * q.scale_stride_expert + row * q.scale_stride_n +
+                                                 group * q.scale_stride_k];
+  int zero = kBits == 4 ? 8 : 128;
+  if (q.zero) {
+    const int byte = q.zero[expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n +
+                            group * q.zero_stride_k];
+    zero = q.zero_packed ? (byte >> (4 * int(row & 1))) & 15 : byte;
+  }
+  const T offset = from_float<T>(kConversionBase<T> + float(zero));
+  return GroupConstants<T>{Pair<T>(scale, scale), Pair<T>(offset, offset), float(zero)};
+}
+
+// Four weight pairs of one 32-bit word, as MMA operand registers, in the order the
+// vector's pairs of vector_pairs() take:
+//   4-bit: (k0, k4), (k1, k5), (k2, k6), (k3, k7) of the word's 8 values
+//   8-bit: (k0, k1), (k2, k3) in w[0], w[1] (w[2], w[3] unused)
+template <class T, int kBits>
+__device__ __forceinline__ void weight_pairs(uint32_t word, const GroupConstants<T>& c, uint32_t (&w)[4]) {
+  if constexpr (kBits == 4) {
+    constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const Pair<T> v = as_pair<T>(and_or(word >> (4 * i), 0x000f000fu, kExp));
+      w[i] = as_bits<T>(__hmul2(__hsub2(v, c.offset), c.scale));
+    }
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const Pair<T> lo = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4140));
+    const Pair<T> hi = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4342));
+    w[0] = as_bits<T>(__hmul2(__hsub2(lo, c.offset), c.scale));
+    w[1] = as_bits<T>(__hmul2(__hsub2(hi, c.offset), c.scale));
+  } else {
+    // 2^23 + v in fp32, minus 2^23 + zero: v - zero exactly.
+    const float bias = 8388608.f + c.zero;
+    float f[4];
+#pragma unroll
+    for (int b = 0; b < 4; ++b) f[b] = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 | b)) - bias;
+    w[0] = as_bits<T>(__hmul2(__floats2bfloat162_rn(f[0], f[1]), c.scale));
+    w[1] = as_bits<T>(__hmul2(__floats2bfloat162_rn(f[2], f[3]), c.scale));
+  }
+}
+
+// One warp's 16-row product over steps [step_begin, step_end) of the packed K: rows
+// row_lo (g) and row_hi (g + 8) of `expert`, the lane's vector g (null: zeros), into
+// acc: (row g, vector 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1). K: weights a row.
+template <class T, int kBits>
+__device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
+                                                      int64_t row_hi, const T* vec, int K, int step_begin,
+                                                      int step_end, float (&acc)[4]) {
+  constexpr int kUnroll = kWeightOnlyUnroll<kBits>;
+  constexpr int kLaneWeights = 128 / kBits;          // weights in a lane's 16 bytes: 32 or 16
+  constexpr int kVecChunks = kLaneWeights / 8;       // 16-byte chunks of the vector a lane-step: 4 or 2
+  const int quad = int(threadIdx.x) % 4;
+  const uint8_t* w_lo = q.w + expert * q.w_stride_expert + row_lo * q.w_stride_n;
+  const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n;
+  const int group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 30;  // groups: powers of two
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+  for (int s0 = step_begin; s0 < step_end; s0 += kUnroll) {
+    uint4 lo[kUnroll], hi[kUnroll], x[kUnroll][kVecChunks];
+    GroupConstants<T> c_lo[kUnroll], c_hi[kUnroll];
+    // A lane's chunk is whole or past the row (K % 32 == 0); past it, zeros meet zeros.
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = (s0 + u) * kWeightsPerStep<kBits> + kLaneWeights * quad;
+      const bool in = s0 + u < step_end && k < K;
+      const int byte = k * kBits / 8;
+      lo[u] = in ? load_streaming(w_lo + byte) : make_uint4(0, 0, 0, 0);
+      hi[u] = in ? load_streaming(w_hi + byte) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = (s0 + u) * kWeightsPerStep<kBits> + kLaneWeights * quad;
+      const bool in = s0 + u < step_end && k < K;
+#pragma unroll
+      for (int c = 0; c < kVecChunks; ++c) {
+        x[u][c] = in && vec ? *reinterpret_cast<const uint4*>(vec + k + 8 * c) : make_uint4(0, 0, 0, 0);
+      }
+      const int64_t group = in ? int64_t(k) >> group_shift : 0;
+      c_lo[u] = group_constants<T, kBits>(q, expert, row_lo, group);
+      c_hi[u] = group_constants<T, kBits>(q, expert, row_hi, group);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (s0 + u >= step_end) break;
+      const uint32_t words_lo[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w};
+      const uint32_t words_hi[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        uint32_t a_lo[4], a_hi[4];
+        weight_pairs<T, kBits>(words_lo[wd], c_lo[u], a_lo);
+        weight_pairs<T, kBits>(words_hi[wd], c_hi[u], a_hi);
+        if constexpr (kBits == 4) {
+          // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
+          const uint4 v = x[u][wd];
+          const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
+          const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
+          mma_16x8x16<T>(acc, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
+          mma_16x8x16<T>(acc, a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
+        } else {
+          // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
+          const uint4 v = x[u][wd / 2];
+          const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
+          mma_16x8x16<T>(acc, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
+        }
+      }
+    }
+  }
+}
+
+// A warp item's passes over the slots of distinct expert d (at most 8 a pass): each
+// pass's products, summed over the team; its first warp then hands use(slot, product
+// with row_lo, product with row_hi) for each of its lane's vectors. a: the vectors'
+// rows (row_of(slot), a_stride elements apart).
+template <class T, int kBits, int kCtaWarps, class RowOf, class Use>
+__device__ __forceinline__ void weight_only_item_passes(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
+                                                        int64_t row_hi, const SlotTables& t, int d, const T* a,
+                                                        int64_t a_stride, RowOf row_of, int K,
+                                                        const MmaTeams<kCtaWarps>& teams, float* red, Use use) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, quad = lane % 4;
+  const int steps = weight_only_steps<kBits>(K);
+  const int end = t.group_begin[d + 1];
+  for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
+    const int n = min(kMmaVecs, end - pass);
+    const T* vec = g < n ? a + int64_t(row_of(t.sorted_slot[pass + g])) * a_stride : nullptr;
+    float acc[kMmaTiles][4];
+    warp_weight_only_rows<T, kBits>(q, expert, row_lo, row_hi, vec, K, teams.step_begin(), teams.step_end(steps),
+                                    acc[0]);
+    teams.reduce(acc, red);
+    if (teams.member != 0) continue;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int col = 2 * quad + c;
+      if (col < n) use(t.sorted_slot[pass + col], acc[0][c], acc[0][2 + c]);
+    }
+  }
+}
+
+}  // namespace moelora::cuda::small_batch
