@@ -91,6 +91,7 @@ double read_element(DType dtype, const void* data, int64_t index) {
     case DType::kInt64: return double(static_cast<const int64_t*>(data)[index]);
     case DType::kFloat8E4M3: return host::to_float(host::fp8e4m3{static_cast<const uint8_t*>(data)[index]});
     case DType::kInt8: return static_cast<const int8_t*>(data)[index];
+    case DType::kUInt8: return static_cast<const uint8_t*>(data)[index];
   }
   throw std::invalid_argument("read_element: unknown dtype");
 }
@@ -104,6 +105,7 @@ void write_element(DType dtype, void* data, int64_t index, double value) {
     case DType::kInt64: static_cast<int64_t*>(data)[index] = int64_t(value); return;
     case DType::kFloat8E4M3: static_cast<uint8_t*>(data)[index] = host::to_fp8e4m3(float(value)).bits; return;
     case DType::kInt8: static_cast<int8_t*>(data)[index] = host::to_int8(float(value)); return;
+    case DType::kUInt8: static_cast<uint8_t*>(data)[index] = uint8_t(value); return;
   }
   throw std::invalid_argument("write_element: unknown dtype");
 }
@@ -144,6 +146,7 @@ std::vector<double> round_to(DType dtype, const std::vector<double>& values) {
       case DType::kInt64: out[i] = std::trunc(values[i]); break;
       case DType::kFloat8E4M3: out[i] = host::to_float(host::to_fp8e4m3(float(values[i]))); break;
       case DType::kInt8: out[i] = host::to_int8(float(values[i])); break;
+      case DType::kUInt8: out[i] = double(uint8_t(values[i])); break;
     }
   }
   return out;

@@ -94,6 +94,7 @@ inline const char* dtype_short_name(DType dtype) {
     case DType::kInt64: return "i64";
     case DType::kFloat8E4M3: return "fp8";
     case DType::kInt8: return "i8";
+    case DType::kUInt8: return "u8";
   }
   return "unknown";
 }
@@ -292,7 +293,7 @@ class Buffer {
 
   // Poison: a NaN bit pattern for floats (0x7fc0 bf16, 0x7e00 fp16, 0x7fc00000 fp32, 0x7f
   // fp8 e4m3), the largest value for wide ints, -128 for int8 (symmetric quantization
-  // writes [-127, 127]). Fills the whole storage, host and device.
+  // writes [-127, 127]), 0xA5 for uint8 (packed weights are inputs only). Fills the whole storage, host and device.
   void poison() {
     for (int64_t i = 0; i < size_; ++i) set_poison(i);
     upload();
@@ -306,6 +307,7 @@ class Buffer {
       case DType::kInt64: return reinterpret_cast<const int64_t*>(host_)[index] == INT64_MAX;
       case DType::kFloat8E4M3: return reinterpret_cast<const uint8_t*>(host_)[index] == 0x7fu;
       case DType::kInt8: return reinterpret_cast<const int8_t*>(host_)[index] == INT8_MIN;
+      case DType::kUInt8: return reinterpret_cast<const uint8_t*>(host_)[index] == 0xA5u;
     }
     return false;
   }
@@ -349,6 +351,7 @@ class Buffer {
       case DType::kInt64: reinterpret_cast<int64_t*>(host_)[index] = INT64_MAX; return;
       case DType::kFloat8E4M3: reinterpret_cast<uint8_t*>(host_)[index] = 0x7fu; return;
       case DType::kInt8: reinterpret_cast<int8_t*>(host_)[index] = INT8_MIN; return;
+      case DType::kUInt8: reinterpret_cast<uint8_t*>(host_)[index] = 0xA5u; return;
     }
   }
 

@@ -1,0 +1,382 @@
+// Weight-only experts (w4a16 / w8a16, issue 30): fused_experts on packed 4- and 8-bit
+// weights with group or channel scales and optional zero points (packed or one a byte),
+// against the float64 layer on the dequantized weights (q - zero) * scale. The packed
+// bytes, scales and zero points are fresh random data per case (no quantizer between the
+// test and the op), outputs poisoned (NaN) first. Both CUDA paths: the decode kernels
+// (at most kSmallBatchMaxSlots8Bit slots) and the dense experts past them.
+#include <cmath>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "api/fused_experts_plan.h"
+#include "common/params.h"
+#include "lora_testing.h"
+#include "test_util.h"
+
+namespace moelora::test {
+namespace {
+
+using ::testing::HasSubstr;
+
+enum class Zeros { kNone, kBytes, kPacked };
+
+struct WeightOnlyCase {
+  std::string name;
+  Backend backend;
+  int bits = 4;
+  int64_t group_size = 128;  // 0: per channel
+  Zeros zeros = Zeros::kNone;
+  DType dtype = DType::kBFloat16;
+  int64_t M = 8, top_k = 2, H = 256, I = 128;
+  int64_t num_global = 8, num_local = 8;  // num_global > num_local: an expert_map with -1
+  double dropped_share = 0.0;
+  int64_t lora_rank = 0;
+  FusedExpertsOptions options{};
+};
+
+void PrintTo(const WeightOnlyCase& c, std::ostream* os) { *os << c.name; }
+
+QuantScheme scheme_of(const WeightOnlyCase& c) {
+  return make_weight_only_scheme(c.bits == 4 ? QuantMethod::kW4A16 : QuantMethod::kW8A16, c.group_size,
+                                 c.zeros != Zeros::kNone);
+}
+
+// One GEMM's packed weights w [E, N, K * bits / 8] (random codes), scales [E, N, groups]
+// (or [E, N]) in the layer dtype, zero points, and the dequantized values.
+struct PackedWeights {
+  PackedWeights(const WeightOnlyCase& c, int64_t E, int64_t N, int64_t K, std::mt19937& rng)
+      : groups(c.group_size > 0 ? K / c.group_size : 1),
+        zero_rows(c.zeros == Zeros::kPacked ? N / 2 : N),
+        packed(c.backend, DType::kUInt8, E * N * K * c.bits / 8),
+        scales(c.backend, c.dtype, E * N * groups),
+        zeros(c.backend, DType::kUInt8, std::max<int64_t>(1, E * zero_rows * groups)) {
+    const int maxq = (1 << c.bits) - 1;
+    std::uniform_int_distribution<int> code(0, maxq), byte(0, 255);
+    std::vector<int> q(size_t(E * N * K)), z(size_t(E * N * groups), 1 << (c.bits - 1));
+    for (auto& v : q) v = code(rng);
+    auto* bytes = packed.host_as<uint8_t>();
+    for (int64_t i = 0; i < E * N * K; i += (c.bits == 4 ? 2 : 1)) {
+      bytes[c.bits == 4 ? i / 2 : i] = uint8_t(c.bits == 4 ? q[size_t(i)] | (q[size_t(i + 1)] << 4) : q[size_t(i)]);
+    }
+    // Scales about 1 / (sqrt(K) * half the code range): weights of unit variance over K.
+    std::uniform_real_distribution<double> scale(0.5, 1.5);
+    std::vector<double> s(size_t(E * N * groups));
+    for (auto& v : s) v = scale(rng) * 2.0 / (double(maxq) * std::sqrt(double(K)));
+    scales.write(scales.view({E * N * groups}), s);
+    s = scales.read(scales.view({E * N * groups}));  // as stored (bf16/fp16)
+    if (c.zeros != Zeros::kNone) {
+      // Around the middle of the range, as real asymmetric groups are.
+      std::uniform_int_distribution<int> zero(maxq / 4, 3 * maxq / 4);
+      for (auto& v : z) v = zero(rng);
+      auto* zb = zeros.host_as<uint8_t>();
+      for (int64_t e = 0; e < E; ++e) {
+        for (int64_t n = 0; n < N; ++n) {
+          for (int64_t g = 0; g < groups; ++g) {
+            const int v = z[size_t((e * N + n) * groups + g)];
+            if (c.zeros == Zeros::kBytes) {
+              zb[(e * N + n) * groups + g] = uint8_t(v);
+            } else {
+              uint8_t& b = zb[(e * zero_rows + n / 2) * groups + g];
+              b = uint8_t(n % 2 == 0 ? (b & 0xF0) | v : (b & 0x0F) | (v << 4));
+            }
+          }
+        }
+      }
+    }
+    dequantized.resize(q.size());
+    const int64_t size = K / groups;
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t n = 0; n < N; ++n) {
+        for (int64_t k = 0; k < K; ++k) {
+          const size_t gi = size_t((e * N + n) * groups + k / size);
+          dequantized[size_t((e * N + n) * K + k)] = double(q[size_t((e * N + n) * K + k)] - z[gi]) * s[gi];
+        }
+      }
+    }
+    packed.upload();
+    scales.upload();
+    zeros.upload();
+    view = packed.view({E, N, K * c.bits / 8});
+    scale_view = c.group_size > 0 ? scales.view({E, N, groups}) : scales.view({E, N});
+    zero_view = c.group_size > 0 ? zeros.view({E, zero_rows, groups}) : zeros.view({E, zero_rows});
+  }
+  int64_t groups, zero_rows;
+  Buffer packed, scales, zeros;
+  std::vector<double> dequantized;
+  TensorView view, scale_view, zero_view;
+};
+
+struct WeightOnlyLayer {
+  WeightOnlyLayer(const WeightOnlyCase& c, std::mt19937& rng)
+      : c(c),
+        scheme(scheme_of(c)),
+        x(c.backend, c.dtype, std::max<int64_t>(1, c.M * c.H)),
+        w13(c, c.num_local, 2 * c.I, c.H, rng),
+        w2(c, c.num_local, c.H, c.I, rng),
+        topk_weights(c.backend, DType::kFloat32, std::max<int64_t>(1, c.M * c.top_k)),
+        topk_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M * c.top_k)),
+        expert_map(c.backend, DType::kInt32, c.num_global),
+        out(c.backend, c.dtype, std::max<int64_t>(1, c.M * (c.options.no_combine ? c.top_k : 1) * c.H)),
+        lora_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M)),
+        workspace(c.backend, DType::kFloat32, (fused_experts_workspace_size(shape(), c.options) + 3) / 4) {
+    x_view = x.view({c.M, c.H});
+    x_values = x.fill_normal(x_view, rng);
+    x.upload();
+    // Local experts: a random subset of the global ones; the others map to -1.
+    std::vector<int64_t> global(size_t(c.num_global));
+    std::iota(global.begin(), global.end(), 0);
+    std::shuffle(global.begin(), global.end(), rng);
+    map.assign(size_t(c.num_global), -1);
+    for (int64_t i = 0; i < c.num_local; ++i) map[size_t(global[size_t(i)])] = int32_t(i);
+    expert_map.write(expert_map.view({c.num_global}), std::vector<double>(map.begin(), map.end()));
+    ids = random_routing(c.M, c.top_k, c.num_global, rng);
+    std::bernoulli_distribution drop(c.dropped_share);
+    for (auto& id : ids) id = drop(rng) ? -1 : id;
+    weight_values = random_router_weights(c.M, c.top_k, rng);
+    topk_weights.write(topk_weights.view({c.M, c.top_k}), weight_values);
+    topk_ids.write(topk_ids.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
+    for (Buffer* b : {&topk_weights, &topk_ids, &expert_map}) b->upload();
+    if (c.lora_rank > 0) {
+      stack13.emplace(c.backend, c.dtype, 2, kAdapters, c.num_local, c.lora_rank, c.H, 2 * c.I, false, rng);
+      stack2.emplace(c.backend, c.dtype, 1, kAdapters, c.num_local, c.lora_rank, c.I, c.H, false, rng);
+      token_loras = random_token_loras(c.M, kAdapters, 0.75, rng);
+      lora_ids.write(lora_ids.view({c.M}), std::vector<double>(token_loras.begin(), token_loras.end()));
+      lora_ids.upload();
+    }
+    out.poison();
+    workspace.poison();
+  }
+
+  static constexpr int64_t kAdapters = 4;
+
+  FusedExpertsShape shape() const {
+    FusedExpertsShape s{c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local};
+    s.quant = scheme;
+    if (c.lora_rank > 0) {
+      s.max_loras = kAdapters;
+      s.lora_rank = c.lora_rank;
+    }
+    return s;
+  }
+
+  FusedExpertsArgs args() {
+    map_view = expert_map.view({c.num_global});
+    quant.scheme = scheme;
+    quant.w13_scale = w13.scale_view;
+    quant.w2_scale = w2.scale_view;
+    quant.w13_zero = c.zeros != Zeros::kNone ? &w13.zero_view : nullptr;
+    quant.w2_zero = c.zeros != Zeros::kNone ? &w2.zero_view : nullptr;
+    FusedExpertsArgs a;
+    a.hidden_states = x_view;
+    a.w13 = w13.view;
+    a.w2 = w2.view;
+    a.topk_weights = topk_weights.view({c.M, c.top_k});
+    a.topk_ids = topk_ids.view({c.M, c.top_k});
+    a.out = c.options.no_combine ? out.view({c.M, c.top_k, c.H}) : out.view({c.M, c.H});
+    a.workspace = workspace.view({workspace.size()});
+    a.expert_map = c.num_global > c.num_local ? &map_view : nullptr;
+    a.quant = &quant;
+    if (c.lora_rank > 0) {
+      lora.adapters = MoeLoraAdapters{lora_ids.view({c.M}), nullptr, nullptr};
+      lora.w13 = stack13->weights;
+      lora.w2 = stack2->weights;
+      a.lora = &lora;
+    }
+    return a;
+  }
+
+  std::vector<double> reference() const {
+    ref::RefLora rl;
+    if (c.lora_rank > 0) {
+      rl.token_lora = token_loras;
+      rl.scale.assign(kAdapters, 1.0);
+      rl.w13 = stack13->ref;
+      rl.w2 = stack2->ref;
+    }
+    return ref::reference_fused_experts(x_values, w13.dequantized, w2.dequantized, weight_values, ids, c.M, c.top_k,
+                                        c.num_local, c.H, c.I, c.num_global > c.num_local ? map.data() : nullptr,
+                                        c.options.activation, c.options.swiglu_alpha, c.options.swiglu_limit,
+                                        c.options.apply_router_weight_on_input, c.options.no_combine,
+                                        c.options.routed_scaling_factor, c.lora_rank > 0 ? &rl : nullptr);
+  }
+
+  const WeightOnlyCase& c;
+  QuantScheme scheme;
+  Buffer x;
+  PackedWeights w13, w2;
+  Buffer topk_weights, topk_ids, expert_map, out, lora_ids, workspace;
+  std::optional<LoraStackData> stack13, stack2;
+  std::vector<double> x_values, weight_values;
+  std::vector<int64_t> ids, token_loras;
+  std::vector<int32_t> map;
+  TensorView x_view, map_view;
+  FusedExpertsQuant quant;
+  FusedExpertsLora lora;
+};
+
+class WeightOnlyTest : public ::testing::TestWithParam<WeightOnlyCase> {};
+
+TEST_P(WeightOnlyTest, MatchesReference) {
+  const WeightOnlyCase& c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  std::mt19937 rng(std::hash<std::string>{}(c.name));
+  WeightOnlyLayer layer(c, rng);
+  TestStream stream(c.backend);
+  fused_experts(layer.args(), c.options, stream.handle());
+  stream.sync();
+  layer.out.download();
+  const TensorView ov = c.options.no_combine ? layer.out.view({c.M, c.top_k, c.H}) : layer.out.view({c.M, c.H});
+  const double error = ref::rel_error(layer.out.read(ov), layer.reference());
+  EXPECT_LE(error, ref::tolerance(c.dtype));
+  EXPECT_EQ(layer.out.count_unwritten(ov), 0);
+  // Which CUDA path ran: the dense experts exist exactly past the decode kernels, and
+  // only the dense path writes them.
+  if (c.backend == Backend::kCUDA && c.M > 0) {
+    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
+    EXPECT_EQ(layout.weight_only_dense, c.M * c.top_k > kSmallBatchMaxSlots8Bit);
+    if (layout.weight_only_dense) {
+      layer.workspace.download();
+      EXPECT_FALSE(layer.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
+    }
+  }
+  RecordProperty("rel_error", std::to_string(error));
+}
+
+std::vector<WeightOnlyCase> weight_only_cases() {
+  std::vector<WeightOnlyCase> cases;
+  for (Backend backend : all_backends()) {
+    const std::string b = backend_name(backend);
+    for (int bits : {4, 8}) {
+      const std::string w = bits == 4 ? "w4a16" : "w8a16";
+      for (int64_t group : {int64_t(32), int64_t(64), int64_t(128), int64_t(0)}) {
+        for (Zeros zeros : {Zeros::kNone, Zeros::kBytes, Zeros::kPacked}) {
+          if (zeros == Zeros::kPacked && bits == 8) continue;
+          const std::string z = zeros == Zeros::kNone ? "sym" : zeros == Zeros::kBytes ? "zp" : "zp_packed";
+          WeightOnlyCase c;
+          c.backend = backend;
+          c.bits = bits;
+          c.group_size = group;
+          c.zeros = zeros;
+          c.name = b + "_" + w + "_g" + std::to_string(group) + "_" + z;
+          cases.push_back(c);
+        }
+      }
+      // M = 0 and 1, fp16, expert_map with -1 and dropped slots, no_combine, large M (the
+      // dense path on CUDA), LoRA on both paths, odd model sizes (gpt-oss's 2880, 1408).
+      auto add = [&](const std::string& name, auto&& edit) {
+        WeightOnlyCase c;
+        c.backend = backend;
+        c.bits = bits;
+        c.name = b + "_" + w + "_" + name;
+        edit(c);
+        cases.push_back(c);
+      };
+      add("m0", [](WeightOnlyCase& c) { c.M = 0; });
+      add("m1", [](WeightOnlyCase& c) { c.M = 1; });
+      add("fp16_zp", [](WeightOnlyCase& c) { c.dtype = DType::kFloat16; c.zeros = Zeros::kBytes; c.M = 5; });
+      add("fp16_g32", [](WeightOnlyCase& c) { c.dtype = DType::kFloat16; c.group_size = 32; });
+      add("expert_map", [](WeightOnlyCase& c) { c.num_global = 16; c.num_local = 6; c.dropped_share = 0.1; c.M = 12; });
+      add("no_combine", [](WeightOnlyCase& c) { c.options.no_combine = true; c.top_k = 3; });
+      add("router_weight_on_input", [](WeightOnlyCase& c) { c.options.apply_router_weight_on_input = true; c.top_k = 1; });
+      add("top8_m16", [](WeightOnlyCase& c) { c.top_k = 8; c.num_global = c.num_local = 32; c.M = 16; c.zeros = Zeros::kBytes; });
+      add("dense_m100", [](WeightOnlyCase& c) { c.M = 100; c.zeros = Zeros::kBytes; });
+      add("dense_expert_map", [](WeightOnlyCase& c) { c.M = 90; c.num_global = 12; c.num_local = 5; c.dropped_share = 0.05; });
+      add("lora_decode", [](WeightOnlyCase& c) { c.lora_rank = 16; c.M = 6; });
+      add("lora_dense", [](WeightOnlyCase& c) { c.lora_rank = 16; c.M = 80; c.zeros = Zeros::kBytes; });
+      add("swiglu_oai", [](WeightOnlyCase& c) { c.options.activation = Activation::kSwigluOai; c.M = 7; });
+      add("gelu_dense", [](WeightOnlyCase& c) { c.options.activation = Activation::kGelu; c.M = 70; });
+      add("h2880_i1408_g64", [](WeightOnlyCase& c) {
+        c.H = 2880, c.I = 1408, c.group_size = 64, c.num_global = c.num_local = 4, c.M = 3, c.zeros = Zeros::kBytes;
+      });
+      add("h1408_i2880_g32_dense", [](WeightOnlyCase& c) {
+        c.H = 1408, c.I = 2880, c.group_size = 32, c.num_global = c.num_local = 4, c.M = 66;
+      });
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schemes, WeightOnlyTest, ::testing::ValuesIn(weight_only_cases()),
+                         [](const auto& info) { return sanitized(info.param.name); });
+
+// ---- bad input: a clear error naming the argument, nothing written --------------------
+
+class WeightOnlyBackendTest : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
+  const Backend backend = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(backend);
+  std::mt19937 rng(7);
+  WeightOnlyCase c;
+  c.backend = backend;
+  c.zeros = Zeros::kBytes;
+  c.name = "bad";
+  WeightOnlyLayer layer(c, rng);
+  Buffer wrong(backend, DType::kUInt8, 8 * 2 * 128 * 256);
+  Buffer wrong_scales(backend, DType::kFloat32, 8 * 2 * 128 * 2);
+  Buffer wide_zeros(backend, DType::kUInt8, 8 * 2 * 128 * 2);
+  wide_zeros.write(wide_zeros.view({8 * 2 * 128 * 2}), std::vector<double>(8 * 2 * 128 * 2, 200.0));
+  wide_zeros.upload();
+  auto expect_error = [&](const std::string& what, const std::function<void(FusedExpertsArgs&)>& edit,
+                          const std::string& needle) {
+    FusedExpertsArgs a = layer.args();
+    edit(a);
+    const std::string message = error_message([&] { fused_experts(a, c.options); });
+    EXPECT_THAT(message, HasSubstr(needle)) << what;
+    layer.out.download();
+    EXPECT_EQ(layer.out.count_written(), 0) << what << ": out was written";
+  };
+  expect_error("packed K", [&](FusedExpertsArgs& a) { a.w13 = wrong.view({8, 256, 256}); }, "'w13'");
+  expect_error("w2 packed K", [&](FusedExpertsArgs& a) { a.w2 = wrong.view({8, 256, 128}); }, "'w2'");
+  expect_error("w13 int8", [&](FusedExpertsArgs& a) { a.w13.dtype = DType::kInt8; }, "'w13'");
+  expect_error("scale dtype", [&](FusedExpertsArgs& a) {
+    layer.quant.w13_scale = wrong_scales.view({8, 256, 2});
+  }, "'w13_scale'");
+  expect_error("scale groups", [&](FusedExpertsArgs& a) {
+    (void)a;
+    layer.quant.w13_scale = layer.w13.scales.view({8, 256, 1});
+  }, "'w13_scale'");
+  expect_error("group divides K", [&](FusedExpertsArgs& a) {
+    (void)a;
+    layer.quant.scheme.group_size = layer.quant.scheme.block_k = 96;
+  }, "group_size");
+  expect_error("zeros missing", [&](FusedExpertsArgs& a) { (void)a; layer.quant.w2_zero = nullptr; }, "'w2_zero'");
+  expect_error("zeros without the scheme", [&](FusedExpertsArgs& a) {
+    (void)a;
+    layer.quant.scheme.zero_points = false;
+  }, "'w13_zero'");
+  TensorView bad_zero;  // outlives the call
+  expect_error("zeros shape", [&](FusedExpertsArgs& a) {
+    (void)a;
+    layer.quant.w13_zero = &(bad_zero = wide_zeros.view({8, 100, 2}));
+  }, "'w13_zero'");
+  if (backend == Backend::kCPU) {
+    // 4-bit zero points one a byte above 15: a packed tensor passed as unpacked.
+    expect_error("zero values", [&](FusedExpertsArgs& a) {
+      (void)a;
+      layer.quant.w13_zero = &(bad_zero = wide_zeros.view({8, 256, 2}));
+    }, "[0, 15]");
+  } else {
+    // The CUDA kernels' 16-byte chunks: H a multiple of 32.
+    WeightOnlyCase odd = c;
+    odd.H = 240;
+    odd.group_size = 0;
+    WeightOnlyLayer small(odd, rng);
+    const std::string message = error_message([&] { fused_experts(small.args(), odd.options); });
+    EXPECT_THAT(message, HasSubstr("multiples of 32"));
+    small.out.download();
+    EXPECT_EQ(small.out.count_written(), 0);
+  }
+  // A scheme of the wrong kind: a group size the kernels do not take.
+  EXPECT_THAT(error_message([] { make_weight_only_scheme(QuantMethod::kW4A16, 48); }), HasSubstr("group_size"));
+  EXPECT_THAT(error_message([] { make_quant_scheme(QuantMethod::kW8A16); }), HasSubstr("weight-only"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, WeightOnlyBackendTest, ::testing::ValuesIn(all_backends()),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+}  // namespace
+}  // namespace moelora::test
