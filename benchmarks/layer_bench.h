@@ -399,7 +399,7 @@ class LayerCell {
   static constexpr int kRotations = 4;
 
   // w13 [E, 2I, H], w2 [E, H, I] on the run's device: `dtype`, or quant->scheme.element
-  // with quant's scales. With `stacks` (device views set), each rotation also gets
+  // with quant's scales (weight-only 4-bit: [E, 2I, H / 2], [E, H, I / 2]). With `stacks` (device views set), each rotation also gets
   // adapters for set_lora(): `adapters` slots, all enabled, a share `share` of tokens.
   LayerCell(const Model& m, int64_t M, DType dtype, bool cuda, const void* w13, const void* w2,
             const std::vector<LoraStacks*>& stacks = {}, int64_t adapters = 0, double share = 0,
@@ -407,6 +407,8 @@ class LayerCell {
       : m_(m), M_(M), cuda_(cuda) {
     const moelora::Device device = cuda ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{};
     const DType w_dtype = quant ? quant->scheme.element : dtype;
+    // Weight-only 4-bit experts: two weights a byte along K.
+    const int64_t per_byte = quant && quant->scheme.weight_only() && quant->scheme.weight_bits == 4 ? 2 : 1;
     const int64_t L = stacks.empty() ? 0 : adapters;
     moelora::FusedExpertsShape shape{M, m.top_k, m.E, m.H, m.I, dtype};
     shape.max_loras = L;
@@ -436,8 +438,8 @@ class LayerCell {
       out_.push_back(buffer(nullptr, M * m.H * 2));
       args_.push_back(moelora::FusedExpertsArgs{
           .hidden_states = view(buffer(x_host_[r].data(), M * m.H * 2)->ptr(), dtype, {M, m.H}, device),
-          .w13 = view(const_cast<void*>(w13), w_dtype, {m.E, 2 * m.I, m.H}, device),
-          .w2 = view(const_cast<void*>(w2), w_dtype, {m.E, m.H, m.I}, device),
+          .w13 = view(const_cast<void*>(w13), w_dtype, {m.E, 2 * m.I, m.H / per_byte}, device),
+          .w2 = view(const_cast<void*>(w2), w_dtype, {m.E, m.H, m.I / per_byte}, device),
           .topk_weights = view(buffer(routing_[r].weights.data(), M * m.top_k * 4)->ptr(), DType::kFloat32, {M, m.top_k},
                                device),
           .topk_ids = view(buffer(routing_[r].ids.data(), M * m.top_k * 4)->ptr(), DType::kInt32, {M, m.top_k}, device),

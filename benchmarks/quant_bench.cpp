@@ -67,11 +67,20 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags = "[--scheme S[,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
+constexpr const char* kOwnFlags = "[--scheme S[:gG][:zp][,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
+
+// A --scheme entry: the method and, for weight-only ones (NAME[:gG][:zp]), the group
+// (0: per channel) and whether zero points come with it.
+struct SchemeSpec {
+  QuantMethod method;
+  int64_t group = 128;
+  bool zero_points = false;
+  bool operator==(QuantMethod m) const { return method == m; }
+};
 
 struct Options : LayerBenchOptions {
-  std::vector<QuantMethod> schemes{QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
-                                   QuantMethod::kInt8Channel};
+  std::vector<SchemeSpec> schemes{{QuantMethod::kFp8Block}, {QuantMethod::kFp8Channel}, {QuantMethod::kFp8Tensor},
+                                  {QuantMethod::kInt8Channel}};
   bool static_act = false;   // fp8_tensor: static activation scales
   int64_t check_tokens = 64;  // most tokens a check reads
   std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
@@ -89,13 +98,24 @@ Options parse(int argc, char** argv) {
                          [&](const std::string& arg, const std::function<std::string()>& value) {
                            if (arg == "--scheme") {
                              o.schemes.clear();
-                             for (const std::string& name : split_commas(value())) {
+                             for (const std::string& entry : split_commas(value())) {
+                               const size_t colon = entry.find(':');
+                               SchemeSpec spec;
                                try {
-                                 o.schemes.push_back(moelora::quant_method_from_name(name));
+                                 spec.method = moelora::quant_method_from_name(entry.substr(0, colon));
                                } catch (const moelora::Error&) {
-                                 usage("unknown scheme " + name + " (fp8_block, fp8_channel, fp8_tensor, "
-                                       "int8_channel or int8_block)");
+                                 usage("unknown scheme " + entry + " (fp8_block, fp8_channel, fp8_tensor, "
+                                       "int8_channel, int8_block, or w4a16 / w8a16[:gG][:zp])");
                                }
+                               for (size_t at = colon; at != std::string::npos;) {
+                                 const size_t next = entry.find(':', at + 1);
+                                 const std::string part = entry.substr(at + 1, next == std::string::npos ? next : next - at - 1);
+                                 if (part == "zp") spec.zero_points = true;
+                                 else if (part.size() > 1 && part[0] == 'g') spec.group = std::stoll(part.substr(1));
+                                 else usage("scheme options are :gG (group, 0 per channel) and :zp, got " + entry);
+                                 at = next;
+                               }
+                               o.schemes.push_back(spec);
                              }
                            } else if (arg == "--static-act") o.static_act = true;
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
@@ -121,6 +141,61 @@ Options parse(int argc, char** argv) {
   }
   return o;
 }
+
+// ---- weight-only experts (w4a16 / w8a16, issue 30) -----------------------------------
+// One expert GEMM's packed weights [E, N, K * bits / 8]: random codes (the timing does not
+// depend on them), scales [E, N, K / G] (or [E, N]) in the layer dtype sized so the
+// weights have moelora_bench's std (0.02), and zero points one a byte (--zero-points)
+// around the middle of the range. Host copies for the reference.
+struct WeightOnlyGemm {
+  WeightOnlyGemm(bool cuda, const QuantScheme& s, int64_t E, int64_t N, int64_t K, uint64_t seed)
+      : E(E), N(N), K(K), bits(s.weight_bits), group(s.group_size > 0 ? s.group_size : K), groups(K / group),
+        packed_host(E * N * K * bits / 8), scale_host(E * N * groups), zero_host(s.zero_points ? E * N * groups : 0),
+        packed(cuda, packed_host.size()), scales(cuda, scale_host.size() * 2), zeros(cuda, std::max<size_t>(1, zero_host.size())) {
+    parallel_for(int64_t((packed_host.size() + 4095) / 4096), [&](int64_t block) {
+      for (size_t i = size_t(block) * 4096; i < std::min(packed_host.size(), size_t(block + 1) * 4096); ++i) {
+        packed_host[i] = uint8_t(splitmix64(seed ^ (i * 0x9E3779B97F4A7C15ull)));
+      }
+    });
+    const int maxq = (1 << bits) - 1;
+    // Uniform codes: std (maxq + 1) / sqrt(12) around the zero point.
+    const double scale = 0.02 * std::sqrt(12.0) / (maxq + 1);
+    for (size_t i = 0; i < scale_host.size(); ++i) {
+      const double jitter = 0.75 + 0.5 * double(splitmix64(seed + 7 * i) % 1024) / 1024.0;
+      scale_host[i] = moelora::host::to_bf16(float(scale * jitter)).bits;
+    }
+    for (size_t i = 0; i < zero_host.size(); ++i) zero_host[i] = uint8_t(maxq / 4 + splitmix64(seed + 13 * i) % (maxq / 2 + 1));
+    const moelora::Device device = cuda ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{};
+    packed.upload(packed_host.data(), packed_host.size());
+    scales.upload(scale_host.data(), scale_host.size() * 2);
+    if (!zero_host.empty()) zeros.upload(zero_host.data(), zero_host.size());
+    values_view = view(packed.ptr(), DType::kUInt8, {E, N, K * bits / 8}, device);
+    scale_view = s.group_size > 0 ? view(scales.ptr(), kDtype, {E, N, groups}, device) : view(scales.ptr(), kDtype, {E, N}, device);
+    zero_view = s.group_size > 0 ? view(zeros.ptr(), DType::kUInt8, {E, N, groups}, device)
+                                 : view(zeros.ptr(), DType::kUInt8, {E, N}, device);
+  }
+  // Bytes of one expert: its packed weights, scales and zero points.
+  double expert_bytes() const { return double(N) * K * bits / 8 + double(N) * groups * (2 + (zero_host.empty() ? 0 : 1)); }
+  // Row n of expert e, dequantized: out[K].
+  void row(int64_t e, int64_t n, double* out) const {
+    const uint8_t* q = packed_host.data() + (e * N + n) * K * bits / 8;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t g = (e * N + n) * groups + k / group;
+      const int code = bits == 4 ? (q[k / 2] >> (4 * (k % 2))) & 15 : q[k];
+      const int zero = zero_host.empty() ? 1 << (bits - 1) : zero_host[g];
+      out[k] = double(code - zero) * moelora::host::to_float(moelora::host::bf16{scale_host[g]});
+    }
+  }
+
+  int64_t E, N, K;
+  int bits;
+  int64_t group, groups;
+  std::vector<uint8_t> packed_host;
+  std::vector<uint16_t> scale_host;
+  std::vector<uint8_t> zero_host;
+  Buffer packed, scales, zeros;
+  TensorView values_view, scale_view, zero_view;
+};
 
 // ---- quantized experts ----------------------------------------------------------------
 // The scale blocks of one expert GEMM's weights [E, N, K]: rows x cols elements per scale
@@ -182,11 +257,33 @@ struct QuantGemm {
 struct QuantExperts {
   QuantScheme scheme;
   std::unique_ptr<QuantGemm> w13, w2;
+  std::unique_ptr<WeightOnlyGemm> wo13, wo2;  // weight-only schemes instead
+  const void* w13_values() const { return wo13 ? wo13->packed.ptr() : w13->values.ptr(); }
+  const void* w2_values() const { return wo2 ? wo2->packed.ptr() : w2->values.ptr(); }
+  double expert_bytes() const {
+    return wo13 ? wo13->expert_bytes() + wo2->expert_bytes() : w13->expert_bytes() + w2->expert_bytes();
+  }
   std::unique_ptr<Buffer> static_scales;  // [2]: a13, a2 (static activation scales)
   double a13 = 0, a2 = 0;                 // their values (0: dynamic)
   TensorView a13_view, a2_view;
   moelora::FusedExpertsQuant args;
 };
+
+std::unique_ptr<QuantExperts> weight_only_experts(const Model& m, QuantMethod method, int64_t group, bool zero_points,
+                                                  bool cuda) {
+  auto q = std::make_unique<QuantExperts>();
+  // gpt-oss's 2880 takes groups of 64 at most (vLLM halves the group until it divides).
+  int64_t g = group;
+  while (g > 32 && (m.H % g != 0 || m.I % g != 0)) g /= 2;
+  q->scheme = moelora::make_weight_only_scheme(method, g, zero_points);
+  q->wo13 = std::make_unique<WeightOnlyGemm>(cuda, q->scheme, m.E, 2 * m.I, m.H, 21);
+  q->wo2 = std::make_unique<WeightOnlyGemm>(cuda, q->scheme, m.E, m.H, m.I, 22);
+  q->args = moelora::FusedExpertsQuant{.scheme = q->scheme, .w13_scale = q->wo13->scale_view,
+                                       .w2_scale = q->wo2->scale_view,
+                                       .w13_zero = zero_points ? &q->wo13->zero_view : nullptr,
+                                       .w2_zero = zero_points ? &q->wo2->zero_view : nullptr};
+  return q;
+}
 
 std::unique_ptr<QuantExperts> quantize_experts(const Model& m, QuantMethod method, bool static_act, bool cuda,
                                                const void* w13, const void* w2, const float calibrated[2]) {
@@ -219,12 +316,15 @@ struct RefWeights {
   const float* scales;  // null for bf16
   ScaleGrid grid;
   int64_t N, K;
+  const WeightOnlyGemm* weight_only = nullptr;  // its rows instead
 
   static RefWeights of(const QuantGemm& w) {
     return {w.host_values.data(), w.element, w.host_scales.data(), w.grid, w.N, w.K};
   }
+  static RefWeights of(const WeightOnlyGemm& w) { return {nullptr, DType::kUInt8, nullptr, {}, w.N, w.K, &w}; }
   // Row n of expert e, dequantized: out[K].
   void row(int64_t e, int64_t n, double* out) const {
+    if (weight_only) return weight_only->row(e, n, out);
     static const std::array<double, 256> fp8 = [] {
       std::array<double, 256> t{};
       for (int i = 0; i < 256; ++i) t[i] = moelora::host::to_float(moelora::host::fp8e4m3{uint8_t(i)});
@@ -421,15 +521,17 @@ using Bf16Refs = std::map<std::vector<int64_t>, std::vector<double>>;
 std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda, const QuantExperts& q,
                           const std::vector<LoraStacks*>& stacks, const std::vector<uint16_t>& w13_bf16,
                           const std::vector<uint16_t>& w2_bf16, const Ceilings& ceilings, Bf16Refs& bf16_refs) {
-  LayerCell cell(m, M, kDtype, cuda, q.w13->values.ptr(), q.w2->values.ptr(), stacks, o.lora_adapters, o.lora_share,
-                 &q.args);
+  LayerCell cell(m, M, kDtype, cuda, q.w13_values(), q.w2_values(), stacks, o.lora_adapters, o.lora_share, &q.args);
+  const bool weight_only = q.scheme.weight_only();
   const moelora::MoeKernelConfig grouped_on{
       .grouped_gemm = true, .grouped_tiles1 = o.grouped_tiles1, .grouped_tiles2 = o.grouped_tiles2};
   static const moelora::MoeKernelConfig kGroupedOff{.grouped_gemm = false};
   const moelora::FusedExpertsOptions fo =
       cell.options(o.grouped == "auto" ? nullptr : o.grouped == "off" ? &kGroupedOff : &grouped_on);
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
-  const double rate = q.scheme.element == DType::kInt8 ? ceilings.int8_tops : ceilings.fp8_tflops;
+  // Weight-only: the MMAs run on the 16-bit activations.
+  const double rate = weight_only ? ceilings.bf16_tflops
+                      : q.scheme.element == DType::kInt8 ? ceilings.int8_tops : ceilings.fp8_tflops;
   std::vector<Row> rows;
   for (size_t i = 0; i <= stacks.size(); ++i) {  // 0: no LoRA, then each stack
     cell.set_lora(i == 0 ? nullptr : stacks[i - 1]);
@@ -444,7 +546,7 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
       const std::vector<uint16_t> out = cell.run_once(check_fo);
       row.time_us = cell.time_us(fo, o.iters > 0 ? o.iters : cuda ? 30 : 3, kCellBudgetS);
       double lora_flops;
-      cell.floors(q.w13->expert_bytes() + q.w2->expert_bytes(), &row.bytes, &row.flops, &lora_flops);
+      cell.floors(q.expert_bytes(), &row.bytes, &row.flops, &lora_flops);
       row.floor_us = std::max(row.bytes / (ceilings.copy_tbps * 1e6),
                               row.flops / (rate * 1e6) + lora_flops / (ceilings.bf16_tflops * 1e6));
       row.flops += lora_flops;
@@ -458,16 +560,22 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
                                   .layer_dtype = kDtype};
         const int64_t chunk = plan.chunk_size > 0 ? plan.chunk_size : int64_t(plan.tokens.size());
         const std::vector<double> got = rows_of(out, m.H, plan.tokens);
+        // Weight-only: the float64 layer on the dequantized weights, activations as they are.
         row.rel_err = moelora::ref::rel_error(
-            got, reference_tokens(m, in, RefWeights::of(*q.w13), RefWeights::of(*q.w2), plan.tokens, chunk, &rq));
+            got, weight_only ? reference_tokens(m, in, RefWeights::of(*q.wo13), RefWeights::of(*q.wo2), plan.tokens,
+                                                chunk, nullptr)
+                             : reference_tokens(m, in, RefWeights::of(*q.w13), RefWeights::of(*q.w2), plan.tokens,
+                                                chunk, &rq));
         std::vector<int64_t> key{M, row.lora_rank};
         key.insert(key.end(), plan.tokens.begin(), plan.tokens.end());
-        if (!bf16_refs.count(key)) {
+        if (w13_bf16.empty()) {
+          // no bf16 experts (weight-only schemes alone): rel_err_bf16 stays unset
+        } else if (!bf16_refs.count(key)) {
           const RefWeights w13{w13_bf16.data(), kDtype, nullptr, {}, 2 * m.I, m.H};
           const RefWeights w2{w2_bf16.data(), kDtype, nullptr, {}, m.H, m.I};
           bf16_refs[key] = reference_tokens(m, in, w13, w2, plan.tokens, chunk, nullptr);
         }
-        row.rel_err_bf16 = moelora::ref::rel_error(got, bf16_refs[key]);
+        if (!w13_bf16.empty()) row.rel_err_bf16 = moelora::ref::rel_error(got, bf16_refs[key]);
         row.checked_tokens = int64_t(plan.tokens.size());
         row.check_chunk = plan.chunk_size;
       }
@@ -485,6 +593,10 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
 }
 
 std::string scheme_label(const QuantScheme& s) {
+  if (s.weight_only()) {
+    return std::string(moelora::quant_method_name(s.method)) + "/g" + std::to_string(s.group_size) +
+           (s.zero_points ? "/zp" : "");
+  }
   return std::string(moelora::quant_method_name(s.method)) + (s.static_activation_scales ? "/static" : "");
 }
 
@@ -497,10 +609,10 @@ void print_row(const Row& r) {
     return;
   }
   const std::string check = r.checked_tokens == 0 ? std::string("not checked")
-                                                  : format("%.2e (%lld tokens%s)  vs bf16 layer %.2e", r.rel_err,
+                                                  : format("%.2e (%lld tokens%s)%s", r.rel_err,
                                                            (long long)r.checked_tokens,
                                                            r.check_chunk ? format(", chunks of %lld", (long long)r.check_chunk).c_str() : "",
-                                                           r.rel_err_bf16);
+                                                           r.rel_err_bf16 < 0 ? "" : format("  vs bf16 layer %.2e", r.rel_err_bf16).c_str());
   const std::string tax = r.lora_rank > 0 ? format("  tax x%.3f on base %.1f us (floor x%.3f)", r.time_us / r.base_us,
                                                    r.base_us, r.floor_us / r.base_floor_us)
                                           : std::string();
@@ -516,9 +628,10 @@ void print_row(const Row& r) {
 std::string json_row(const Row& r, const Options& o) {
   const QuantScheme& s = r.scheme;
   const std::string group = s.weight_scales == ScaleGranularity::kBlock ? std::to_string(s.block_k) : "null";
-  const std::string quant =
-      format("{\"scheme\": \"%s\", \"group\": %s, \"zero_point\": false, \"activations\": \"%s\"}",
-             moelora::quant_method_name(s.method), group.c_str(), s.static_activation_scales ? "static" : "dynamic");
+  const std::string quant = format(
+      "{\"scheme\": \"%s\", \"group\": %s, \"zero_point\": %s, \"activations\": \"%s\"}",
+      moelora::quant_method_name(s.method), group.c_str(), s.zero_points ? "true" : "false",
+      s.weight_only() ? "bf16" : s.static_activation_scales ? "static" : "dynamic");
   std::string lora = "null", lora_keys;
   if (r.lora_rank > 0) {
     lora = format("{\"rank\": %lld, \"adapters\": %lld, \"share\": %s}", (long long)r.lora_rank,
@@ -544,9 +657,14 @@ std::string json_row(const Row& r, const Options& o) {
 int main(int argc, char** argv) {
   const Options o = parse(argc, argv);
   const bool cuda = o.cuda;
+  // LoRA rows: on fp8_block and w4a16 cells.
+  auto takes_lora = [](QuantMethod m) { return m == QuantMethod::kFp8Block || m == QuantMethod::kW4A16; };
   const bool lora_rows = !o.lora_ranks.empty() &&
-                         std::count(o.schemes.begin(), o.schemes.end(), QuantMethod::kFp8Block) > 0;
-  if (!o.lora_ranks.empty() && !lora_rows) std::printf("note: --lora-rank adds rows to fp8_block cells only: none run\n");
+                         std::any_of(o.schemes.begin(), o.schemes.end(), [&](const SchemeSpec& q) { return takes_lora(q.method); });
+  if (!o.lora_ranks.empty() && !lora_rows) std::printf("note: --lora-rank adds rows to fp8_block and w4a16 cells only: none run\n");
+  const bool any_8bit = std::any_of(o.schemes.begin(), o.schemes.end(), [](const SchemeSpec& q) {
+    return q.method != QuantMethod::kW4A16 && q.method != QuantMethod::kW8A16;
+  });
   try {
     Ceilings ceilings;
 #ifdef MOELORA_WITH_CUDA
@@ -561,16 +679,20 @@ int main(int argc, char** argv) {
     for (const Model* model : o.models) {
       const Model& m = *model;
       const auto start = std::chrono::steady_clock::now();
-      // moelora_bench's bf16 experts (same seeds). NOTE: their GPU copy (6.4 GB for
-      // gpt-oss-120b) lives only while the schemes are quantized from it.
-      ModelWeights w(m, kDtype, cuda);
+      // moelora_bench's bf16 experts (same seeds), for the 8-bit schemes. NOTE: their GPU
+      // copy (6.4 GB for gpt-oss-120b) lives only while the schemes are quantized from it.
+      // Weight-only schemes take random codes of their own (WeightOnlyGemm).
+      ModelWeights w(any_8bit ? m : Model{m.name, 0, m.top_k, m.H, m.I, m.activation}, kDtype, cuda && any_8bit);
       std::array<float, 2> calibrated{0, 0};
       const bool static_scales =
           o.static_act && std::count(o.schemes.begin(), o.schemes.end(), QuantMethod::kFp8Tensor) > 0;
       if (static_scales) calibrated = calibrate(m, RefWeights{w.w13.data(), kDtype, nullptr, {}, 2 * m.I, m.H});
       std::vector<std::unique_ptr<QuantExperts>> experts;
-      for (QuantMethod method : o.schemes) {
-        experts.push_back(quantize_experts(m, method, o.static_act, cuda, w.w13_run, w.w2_run, calibrated.data()));
+      for (const SchemeSpec& spec : o.schemes) {
+        experts.push_back(spec.method == QuantMethod::kW4A16 || spec.method == QuantMethod::kW8A16
+                              ? weight_only_experts(m, spec.method, spec.group, spec.zero_points, cuda)
+                              : quantize_experts(m, spec.method, o.static_act, cuda, w.w13_run, w.w2_run,
+                                                 calibrated.data()));
       }
       device_synchronize();  // the quantization is done before the frees
       w.free_device();
@@ -585,11 +707,11 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       Bf16Refs bf16_refs;
       for (std::unique_ptr<QuantExperts>& q : experts) {
-        if (o.check) {
+        if (o.check && q->w13) {
           q->w13->download();
           q->w2->download();
         }
-        const bool with_lora = q->scheme.method == QuantMethod::kFp8Block;
+        const bool with_lora = takes_lora(q->scheme.method);
         for (int64_t M : o.tokens) {
           for (const Row& row : run_cell(m, M, o, cuda, *q, with_lora ? stacks : std::vector<LoraStacks*>{}, w.w13,
                                          w.w2, ceilings, bf16_refs)) {
