@@ -212,7 +212,7 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
       .num_experts = num_experts,
       .num_local_experts = args.w13.shape[0],
       .H = x_chunk.shape[1],
-      .I = args.w2.shape[2],
+      .I = args.w13.shape[1] / 2,  // (w2.shape[2] is I / 2 for packed 4-bit weights)
       .act = act,
       .out = out_chunk,
       .out_stride_token = args.out.strides[0],
