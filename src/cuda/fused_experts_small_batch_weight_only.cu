@@ -17,7 +17,7 @@ namespace small_batch {
 
 namespace {
 
-template <class T, int kBits, ActivationKind kAct>
+template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
 __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const SmallBatchMoeParams p) {
   __shared__ SlotTables t;
   __shared__ float red[kMmaReduceFloats];
@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
     const int d = unit / column_groups, j = (unit - d * column_groups) * 8 + g;
     const int64_t expert = t.distinct_expert[d];
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
-    weight_only_item_passes<T, kBits>(
+    weight_only_item_passes<T, kBits, kScaleAfter>(
         p.w13q, expert, gate_row, up_row, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, teams,
         red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up); });
   }
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
 
 // kCtaThreads: kThreads, or 512 when H's 16-row blocks are no more than the SMs (as the
 // W8A8 instances, launch_small_batch).
-template <class T, int kBits, int kCtaThreads>
+template <class T, int kBits, bool kScaleAfter, int kCtaThreads>
 __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
     weight_only_gemm2_kernel(const SmallBatchMoeParams p, int rows_per_cta) {
   constexpr int kCtaWarps = kCtaThreads / 32;
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
       const int d = item / row_groups, row0 = (item - d * row_groups) * 16;
       // Rows past H (the last block) repeat row H - 1; their sums are never read.
       const int h_lo = min(h0 + row0 + g, H - 1), h_hi = min(h0 + row0 + g + 8, H - 1);
-      weight_only_item_passes<T, kBits>(
+      weight_only_item_passes<T, kBits, kScaleAfter>(
           p.w2q, t.distinct_expert[d], h_lo, h_hi, t, d, act, int64_t(I), [](int slot) { return slot; }, I, teams, red,
           [&](int slot, float product_lo, float product_hi) {
             // LoRA: the slot's delta joins before the routed weight.
@@ -83,26 +83,37 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
   allow_next_kernel_launch();
 }
 
-template <class T, int kBits, ActivationKind kAct>
+template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
 void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
-  constexpr auto gemm1 = weight_only_gemm1_kernel<T, kBits, kAct>;
-  if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  if (stages & 1) {
+    constexpr auto gemm1 = weight_only_gemm1_kernel<T, kBits, kScaleAfter, kAct>;
+    launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  }
   if (!(stages & 2)) return;
   // NOTE: as the W8A8 instances: CTAs of 16 warps where H's 16-row blocks do not fill
   // two CTAs an SM.
   if ((p.H + 15) / 16 <= int64_t(current_device_info().num_sms)) {
-    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, 2 * kThreads>, 16, 2 * kThreads>(p, stream);
+    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, kScaleAfter, 2 * kThreads>, 16, 2 * kThreads>(p, stream);
   } else {
-    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, kThreads>, 16>(p, stream);
+    launch_small_batch_gemm2<weight_only_gemm2_kernel<T, kBits, kScaleAfter, kThreads>, 16>(p, stream);
   }
 }
 
+// Scales after the MMAs where a step of K (128 4-bit or 64 8-bit weights) lies in one
+// group of both GEMMs.
 template <class T, int kBits>
 void dispatch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  auto whole_steps = [](int64_t group) { return group == 0 || group % kWeightsPerStep<kBits> == 0; };
+  const bool after = whole_steps(p.w13q.group_size) && whole_steps(p.w2q.group_size);
+  auto launch = [&](auto act) {
+    constexpr ActivationKind kAct = decltype(act)::value;
+    after ? launch_weight_only<T, kBits, true, kAct>(p, stream, stages)
+          : launch_weight_only<T, kBits, false, kAct>(p, stream, stages);
+  };
   switch (p.activation) {
-    case ActivationKind::kSiluAndMul: return launch_weight_only<T, kBits, ActivationKind::kSiluAndMul>(p, stream, stages);
-    case ActivationKind::kGeluAndMul: return launch_weight_only<T, kBits, ActivationKind::kGeluAndMul>(p, stream, stages);
-    case ActivationKind::kSwigluOai: return launch_weight_only<T, kBits, ActivationKind::kSwigluOai>(p, stream, stages);
+    case ActivationKind::kSiluAndMul: return launch(std::integral_constant<ActivationKind, ActivationKind::kSiluAndMul>{});
+    case ActivationKind::kGeluAndMul: return launch(std::integral_constant<ActivationKind, ActivationKind::kGeluAndMul>{});
+    case ActivationKind::kSwigluOai: return launch(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{});
   }
 }
 

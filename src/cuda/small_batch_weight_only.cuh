@@ -16,9 +16,10 @@
 // - 8-bit: fp16 takes PRMT with 0x64 (1024 + v); bf16 builds 2^23 + v in fp32 (PRMT with
 //   0x4B000000), subtracts 2^23 + zero and converts the pair (exact: |v - zero| <= 255).
 // A lane's 16 bytes lie in one scale group (groups of 32, 64, 128 or a whole row), so a
-// lane loads one scale and one zero point per row a step. The only rounding before the
-// fp32 MMA sums is the product with the scale, once per weight, as dequantizing to
-// bf16/fp16 would do.
+// lane loads one scale and one zero point per row a step. Where a whole step (128 4-bit
+// or 64 8-bit weights of K) lies in one group, the MMAs take the exact q - zero and the
+// step's sums are scaled in fp32; smaller groups multiply each pair by its scale first,
+// the only rounding before the fp32 sums, as dequantizing to bf16/fp16 would do.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -111,35 +112,43 @@ __device__ __forceinline__ GroupConstants<T> group_constants(const WeightOnlyPar
 // vector's pairs of vector_pairs() take:
 //   4-bit: (k0, k4), (k1, k5), (k2, k6), (k3, k7) of the word's 8 values
 //   8-bit: (k0, k1), (k2, k3) in w[0], w[1] (w[2], w[3] unused)
-template <class T, int kBits>
+// kScaled: times the scale (groups smaller than a step); else q - zero alone, exact, for
+// a scale applied to the step's MMA sums (warp_weight_only_rows).
+template <class T, int kBits, bool kScaled>
 __device__ __forceinline__ void weight_pairs(uint32_t word, const GroupConstants<T>& c, uint32_t (&w)[4]) {
+  auto scaled = [&](Pair<T> v) { return as_bits<T>(kScaled ? __hmul2(v, c.scale) : v); };
   if constexpr (kBits == 4) {
     constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const Pair<T> v = as_pair<T>(and_or(word >> (4 * i), 0x000f000fu, kExp));
-      w[i] = as_bits<T>(__hmul2(__hsub2(v, c.offset), c.scale));
+      w[i] = scaled(__hsub2(v, c.offset));
     }
   } else if constexpr (std::is_same_v<T, __half>) {
     const Pair<T> lo = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4140));
     const Pair<T> hi = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4342));
-    w[0] = as_bits<T>(__hmul2(__hsub2(lo, c.offset), c.scale));
-    w[1] = as_bits<T>(__hmul2(__hsub2(hi, c.offset), c.scale));
+    w[0] = scaled(__hsub2(lo, c.offset));
+    w[1] = scaled(__hsub2(hi, c.offset));
   } else {
     // 2^23 + v in fp32, minus 2^23 + zero: v - zero exactly.
     const float bias = 8388608.f + c.zero;
     float f[4];
 #pragma unroll
     for (int b = 0; b < 4; ++b) f[b] = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 | b)) - bias;
-    w[0] = as_bits<T>(__hmul2(__floats2bfloat162_rn(f[0], f[1]), c.scale));
-    w[1] = as_bits<T>(__hmul2(__floats2bfloat162_rn(f[2], f[3]), c.scale));
+    w[0] = scaled(__floats2bfloat162_rn(f[0], f[1]));
+    w[1] = scaled(__floats2bfloat162_rn(f[2], f[3]));
   }
 }
 
 // One warp's 16-row product over steps [step_begin, step_end) of the packed K: rows
 // row_lo (g) and row_hi (g + 8) of `expert`, the lane's vector g (null: zeros), into
 // acc: (row g, vector 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1). K: weights a row.
-template <class T, int kBits>
+// kScaleAfter (a step within one scale group: groups of at least a step's K, or one per
+// row): the MMAs sum the exact q - zero, and each step's sums meet the rows' scales in
+// fp32; the weights skip one multiply a pair. NOTE: the 4-bit instances streamed at
+// 2.0-2.2 TB/s with the multiply (H100, Mixtral M = 1-16), issue-bound where the 8-bit
+// ones, at half the weights a byte, reached 2.7 (docs/PERF_NOTES.md, issue 30).
+template <class T, int kBits, bool kScaleAfter>
 __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
                                                       int64_t row_hi, const T* vec, int K, int step_begin,
                                                       int step_end, float (&acc)[4]) {
@@ -181,24 +190,34 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
       if (s0 + u >= step_end) break;
       const uint32_t words_lo[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w};
       const uint32_t words_hi[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
+      float part[4] = {0.f, 0.f, 0.f, 0.f};
+      float (&sums)[4] = kScaleAfter ? part : acc;
 #pragma unroll
       for (int wd = 0; wd < 4; ++wd) {
         uint32_t a_lo[4], a_hi[4];
-        weight_pairs<T, kBits>(words_lo[wd], c_lo[u], a_lo);
-        weight_pairs<T, kBits>(words_hi[wd], c_hi[u], a_hi);
+        weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], c_lo[u], a_lo);
+        weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], c_hi[u], a_hi);
         if constexpr (kBits == 4) {
           // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
           const uint4 v = x[u][wd];
           const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
           const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
-          mma_16x8x16<T>(acc, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
-          mma_16x8x16<T>(acc, a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
+          mma_16x8x16<T>(sums, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
+          mma_16x8x16<T>(sums, a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
         } else {
           // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
           const uint4 v = x[u][wd / 2];
           const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
-          mma_16x8x16<T>(acc, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
+          mma_16x8x16<T>(sums, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
         }
+      }
+      if constexpr (kScaleAfter) {
+        // Every lane of the step read the same group: its rows' scales.
+        const float s_lo = to_float(c_lo[u].scale.x), s_hi = to_float(c_hi[u].scale.x);
+        acc[0] = fmaf(part[0], s_lo, acc[0]);
+        acc[1] = fmaf(part[1], s_lo, acc[1]);
+        acc[2] = fmaf(part[2], s_hi, acc[2]);
+        acc[3] = fmaf(part[3], s_hi, acc[3]);
       }
     }
   }
@@ -208,7 +227,7 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
 // pass's products, summed over the team; its first warp then hands use(slot, product
 // with row_lo, product with row_hi) for each of its lane's vectors. a: the vectors'
 // rows (row_of(slot), a_stride elements apart).
-template <class T, int kBits, int kCtaWarps, class RowOf, class Use>
+template <class T, int kBits, bool kScaleAfter, int kCtaWarps, class RowOf, class Use>
 __device__ __forceinline__ void weight_only_item_passes(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
                                                         int64_t row_hi, const SlotTables& t, int d, const T* a,
                                                         int64_t a_stride, RowOf row_of, int K,
@@ -220,8 +239,8 @@ __device__ __forceinline__ void weight_only_item_passes(const WeightOnlyParams& 
     const int n = min(kMmaVecs, end - pass);
     const T* vec = g < n ? a + int64_t(row_of(t.sorted_slot[pass + g])) * a_stride : nullptr;
     float acc[kMmaTiles][4];
-    warp_weight_only_rows<T, kBits>(q, expert, row_lo, row_hi, vec, K, teams.step_begin(), teams.step_end(steps),
-                                    acc[0]);
+    warp_weight_only_rows<T, kBits, kScaleAfter>(q, expert, row_lo, row_hi, vec, K, teams.step_begin(),
+                                                 teams.step_end(steps), acc[0]);
     teams.reduce(acc, red);
     if (teams.member != 0) continue;
 #pragma unroll
