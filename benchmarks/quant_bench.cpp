@@ -34,6 +34,9 @@
 // R: --adapters slots (4) of bf16 adapters on a share --lora-share (1.0) of the tokens, as
 // moelora_bench's; its floor adds the stacks' bytes and their FLOPs over bf16_tflops, and
 // lora_tax = time / time of the cell's row without LoRA.
+// Weight-only schemes (issue 30): w4a16 / w8a16[:gG][:zp] (group G, 0 per channel; zero
+// points), random packed codes (WeightOnlyGemm), checked against the float64 layer on the
+// dequantized weights; --weight-only-path forces FusedExpertsOptions::weight_only_path.
 // --grouped on|off forces MoeKernelConfig::grouped_gemm (CUTLASS grouped GEMMs) on or off
 // in every cell (a caller's config: no small-batch kernels, the heuristic block size), for
 // the crossover against the W8A8 tile kernels; without it the layer's heuristic decides.
@@ -67,7 +70,7 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags = "[--scheme S[:gG][:zp][,S...]] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
+constexpr const char* kOwnFlags = "[--scheme S[:gG][:zp][,S...]] [--weight-only-path auto|decode|aligned|dense] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
 
 // A --scheme entry: the method and, for weight-only ones (NAME[:gG][:zp]), the group
 // (0: per channel) and whether zero points come with it.
@@ -82,6 +85,7 @@ struct Options : LayerBenchOptions {
   std::vector<SchemeSpec> schemes{{QuantMethod::kFp8Block}, {QuantMethod::kFp8Channel}, {QuantMethod::kFp8Tensor},
                                   {QuantMethod::kInt8Channel}};
   bool static_act = false;   // fp8_tensor: static activation scales
+  moelora::WeightOnlyPath weight_only_path = moelora::WeightOnlyPath::kAuto;  // --weight-only-path
   int64_t check_tokens = 64;  // most tokens a check reads
   std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
   // --grouped-tiles: each GEMM's tiles (kAuto without the flag)
@@ -118,6 +122,16 @@ Options parse(int argc, char** argv) {
                                o.schemes.push_back(spec);
                              }
                            } else if (arg == "--static-act") o.static_act = true;
+                           else if (arg == "--weight-only-path") {
+                             const std::string path = value();
+                             o.weight_only_path = path == "decode"    ? moelora::WeightOnlyPath::kDecode
+                                                  : path == "aligned" ? moelora::WeightOnlyPath::kAligned
+                                                  : path == "dense"   ? moelora::WeightOnlyPath::kDense
+                                                                      : moelora::WeightOnlyPath::kAuto;
+                             if (path != "decode" && path != "aligned" && path != "dense" && path != "auto") {
+                               usage("--weight-only-path takes decode, aligned, dense or auto");
+                             }
+                           }
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
                            else if (arg == "--grouped") o.grouped = value();
                            else if (arg == "--grouped-tiles") tiles_text = value();
@@ -526,8 +540,9 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
   const moelora::MoeKernelConfig grouped_on{
       .grouped_gemm = true, .grouped_tiles1 = o.grouped_tiles1, .grouped_tiles2 = o.grouped_tiles2};
   static const moelora::MoeKernelConfig kGroupedOff{.grouped_gemm = false};
-  const moelora::FusedExpertsOptions fo =
+  moelora::FusedExpertsOptions fo =
       cell.options(o.grouped == "auto" ? nullptr : o.grouped == "off" ? &kGroupedOff : &grouped_on);
+  fo.weight_only_path = o.weight_only_path;
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
   // Weight-only: the MMAs run on the 16-bit activations.
   const double rate = weight_only ? ceilings.bf16_tflops

@@ -268,6 +268,14 @@ void moe_sum_reduce(const TensorView& input, const TensorView& out, float routed
 // Per chunk of at most chunk_size tokens: align -> GEMM1 -> activation -> GEMM2 -> reduce.
 enum class Activation : int8_t { kSilu, kGelu, kSwigluOai };
 
+// Weight-only experts on CUDA (FusedExpertsQuant, w4a16 / w8a16): the path a call takes.
+//   kDecode:  the small-batch kernels from topk_ids (chunks of at most
+//             kSmallBatchMaxSlots8Bit slots; larger ones take kAligned)
+//   kAligned: the same register dequantization and MMAs over moe_align_block_size's blocks
+//   kDense:   w13 and w2 dequantized once into the workspace, then the 16-bit GEMMs
+//   kAuto:    by the chunk's slots (fused_experts_plan.cpp)
+enum class WeightOnlyPath : int8_t { kAuto, kDecode, kAligned, kDense };
+
 struct FusedExpertsOptions {
   Activation activation = Activation::kSilu;
   float swiglu_alpha = 1.702f;
@@ -292,6 +300,8 @@ struct FusedExpertsOptions {
   // m-tiles that share an expert's weight tile run together and read it from DRAM once.
   // false: the static schedule; for A/B measurements.
   bool ordered_tiles = true;
+  // Weight-only experts: the path (kAuto: the heuristic); for A/B measurements.
+  WeightOnlyPath weight_only_path = WeightOnlyPath::kAuto;
 };
 
 struct FusedExpertsShape {
@@ -364,10 +374,11 @@ struct FusedExpertsLora {
 //   w13_zero / w2_zero (scheme.zero_points): uint8 [E, N, K / G] (or [E, N]), one value a
 //       byte; or, 4-bit, packed two a byte along N ([E, N / 2, K / G], the even n in the low
 //       nibble: vLLM's w13_qzeros). Without zero points: 8 (4-bit) or 128 (8-bit).
-// A weight is (q - zero) * scale; the GEMMs run on bf16/fp16 activations. On CUDA, chunks
-// of at most kSmallBatchMaxSlots8Bit slots run the decode kernels, which stream the packed
-// weights and dequantize in registers; larger calls dequantize the experts once into the
-// workspace (fused_experts_workspace_size counts it) and run the 16-bit GEMMs.
+// A weight is (q - zero) * scale; the GEMMs run on bf16/fp16 activations. On CUDA
+// (WeightOnlyPath): chunks of at most kSmallBatchMaxSlots8Bit slots run the decode
+// kernels, which stream the packed weights and dequantize in registers; larger ones the
+// same dot products over the alignment's blocks; the largest dequantize the experts once
+// into the workspace (fused_experts_workspace_size counts it) and run the 16-bit GEMMs.
 struct FusedExpertsQuant {
   QuantScheme scheme;
   TensorView w13_scale;

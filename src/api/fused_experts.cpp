@@ -469,6 +469,44 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
         continue;
       }
     }
+    if (plan.weight_only_aligned) {
+      // Weight-only experts past the decode kernels: the alignment in blocks of 16, GEMM1
+      // into cache2 by slot, GEMM2's weighted rows into gemm2_out (cache3, or `out` when
+      // direct), then the top-k sum. With adapters, each GEMM's delta per slot first, as
+      // the decode path takes them (GEMM2's in gemm2_out itself, which it reads in place).
+      run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device,
+                stream);
+      WeightOnlyAlignedParams aligned{
+          .moe = small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind),
+          .sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data),
+          .expert_ids = static_cast<const int32_t*>(expert_chunk.data),
+          .num_tokens_post_padded = static_cast<const int32_t*>(ntpp.data),
+          .max_num_blocks = cap.max_num_blocks,
+          .down_out = plan.gemm2_out.data,
+          .down_out_stride_slot = plan.gemm2_out.strides[0]};
+      aligned.moe.w13q = call.quant.w13;
+      aligned.moe.w2q = call.quant.w2;
+      if (args.lora) {
+        add_lora_delta(lora13, interleaved13, x_chunk, top_k, plan.cache1, false, /*aligned=*/false,
+                       /*add_inputs=*/false);
+        aligned.moe.gate_up_delta = plan.cache1.data;
+      }
+      cuda::fused_experts_weight_only_aligned(aligned, stream, 1);
+      if (args.lora) {
+        add_lora_delta(lora2, false, view2d(cache2.data, dtype, slots, I, I, 1, device), 1, plan.gemm2_out, false,
+                       /*aligned=*/false, /*add_inputs=*/false);
+        aligned.moe.down_delta = plan.gemm2_out.data;
+      }
+      cuda::fused_experts_weight_only_aligned(aligned, stream, 2);
+      if (!plan.direct) {
+        run_sum_reduce(SumReduceParams{.dtype = dtype, .input = plan.gemm2_out.data, .input_stride_token = top_k * H,
+                                       .input_stride_k = H, .out = plan.out, .out_stride_token = args.out.strides[0],
+                                       .num_tokens = tokens, .top_k = top_k, .hidden = H,
+                                       .scale = options.routed_scaling_factor},
+                       device, stream);
+      }
+      continue;
+    }
 #endif
     AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
     align.tile_counters = tile_counters;

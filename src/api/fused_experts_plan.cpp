@@ -215,10 +215,23 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 
 }  // namespace
 
-bool weight_only_decode_only(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+// Weight-only experts: the dense path from this many slots an expert on average. NOTE:
+// measured on H100 (docs/PERF_NOTES.md, issue 30).
+constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 64;
+
+WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
-  return chunk_tokens * s.top_k <= kSmallBatchMaxSlots8Bit && s.hidden_size % 32 == 0 &&
-         s.intermediate_size % 32 == 0;
+  const int64_t slots = chunk_tokens * s.top_k;
+  const int64_t experts = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  const bool decode = slots <= kSmallBatchMaxSlots8Bit && s.hidden_size % 32 == 0 && s.intermediate_size % 32 == 0;
+  switch (o.weight_only_path) {
+    case WeightOnlyPath::kDecode: return decode ? WeightOnlyPath::kDecode : WeightOnlyPath::kAligned;
+    case WeightOnlyPath::kAligned:
+    case WeightOnlyPath::kDense: return o.weight_only_path;
+    case WeightOnlyPath::kAuto: break;
+  }
+  if (decode) return WeightOnlyPath::kDecode;
+  return slots >= kWeightOnlyDenseSlotsPerExpert * experts ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
 }
 
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
@@ -278,7 +291,8 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     // One per 16 entries of the blocks: blocks end at most 255 entries past the padded ones.
     l.lora_shrink_counters = take((l.capacity.max_num_tokens_padded / 16 + 16) * 4);
   }
-  l.weight_only_dense = s.quant.weight_only() && !weight_only_decode_only(s, o);
+  l.weight_only_path = s.quant.weight_only() ? weight_only_path(s, o) : WeightOnlyPath::kAuto;
+  l.weight_only_dense = l.weight_only_path == WeightOnlyPath::kDense;
   if (l.weight_only_dense) {
     const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
     l.dense_w13 = take(E_local * 2 * s.intermediate_size * s.hidden_size * elem);
@@ -335,6 +349,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   check_kernel_config("fused_experts", "config", config);
   plan.quantized = args.quant != nullptr && !args.quant->scheme.weight_only();
   plan.weight_only = args.quant != nullptr && args.quant->scheme.weight_only();
+  // The weight-only aligned kernels take blocks of 16 (two n8 tiles).
+  plan.weight_only_aligned = plan.weight_only && on_cuda(x) && layout.weight_only_path == WeightOnlyPath::kAligned;
+  if (plan.weight_only_aligned) config.block_size = 16;
   plan_grouped_path(plan, args, options, layout, quant, E_global, H, I);
   const int64_t block_size = plan.block_size = config.block_size;
   const AlignCapacity cap = plan.capacity =
@@ -381,8 +398,10 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     return t.kernel == GemmKernel::kSm80 || t.kernel == GemmKernel::kSm90;
   };
   // Quantized experts run the W8A8 kernels: none of the 16-bit tensor-core paths below.
+  // Weight-only experts reach them only dequantized (the dense path).
   plan.tensor_core_gemms = on_cuda(x) && options.fuse_activation && !plan.quantized &&
-                           tensor_core_kernel(config.gemm1) && tensor_core_kernel(config.gemm2);
+                           (!plan.weight_only || layout.weight_only_dense) && tensor_core_kernel(config.gemm1) &&
+                           tensor_core_kernel(config.gemm2);
 #ifdef MOELORA_WITH_CUDA
   if (plan.tensor_core_gemms) {
     const TensorView by_slot = view2d(byte_offset(ws, layout.cache2), dtype, slots, I, I, 1, device);
@@ -409,8 +428,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   // layer 24% at M = 4096 and made DeepSeek's (I = 256) 24% slower (PERF_NOTES step 7).
   plan.sorted_input =
       plan.sorted_activation && config.sorted_input && cap.max_num_tokens_padded <= layout.sorted_input_rows;
-  // Weight-only: the decode kernels exactly when the call has no dense experts.
-  plan.small_batch = on_cuda(x) && (plan.weight_only ? !layout.weight_only_dense : config.small_batch);
+  // Weight-only: the decode kernels on the call's kDecode path.
+  plan.small_batch =
+      on_cuda(x) && (plan.weight_only ? layout.weight_only_path == WeightOnlyPath::kDecode : config.small_batch);
   plan.fused_activation = on_cuda(x) && options.fuse_activation && (!args.lora || plan.fused_lora);
   // GEMM2: one output row per slot, written straight into `out` when no reduction is needed.
   plan.direct = options.no_combine || (top_k == 1 && options.routed_scaling_factor == 1.0f);

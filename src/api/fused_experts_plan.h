@@ -31,9 +31,10 @@ struct WorkspaceLayout {
   int64_t grouped_rows;  // padded entries of the alignment with blocks of 16
   int64_t grouped_entry_offsets, grouped_sizes, grouped_slot_entries, grouped_args, grouped_cutlass_workspace,
       grouped_tensor_scales, grouped_a, grouped_a_scales;
-  // Weight-only experts (w4a16 / w8a16) on chunks larger than the decode kernels take
-  // (weight_only_dense): w13 and w2 dequantized into the layer dtype, [E_local, 2I, H]
-  // and [E_local, H, I], once a call.
+  // Weight-only experts (w4a16 / w8a16): the call's path (weight_only_path), and for
+  // kDense (weight_only_dense) w13 and w2 dequantized into the layer dtype,
+  // [E_local, 2I, H] and [E_local, H, I], once a call.
+  WeightOnlyPath weight_only_path;
   bool weight_only_dense;
   int64_t dense_w13, dense_w2;
   int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
@@ -44,10 +45,11 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o);
 
-// Whether every chunk of a weight-only call of this shape fits the decode kernels (no
-// dense copy of the experts): at most kSmallBatchMaxSlots8Bit slots a chunk, and H and I
-// multiples of 32 (16-byte chunks of packed rows).
-bool weight_only_decode_only(const FusedExpertsShape& s, const FusedExpertsOptions& o);
+// The path of a weight-only call (every chunk takes it): options.weight_only_path, or by
+// the largest chunk's slots (kDecode up to kSmallBatchMaxSlots8Bit when H and I are
+// multiples of 32, kDense from kWeightOnlyDenseSlotsPerExpert slots an expert, kAligned
+// between). kDecode on a larger chunk becomes kAligned.
+WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOptions& o);
 
 // What one chunk of fused_experts runs: its config, the path, and the views of its rows
 // and of the workspace regions it uses. The orchestration (fused_experts.cpp) executes it.
@@ -62,7 +64,8 @@ struct FusedExpertsChunkPlan {
   // (fused_activation) or GEMM1 into cache1 and the activation kernel, then GEMM2, then
   // moe_sum_reduce unless `direct` (GEMM2 writes `out`).
   bool small_batch = false;
-  bool weight_only = false;        // w4a16 / w8a16: small_batch, or the aligned path on dense weights
+  bool weight_only = false;        // w4a16 / w8a16: small_batch, weight_only_aligned, or dense weights
+  bool weight_only_aligned = false;  // WeightOnlyPath::kAligned (blocks of 16)
   bool tensor_core_gemms = false;  // both GEMMs on the tensor-core kernels, activation fused
   bool sm90_rows = false;          // ... both on sm90 and loadable: GEMM rows may go by entry
   bool fused_lora = false;         // adapters: a shrink kernel, the expand in each GEMM's K loop

@@ -318,6 +318,25 @@ struct SmallBatchMoeParams {
   WeightOnlyParams w2q{};
 };
 
+// fused_experts' weight-only experts on chunks past the small-batch kernels (issue 30,
+// the aligned path): the small-batch kernels' per-slot work (`moe`: x, the packed
+// weights, routing, activation, LoRA deltas) over the blocks of moe_align_block_size
+// (block_size 16: the MMA's two n8 tiles) instead of slot tables. GEMM1 writes moe.act by
+// slot; GEMM2 writes each slot's row times its routed weight (unless
+// router_weight_on_input) into down_out [slots, H] (down_out_stride_slot apart; the
+// caller's `out` with no_combine or top_k == 1 and no scaling), zeros for the slots of
+// blocks without a local expert; moe_sum_reduce follows unless down_out is `out`.
+// moe.down_delta may be down_out itself (each element is read, then written, by one lane).
+struct WeightOnlyAlignedParams {
+  SmallBatchMoeParams moe;
+  const int32_t* sorted_token_ids;
+  const int32_t* expert_ids;
+  const int32_t* num_tokens_post_padded;
+  int64_t max_num_blocks;
+  void* down_out;
+  int64_t down_out_stride_slot;
+};
+
 // input [num_rows, 2 * width] -> out [num_rows, width]; unit column stride on both.
 struct ActivationParams {
   DType dtype;      // of input
@@ -537,6 +556,9 @@ bool fused_experts_small_batch_supported(const detail::SmallBatchMoeParams& p);
 void fused_experts_small_batch(const detail::SmallBatchMoeParams& p, Stream stream, int stages = 3);
 // Weight-only experts into the layer dtype (fused_experts' chunks past the decode kernels).
 void dequantize_experts(const detail::DequantizeExpertsParams& p, Stream stream);
+// Weight-only experts over the alignment (WeightOnlyAlignedParams): GEMM1 + activation
+// (stage 1), GEMM2 (stage 2).
+void fused_experts_weight_only_aligned(const detail::WeightOnlyAlignedParams& p, Stream stream, int stage);
 // The split count for a shape on the current device (requested > 0: that, capped by the
 // key blocks of topk, or block pairs for the wgmma kernel, and kMlaMaxSplits), and the
 // workspace bytes of a split count.

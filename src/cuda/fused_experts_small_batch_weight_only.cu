@@ -129,7 +129,167 @@ void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int s
   }
 }
 
+// ---- the aligned path: the same dot products over moe_align_block_size's blocks ----
+//
+// A block holds kAlignedBlock entries of one expert (padding: sorted_token_ids >= slots):
+// two n8 tiles of vectors, entries 0-7 and 8-15. A warp item is (column group or row
+// group, block), one warp an item, items ordered group-major so that the warps running
+// together share the group's weight rows across the blocks of an expert (L2 hits where an
+// expert has several blocks).
+constexpr int kAlignedBlock = 16;
+
+// The lane's vector of each tile: the rows of entries g and 8 + g of `block` (null when
+// padding), and their slots (-1 for padding).
+template <class T, class RowOf>
+__device__ __forceinline__ void block_vectors(const detail::WeightOnlyAlignedParams& p, int64_t block, const T* a,
+                                              int64_t a_stride, RowOf row_of, const T* (&vec)[2], int (&slot)[2]) {
+  const int g = int(threadIdx.x) % 32 / 4;
+  const int num_slots = int(p.moe.num_tokens * p.moe.top_k);
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int s = p.sorted_token_ids[block * kAlignedBlock + 8 * t + g];
+    slot[t] = s >= 0 && s < num_slots ? s : -1;
+    vec[t] = slot[t] >= 0 ? a + int64_t(row_of(slot[t])) * a_stride : nullptr;
+  }
+}
+
+// The slot of the lane's result column c of tile t (entry 8t + 2q + c), -1 for padding:
+// from the lanes that loaded those entries (lane 4 (2q + c) holds entry 2q + c's slot).
+__device__ __forceinline__ int result_slot(const int (&slot)[2], int t, int c) {
+  const int quad = int(threadIdx.x) % 4;
+  return __shfl_sync(0xffffffffu, slot[t], 4 * (2 * quad + c));
+}
+
+template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
+__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
+  wait_for_previous_kernel();
+  const SmallBatchMoeParams& m = p.moe;
+  const T* x = static_cast<const T*>(m.x);
+  const int I = int(m.I), H = int(m.H), top_k = int(m.top_k);
+  const int g = int(threadIdx.x) % 32 / 4;
+  const bool interleaved = kAct == ActivationKind::kSwigluOai;
+  const int64_t blocks =
+      ::min(int64_t((*p.num_tokens_post_padded + kAlignedBlock - 1) / kAlignedBlock), p.max_num_blocks);
+  const int64_t items = blocks * (I / 8);
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t item = int64_t(blockIdx.x) * kWarps + int(threadIdx.x) / 32; item < items; item += warps) {
+    const int64_t block = item % blocks;
+    const int j = int(item / blocks) * 8 + g;
+    const int expert = p.expert_ids[block];
+    if (expert < 0 || expert >= m.num_local_experts) continue;  // GEMM2 writes those slots' zeros
+    const T* vec[2];
+    int slot[2];
+    block_vectors(p, block, x, m.x_stride_token, [&](int s) { return s / top_k; }, vec, slot);
+    const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
+    float acc[2][4];
+    warp_weight_only_rows<T, kBits, kScaleAfter, 2>(m.w13q, expert, gate_row, up_row, vec, H, 0,
+                                                    weight_only_steps<kBits>(H), acc);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int s = result_slot(slot, t, c);
+        if (s >= 0) store_activation<T, kAct, false>(m, s, j, acc[t][c], acc[t][2 + c]);
+      }
+    }
+  }
+  allow_next_kernel_launch();
+}
+
+template <class T, int kBits, bool kScaleAfter>
+__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm2_kernel(const detail::WeightOnlyAlignedParams p) {
+  wait_for_previous_kernel();
+  const SmallBatchMoeParams& m = p.moe;
+  const T* act = static_cast<const T*>(m.act);
+  T* out = static_cast<T*>(p.down_out);
+  const int H = int(m.H), I = int(m.I);
+  const int lane = int(threadIdx.x) % 32, g = lane / 4;
+  const int64_t blocks =
+      ::min(int64_t((*p.num_tokens_post_padded + kAlignedBlock - 1) / kAlignedBlock), p.max_num_blocks);
+  const int64_t items = blocks * ((H + 15) / 16);
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t item = int64_t(blockIdx.x) * kWarps + int(threadIdx.x) / 32; item < items; item += warps) {
+    const int64_t block = item % blocks;
+    const int h0 = int(item / blocks) * 16;
+    const int expert = p.expert_ids[block];
+    const T* vec[2];
+    int slot[2];
+    block_vectors(p, block, act, int64_t(I), [](int s) { return s; }, vec, slot);
+    // Rows past H (the last group) repeat row H - 1; their sums are not stored.
+    const int h_lo = min(h0 + g, H - 1), h_hi = min(h0 + g + 8, H - 1);
+    float acc[2][4] = {};
+    const bool has_expert = expert >= 0 && expert < m.num_local_experts;
+    if (has_expert) {
+      warp_weight_only_rows<T, kBits, kScaleAfter, 2>(m.w2q, expert, h_lo, h_hi, vec, I, 0,
+                                                      weight_only_steps<kBits>(I), acc);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int s = result_slot(slot, t, c);
+        if (s < 0) continue;
+        T* row = out + int64_t(s) * p.down_out_stride_slot;
+        const T* delta = m.down_delta ? static_cast<const T*>(m.down_delta) + int64_t(s) * p.down_out_stride_slot
+                                      : nullptr;
+        const float w = m.router_weight_on_input ? 1.f : routed_weight(m, s);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int h = h0 + g + 8 * half;
+          if (h >= H) continue;
+          // LoRA: the slot's delta joins before the routed weight (read, then written, here).
+          const float value = acc[t][2 * half + c] + (delta && has_expert ? to_float(delta[h]) : 0.f);
+          row[h] = from_float<T>(has_expert ? w * value : 0.f);
+        }
+      }
+    }
+  }
+  allow_next_kernel_launch();
+}
+
+template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
+void launch_weight_only_aligned(const detail::WeightOnlyAlignedParams& p, cudaStream_t stream, int stage) {
+  // NOTE: a persistent grid of what the device holds at once: the item count lives on the
+  // device (the alignment's padded entries), never read by the host.
+  if (stage == 1) {
+    constexpr auto gemm1 = weight_only_aligned_gemm1_kernel<T, kBits, kScaleAfter, kAct>;
+    launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
+  } else {
+    constexpr auto gemm2 = weight_only_aligned_gemm2_kernel<T, kBits, kScaleAfter>;
+    launch_kernel(gemm2, dim3(unsigned(resident_ctas<gemm2>())), dim3(kThreads), 0, stream, p);
+  }
+}
+
+template <class T, int kBits>
+void dispatch_weight_only_aligned(const detail::WeightOnlyAlignedParams& p, cudaStream_t stream, int stage) {
+  const SmallBatchMoeParams& m = p.moe;
+  auto whole_steps = [](int64_t group) { return group == 0 || group % kWeightsPerStep<kBits> == 0; };
+  const bool after = whole_steps(m.w13q.group_size) && whole_steps(m.w2q.group_size);
+  auto launch = [&](auto act) {
+    constexpr ActivationKind kAct = decltype(act)::value;
+    after ? launch_weight_only_aligned<T, kBits, true, kAct>(p, stream, stage)
+          : launch_weight_only_aligned<T, kBits, false, kAct>(p, stream, stage);
+  };
+  switch (m.activation) {
+    case ActivationKind::kSiluAndMul: return launch(std::integral_constant<ActivationKind, ActivationKind::kSiluAndMul>{});
+    case ActivationKind::kGeluAndMul: return launch(std::integral_constant<ActivationKind, ActivationKind::kGeluAndMul>{});
+    case ActivationKind::kSwigluOai: return launch(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{});
+  }
+}
+
 }  // namespace small_batch
+
+void fused_experts_weight_only_aligned(const detail::WeightOnlyAlignedParams& p, Stream stream, int stage) {
+  using namespace small_batch;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool four = p.moe.w13q.bits == 4;
+  if (p.moe.dtype == DType::kBFloat16) {
+    four ? dispatch_weight_only_aligned<__nv_bfloat16, 4>(p, s, stage)
+         : dispatch_weight_only_aligned<__nv_bfloat16, 8>(p, s, stage);
+  } else {
+    four ? dispatch_weight_only_aligned<__half, 4>(p, s, stage) : dispatch_weight_only_aligned<__half, 8>(p, s, stage);
+  }
+}
 
 namespace {
 

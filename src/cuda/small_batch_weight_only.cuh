@@ -141,18 +141,21 @@ __device__ __forceinline__ void weight_pairs(uint32_t word, const GroupConstants
 }
 
 // One warp's 16-row product over steps [step_begin, step_end) of the packed K: rows
-// row_lo (g) and row_hi (g + 8) of `expert`, the lane's vector g (null: zeros), into
-// acc: (row g, vector 2q), (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1). K: weights a row.
+// row_lo (g) and row_hi (g + 8) of `expert`, against kTiles n8 tiles of vectors (the
+// lane's vector g of each: vec[t], null: zeros), into acc[t]: (row g, vector 2q),
+// (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1). K: weights a row. Two tiles (the aligned
+// kernels' 16-entry blocks) convert each weight pair once for both.
 // kScaleAfter (a step within one scale group: groups of at least a step's K, or one per
 // row): the MMAs sum the exact q - zero, and each step's sums meet the rows' scales in
 // fp32; the weights skip one multiply a pair. NOTE: the 4-bit instances streamed at
 // 2.0-2.2 TB/s with the multiply (H100, Mixtral M = 1-16), issue-bound where the 8-bit
 // ones, at half the weights a byte, reached 2.7 (docs/PERF_NOTES.md, issue 30).
-template <class T, int kBits, bool kScaleAfter>
+template <class T, int kBits, bool kScaleAfter, int kTiles = 1>
 __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
-                                                      int64_t row_hi, const T* vec, int K, int step_begin,
-                                                      int step_end, float (&acc)[4]) {
-  constexpr int kUnroll = kWeightOnlyUnroll<kBits>;
+                                                      int64_t row_hi, const T* const (&vec)[kTiles], int K,
+                                                      int step_begin, int step_end, float (&acc)[kTiles][4]) {
+  // NOTE: two tiles hold twice the vector chunks: one step in flight, under 128 registers.
+  constexpr int kUnroll = kTiles == 1 ? kWeightOnlyUnroll<kBits> : 1;
   constexpr int kLaneWeights = 128 / kBits;          // weights in a lane's 16 bytes: 32 or 16
   constexpr int kVecChunks = kLaneWeights / 8;       // 16-byte chunks of the vector a lane-step: 4 or 2
   const int quad = int(threadIdx.x) % 4;
@@ -160,9 +163,12 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
   const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n;
   const int group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 30;  // groups: powers of two
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
+  }
   for (int s0 = step_begin; s0 < step_end; s0 += kUnroll) {
-    uint4 lo[kUnroll], hi[kUnroll], x[kUnroll][kVecChunks];
+    uint4 lo[kUnroll], hi[kUnroll], x[kUnroll][kTiles][kVecChunks];
     GroupConstants<T> c_lo[kUnroll], c_hi[kUnroll];
     // A lane's chunk is whole or past the row (K % 32 == 0); past it, zeros meet zeros.
 #pragma unroll
@@ -178,8 +184,11 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
       const int k = (s0 + u) * kWeightsPerStep<kBits> + kLaneWeights * quad;
       const bool in = s0 + u < step_end && k < K;
 #pragma unroll
-      for (int c = 0; c < kVecChunks; ++c) {
-        x[u][c] = in && vec ? *reinterpret_cast<const uint4*>(vec + k + 8 * c) : make_uint4(0, 0, 0, 0);
+      for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+        for (int c = 0; c < kVecChunks; ++c) {
+          x[u][t][c] = in && vec[t] ? *reinterpret_cast<const uint4*>(vec[t] + k + 8 * c) : make_uint4(0, 0, 0, 0);
+        }
       }
       const int64_t group = in ? int64_t(k) >> group_shift : 0;
       c_lo[u] = group_constants<T, kBits>(q, expert, row_lo, group);
@@ -190,34 +199,40 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
       if (s0 + u >= step_end) break;
       const uint32_t words_lo[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w};
       const uint32_t words_hi[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
-      float part[4] = {0.f, 0.f, 0.f, 0.f};
-      float (&sums)[4] = kScaleAfter ? part : acc;
+      float part[kTiles][4] = {};
+      float (&sums)[kTiles][4] = kScaleAfter ? part : acc;
 #pragma unroll
       for (int wd = 0; wd < 4; ++wd) {
         uint32_t a_lo[4], a_hi[4];
         weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], c_lo[u], a_lo);
         weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], c_hi[u], a_hi);
-        if constexpr (kBits == 4) {
-          // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
-          const uint4 v = x[u][wd];
-          const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
-          const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
-          mma_16x8x16<T>(sums, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
-          mma_16x8x16<T>(sums, a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
-        } else {
-          // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
-          const uint4 v = x[u][wd / 2];
-          const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
-          mma_16x8x16<T>(sums, a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          if constexpr (kBits == 4) {
+            // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
+            const uint4 v = x[u][t][wd];
+            const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
+            const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
+            mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
+            mma_16x8x16<T>(sums[t], a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
+          } else {
+            // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
+            const uint4 v = x[u][t][wd / 2];
+            const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
+            mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
+          }
         }
       }
       if constexpr (kScaleAfter) {
         // Every lane of the step read the same group: its rows' scales.
         const float s_lo = to_float(c_lo[u].scale.x), s_hi = to_float(c_hi[u].scale.x);
-        acc[0] = fmaf(part[0], s_lo, acc[0]);
-        acc[1] = fmaf(part[1], s_lo, acc[1]);
-        acc[2] = fmaf(part[2], s_hi, acc[2]);
-        acc[3] = fmaf(part[3], s_hi, acc[3]);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          acc[t][0] = fmaf(part[t][0], s_lo, acc[t][0]);
+          acc[t][1] = fmaf(part[t][1], s_lo, acc[t][1]);
+          acc[t][2] = fmaf(part[t][2], s_hi, acc[t][2]);
+          acc[t][3] = fmaf(part[t][3], s_hi, acc[t][3]);
+        }
       }
     }
   }
@@ -237,10 +252,10 @@ __device__ __forceinline__ void weight_only_item_passes(const WeightOnlyParams& 
   const int end = t.group_begin[d + 1];
   for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
     const int n = min(kMmaVecs, end - pass);
-    const T* vec = g < n ? a + int64_t(row_of(t.sorted_slot[pass + g])) * a_stride : nullptr;
+    const T* const vec[1] = {g < n ? a + int64_t(row_of(t.sorted_slot[pass + g])) * a_stride : nullptr};
     float acc[kMmaTiles][4];
     warp_weight_only_rows<T, kBits, kScaleAfter>(q, expert, row_lo, row_hi, vec, K, teams.step_begin(),
-                                                 teams.step_end(steps), acc[0]);
+                                                 teams.step_end(steps), acc);
     teams.reduce(acc, red);
     if (teams.member != 0) continue;
 #pragma unroll

@@ -35,6 +35,7 @@ struct WeightOnlyCase {
   double dropped_share = 0.0;
   int64_t lora_rank = 0;
   FusedExpertsOptions options{};
+  WeightOnlyPath expect_path = WeightOnlyPath::kDecode;  // the CUDA path that must run
 };
 
 void PrintTo(const WeightOnlyCase& c, std::ostream* os) { *os << c.name; }
@@ -232,13 +233,14 @@ TEST_P(WeightOnlyTest, MatchesReference) {
   const double error = ref::rel_error(layer.out.read(ov), layer.reference());
   EXPECT_LE(error, ref::tolerance(c.dtype));
   EXPECT_EQ(layer.out.count_unwritten(ov), 0);
-  // Which CUDA path ran: the dense experts exist exactly past the decode kernels, and
-  // only the dense path writes them.
+  // Which CUDA path ran: the decode kernels write no alignment (sorted_token_ids open the
+  // workspace), the dense path its dequantized experts.
   if (c.backend == Backend::kCUDA && c.M > 0) {
     const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
-    EXPECT_EQ(layout.weight_only_dense, c.M * c.top_k > kSmallBatchMaxSlots8Bit);
+    EXPECT_EQ(int(layout.weight_only_path), int(c.expect_path));
+    layer.workspace.download();
+    EXPECT_EQ(layer.workspace.is_poison(0), c.expect_path == WeightOnlyPath::kDecode) << "the other path ran";
     if (layout.weight_only_dense) {
-      layer.workspace.download();
       EXPECT_FALSE(layer.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
     }
   }
@@ -282,17 +284,53 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("no_combine", [](WeightOnlyCase& c) { c.options.no_combine = true; c.top_k = 3; });
       add("router_weight_on_input", [](WeightOnlyCase& c) { c.options.apply_router_weight_on_input = true; c.top_k = 1; });
       add("top8_m16", [](WeightOnlyCase& c) { c.top_k = 8; c.num_global = c.num_local = 32; c.M = 16; c.zeros = Zeros::kBytes; });
-      add("dense_m100", [](WeightOnlyCase& c) { c.M = 100; c.zeros = Zeros::kBytes; });
-      add("dense_expert_map", [](WeightOnlyCase& c) { c.M = 90; c.num_global = 12; c.num_local = 5; c.dropped_share = 0.05; });
+      // Past the decode kernels (128 slots): the aligned path, the dense one from 64 slots
+      // an expert (or forced).
+      constexpr WeightOnlyPath kAligned = WeightOnlyPath::kAligned, kDense = WeightOnlyPath::kDense;
+      add("aligned_m100", [&](WeightOnlyCase& c) { c.M = 100; c.zeros = Zeros::kBytes; c.expect_path = kAligned; });
+      add("aligned_g32", [&](WeightOnlyCase& c) { c.M = 100; c.group_size = 32; c.expect_path = kAligned; });
+      add("aligned_fp16_zp_packed", [&](WeightOnlyCase& c) {
+        c.M = 70, c.dtype = DType::kFloat16, c.zeros = bits == 4 ? Zeros::kPacked : Zeros::kBytes, c.expect_path = kAligned;
+      });
+      add("aligned_expert_map", [&](WeightOnlyCase& c) {
+        c.M = 90, c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.expect_path = kAligned;
+      });
+      add("aligned_no_combine", [&](WeightOnlyCase& c) {
+        c.M = 60, c.top_k = 3, c.options.no_combine = true, c.expect_path = kAligned;
+      });
+      add("aligned_top1_direct", [&](WeightOnlyCase& c) { c.M = 200, c.top_k = 1, c.expect_path = kAligned; });
+      add("aligned_decode_asked", [&](WeightOnlyCase& c) {
+        c.M = 100, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = kAligned;
+      });
+      add("dense_auto_m256", [&](WeightOnlyCase& c) { c.M = 256; c.expect_path = kDense; });
+      add("dense_expert_map", [&](WeightOnlyCase& c) {
+        c.M = 90, c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.weight_only_path = kDense,
+        c.expect_path = kDense;
+      });
       add("lora_decode", [](WeightOnlyCase& c) { c.lora_rank = 16; c.M = 6; });
-      add("lora_dense", [](WeightOnlyCase& c) { c.lora_rank = 16; c.M = 80; c.zeros = Zeros::kBytes; });
+      add("lora_aligned", [&](WeightOnlyCase& c) { c.lora_rank = 16; c.M = 80; c.zeros = Zeros::kBytes; c.expect_path = kAligned; });
+      add("lora_aligned_no_combine", [&](WeightOnlyCase& c) {
+        c.lora_rank = 16, c.M = 70, c.options.no_combine = true, c.expect_path = kAligned;
+      });
+      add("lora_dense", [&](WeightOnlyCase& c) {
+        c.lora_rank = 16, c.M = 80, c.options.weight_only_path = kDense, c.expect_path = kDense;
+      });
       add("swiglu_oai", [](WeightOnlyCase& c) { c.options.activation = Activation::kSwigluOai; c.M = 7; });
-      add("gelu_dense", [](WeightOnlyCase& c) { c.options.activation = Activation::kGelu; c.M = 70; });
+      add("swiglu_oai_aligned", [&](WeightOnlyCase& c) {
+        c.options.activation = Activation::kSwigluOai, c.M = 77, c.expect_path = kAligned;
+      });
+      add("gelu_dense", [&](WeightOnlyCase& c) {
+        c.options.activation = Activation::kGelu, c.M = 70, c.options.weight_only_path = kDense, c.expect_path = kDense;
+      });
       add("h2880_i1408_g64", [](WeightOnlyCase& c) {
         c.H = 2880, c.I = 1408, c.group_size = 64, c.num_global = c.num_local = 4, c.M = 3, c.zeros = Zeros::kBytes;
       });
-      add("h1408_i2880_g32_dense", [](WeightOnlyCase& c) {
-        c.H = 1408, c.I = 2880, c.group_size = 32, c.num_global = c.num_local = 4, c.M = 66;
+      add("h1408_i2880_g32_aligned", [&](WeightOnlyCase& c) {
+        c.H = 1408, c.I = 2880, c.group_size = 32, c.num_global = c.num_local = 4, c.M = 66, c.expect_path = kAligned;
+      });
+      add("h2880_i1408_g64_dense", [&](WeightOnlyCase& c) {
+        c.H = 2880, c.I = 1408, c.group_size = 64, c.num_global = c.num_local = 4, c.M = 66,
+        c.options.weight_only_path = kDense, c.expect_path = kDense;
       });
     }
   }
