@@ -419,8 +419,14 @@ class LayerCell {
     sorted_input.sorted_input = true;
     moelora::FusedExpertsOptions sorted_fo = options(nullptr);
     sorted_fo.config = &sorted_input;
-    const int64_t ws_bytes = std::max(moelora::fused_experts_workspace_size(shape, options(nullptr)),
-                                      moelora::fused_experts_workspace_size(shape, sorted_fo));
+    // ... and for weight-only experts any forced path (the dense one holds the dequantized experts).
+    moelora::FusedExpertsOptions dense_fo = options(nullptr);
+    dense_fo.weight_only_path = moelora::WeightOnlyPath::kDense;
+    const int64_t ws_bytes = std::max({moelora::fused_experts_workspace_size(shape, options(nullptr)),
+                                       moelora::fused_experts_workspace_size(shape, sorted_fo),
+                                       quant && quant->scheme.weight_only()
+                                           ? moelora::fused_experts_workspace_size(shape, dense_fo)
+                                           : int64_t(0)});
     workspace_ = std::make_unique<Buffer>(cuda, ws_bytes);
 #ifdef MOELORA_WITH_CUDA
     if (cuda) CHECK_CUDA(cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&stream_), cudaStreamNonBlocking));

@@ -293,48 +293,54 @@ void fused_experts_weight_only_aligned(const detail::WeightOnlyAlignedParams& p,
 
 namespace {
 
-// Thread i takes 16 packed bytes (32 4-bit or 16 8-bit weights, one scale group) of the
-// row it falls in, and writes their values. K % 32 == 0 (the API's CUDA check).
+// A CTA takes rows (of E x N), its threads the 16-byte chunks of each (32 4-bit or 16
+// 8-bit weights, one scale group): the packed bytes through the conversions of the
+// register path, in K order. K % 32 == 0 (the API's CUDA check).
 template <class T, int kBits>
-__global__ void dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
+__global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
+  using small_batch::Pair;
   constexpr int kValues = 128 / kBits;
   wait_for_previous_kernel();
   const detail::WeightOnlyParams& q = p.w;
-  const int64_t chunks_per_row = p.K / kValues;
-  const int64_t total = p.num_experts * p.N * chunks_per_row;
+  const int chunks_per_row = int(p.K / kValues);
+  const int64_t rows = p.num_experts * p.N;
   T* out = static_cast<T*>(p.out);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = i / chunks_per_row, chunk = i - row * chunks_per_row;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t e = row / p.N, n = row - e * p.N;
-    const int64_t k0 = chunk * kValues;
-    const uint4 packed = *reinterpret_cast<const uint4*>(q.w + e * q.w_stride_expert + n * q.w_stride_n + k0 * kBits / 8);
-    const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
-    const float scale = to_float(static_cast<const T*>(q.scale)[e * q.scale_stride_expert + n * q.scale_stride_n +
-                                                                group * q.scale_stride_k]);
-    int zero = kBits == 4 ? 8 : 128;
-    if (q.zero) {
-      const int byte = q.zero[e * q.zero_stride_expert + (q.zero_packed ? n >> 1 : n) * q.zero_stride_n +
-                              group * q.zero_stride_k];
-      zero = q.zero_packed ? (byte >> (4 * int(n & 1))) & 15 : byte;
-    }
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
-    T values[kValues];
+    const uint8_t* packed = q.w + e * q.w_stride_expert + n * q.w_stride_n;
+    for (int chunk = int(threadIdx.x); chunk < chunks_per_row; chunk += int(blockDim.x)) {
+      const int64_t k0 = int64_t(chunk) * kValues;
+      const uint4 bytes = small_batch::load_streaming(packed + k0 * kBits / 8);
+      const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
+      const small_batch::GroupConstants<T> c = small_batch::group_constants<T, kBits>(q, e, n, group);
+      const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+      uint32_t values[kValues / 2];  // pairs in K order
 #pragma unroll
-    for (int v = 0; v < kValues; ++v) {
-      const int code = kBits == 4 ? (bytes[v / 2] >> (4 * (v % 2))) & 15 : bytes[v];
-      values[v] = from_float<T>(float(code - zero) * scale);
-    }
-    uint4* dst = reinterpret_cast<uint4*>(out + row * p.K + k0);
+      for (int wd = 0; wd < 4; ++wd) {
+        uint32_t pairs[4];
+        small_batch::weight_pairs<T, kBits, true>(words[wd], c, pairs);
+        if constexpr (kBits == 4) {
+          // (k0, k4), (k1, k5), (k2, k6), (k3, k7) -> (k0, k1), (k2, k3), (k4, k5), (k6, k7)
+          values[4 * wd + 0] = __byte_perm(pairs[0], pairs[1], 0x5410);
+          values[4 * wd + 1] = __byte_perm(pairs[2], pairs[3], 0x5410);
+          values[4 * wd + 2] = __byte_perm(pairs[0], pairs[1], 0x7632);
+          values[4 * wd + 3] = __byte_perm(pairs[2], pairs[3], 0x7632);
+        } else {
+          values[2 * wd + 0] = pairs[0];
+          values[2 * wd + 1] = pairs[1];
+        }
+      }
+      uint4* dst = reinterpret_cast<uint4*>(out + row * p.K + k0);
 #pragma unroll
-    for (int c = 0; c < kValues / 8; ++c) dst[c] = reinterpret_cast<const uint4*>(values)[c];
+      for (int v = 0; v < kValues / 8; ++v) dst[v] = make_uint4(values[4 * v], values[4 * v + 1], values[4 * v + 2], values[4 * v + 3]);
+    }
   }
   allow_next_kernel_launch();
 }
 
 template <class T>
 void launch_dequantize(const detail::DequantizeExpertsParams& p, cudaStream_t stream) {
-  const int64_t values = p.num_experts * p.N * p.K / (128 / p.w.bits);
-  const int64_t blocks = std::min<int64_t>((values + 255) / 256, int64_t(current_device_info().num_sms) * 8);
+  const int64_t blocks = std::min<int64_t>(p.num_experts * p.N, int64_t(current_device_info().num_sms) * 8);
   if (blocks == 0) return;
   if (p.w.bits == 4) {
     launch_kernel(dequantize_experts_kernel<T, 4>, dim3(unsigned(blocks)), dim3(256), 0, stream, p);
