@@ -160,8 +160,10 @@ __device__ __forceinline__ int result_slot(const int (&slot)[2], int t, int c) {
   return __shfl_sync(0xffffffffu, slot[t], 4 * (2 * quad + c));
 }
 
+// NOTE: one CTA an SM: the pipelined two-tile steps take up to 255 registers (at 128 the
+// 4-bit instances spilled 130-180 B).
 template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
-__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
+__global__ void __launch_bounds__(kThreads, 1) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
   wait_for_previous_kernel();
   const SmallBatchMoeParams& m = p.moe;
   const T* x = static_cast<const T*>(m.x);
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(
 }
 
 template <class T, int kBits, bool kScaleAfter>
-__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm2_kernel(const detail::WeightOnlyAlignedParams p) {
+__global__ void __launch_bounds__(kThreads, 1) weight_only_aligned_gemm2_kernel(const detail::WeightOnlyAlignedParams p) {
   wait_for_previous_kernel();
   const SmallBatchMoeParams& m = p.moe;
   const T* act = static_cast<const T*>(m.act);
@@ -293,22 +295,23 @@ void fused_experts_weight_only_aligned(const detail::WeightOnlyAlignedParams& p,
 
 namespace {
 
-// A CTA takes rows (of E x N), its threads the 16-byte chunks of each (32 4-bit or 16
-// 8-bit weights, one scale group): the packed bytes through the conversions of the
-// register path, in K order. K % 32 == 0 (the API's CUDA check).
+// Thread i takes the 16-byte chunk i (32 4-bit or 16 8-bit weights, one scale group) of
+// the rows of E x N: the packed bytes through the conversions of the register path, in K
+// order. K % 32 == 0 (the API's CUDA check); 32-bit index math (E x N x K / 16 < 2^32:
+// dequantize_experts checks).
 template <class T, int kBits>
 __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
-  using small_batch::Pair;
   constexpr int kValues = 128 / kBits;
   wait_for_previous_kernel();
   const detail::WeightOnlyParams& q = p.w;
-  const int chunks_per_row = int(p.K / kValues);
-  const int64_t rows = p.num_experts * p.N;
+  const uint32_t chunks_per_row = uint32_t(p.K / kValues), N = uint32_t(p.N);
+  const uint32_t chunks = uint32_t(p.num_experts * p.N) * chunks_per_row;
   T* out = static_cast<T*>(p.out);
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t e = row / p.N, n = row - e * p.N;
+  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += gridDim.x * blockDim.x) {
+    const uint32_t row = i / chunks_per_row, chunk = i - row * chunks_per_row;
+    const uint32_t e = row / N, n = row - e * N;
     const uint8_t* packed = q.w + e * q.w_stride_expert + n * q.w_stride_n;
-    for (int chunk = int(threadIdx.x); chunk < chunks_per_row; chunk += int(blockDim.x)) {
+    {
       const int64_t k0 = int64_t(chunk) * kValues;
       const uint4 bytes = small_batch::load_streaming(packed + k0 * kBits / 8);
       const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
@@ -330,7 +333,7 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
           values[2 * wd + 1] = pairs[1];
         }
       }
-      uint4* dst = reinterpret_cast<uint4*>(out + row * p.K + k0);
+      uint4* dst = reinterpret_cast<uint4*>(out + int64_t(row) * p.K + k0);
 #pragma unroll
       for (int v = 0; v < kValues / 8; ++v) dst[v] = make_uint4(values[4 * v], values[4 * v + 1], values[4 * v + 2], values[4 * v + 3]);
     }
@@ -340,7 +343,9 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
 
 template <class T>
 void launch_dequantize(const detail::DequantizeExpertsParams& p, cudaStream_t stream) {
-  const int64_t blocks = std::min<int64_t>(p.num_experts * p.N, int64_t(current_device_info().num_sms) * 8);
+  const int64_t chunks = p.num_experts * p.N * p.K / (128 / p.w.bits);
+  if (chunks >= (int64_t(1) << 32)) throw Error("moelora.fused_experts: experts too large for the dense weight-only path");
+  const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, int64_t(current_device_info().num_sms) * 8);
   if (blocks == 0) return;
   if (p.w.bits == 4) {
     launch_kernel(dequantize_experts_kernel<T, 4>, dim3(unsigned(blocks)), dim3(256), 0, stream, p);

@@ -37,11 +37,7 @@ namespace moelora::cuda::small_batch {
 
 using detail::WeightOnlyParams;
 
-// 64 packed bytes a step (kMmaStep); 2 steps in flight a round (a lane holds 2 x 2 weight
-// chunks and 2 x 4 or 2 x 2 vector chunks). NOTE: 4 steps spilled the 8-bit instances by
-// 16-48 B under the 128-register cap of two CTAs an SM.
-template <int kBits>
-constexpr int kWeightOnlyUnroll = 2;
+// 64 packed bytes a step (kMmaStep).
 template <int kBits>
 constexpr int kWeightsPerStep = kMmaStep * 8 / kBits;  // K of a step: 128 (4-bit) or 64 (8-bit)
 
@@ -154,86 +150,99 @@ template <class T, int kBits, bool kScaleAfter, int kTiles = 1>
 __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
                                                       int64_t row_hi, const T* const (&vec)[kTiles], int K,
                                                       int step_begin, int step_end, float (&acc)[kTiles][4]) {
-  // NOTE: two tiles hold twice the vector chunks: one step in flight, under 128 registers.
-  constexpr int kUnroll = kTiles == 1 ? kWeightOnlyUnroll<kBits> : 1;
   constexpr int kLaneWeights = 128 / kBits;          // weights in a lane's 16 bytes: 32 or 16
   constexpr int kVecChunks = kLaneWeights / 8;       // 16-byte chunks of the vector a lane-step: 4 or 2
+  // Two steps in registers. One tile (the decode kernels, 128 registers): rounds of two
+  // steps' loads, then their MMAs. Two tiles (the aligned kernels, one CTA an SM and up to
+  // 255 registers): each step's MMAs run while the next step's loads are in flight. NOTE:
+  // in rounds, the aligned kernels issued one instruction a cycle an SM (Mixtral w4a16
+  // M = 256, H100: the warps waited on L2); pipelined at 128 registers, the 4-bit
+  // instances spilled 130-180 B.
+  constexpr int kStages = 2;
+  constexpr bool kPipelined = kTiles > 1;
   const int quad = int(threadIdx.x) % 4;
   const uint8_t* w_lo = q.w + expert * q.w_stride_expert + row_lo * q.w_stride_n;
   const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n;
   const int group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 30;  // groups: powers of two
+  struct Step {
+    uint4 lo, hi, x[kTiles][kVecChunks];
+    GroupConstants<T> c_lo, c_hi;
+  };
+  // A lane's chunk is whole or past the row (K % 32 == 0); past it, zeros meet zeros.
+  auto load = [&](Step& st, int step) {
+    const int k = step * kWeightsPerStep<kBits> + kLaneWeights * quad;
+    const bool in = step < step_end && k < K;
+    const int byte = k * kBits / 8;
+    st.lo = in ? load_streaming(w_lo + byte) : make_uint4(0, 0, 0, 0);
+    st.hi = in ? load_streaming(w_hi + byte) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int c = 0; c < kVecChunks; ++c) {
+        st.x[t][c] = in && vec[t] ? *reinterpret_cast<const uint4*>(vec[t] + k + 8 * c) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    const int64_t group = in ? int64_t(k) >> group_shift : 0;
+    st.c_lo = group_constants<T, kBits>(q, expert, row_lo, group);
+    st.c_hi = group_constants<T, kBits>(q, expert, row_hi, group);
+  };
+  auto multiply = [&](const Step& st) {
+    const uint32_t words_lo[4] = {st.lo.x, st.lo.y, st.lo.z, st.lo.w};
+    const uint32_t words_hi[4] = {st.hi.x, st.hi.y, st.hi.z, st.hi.w};
+    float part[kTiles][4] = {};
+    float (&sums)[kTiles][4] = kScaleAfter ? part : acc;
+#pragma unroll
+    for (int wd = 0; wd < 4; ++wd) {
+      uint32_t a_lo[4], a_hi[4];
+      weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], st.c_lo, a_lo);
+      weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], st.c_hi, a_hi);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        if constexpr (kBits == 4) {
+          // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
+          const uint4 v = st.x[t][wd];
+          const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
+          const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
+          mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
+          mma_16x8x16<T>(sums[t], a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
+        } else {
+          // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
+          const uint4 v = st.x[t][wd / 2];
+          const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
+          mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
+        }
+      }
+    }
+    if constexpr (kScaleAfter) {
+      // Every lane of the step read the same group: its rows' scales.
+      const float s_lo = to_float(st.c_lo.scale.x), s_hi = to_float(st.c_hi.scale.x);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        acc[t][0] = fmaf(part[t][0], s_lo, acc[t][0]);
+        acc[t][1] = fmaf(part[t][1], s_lo, acc[t][1]);
+        acc[t][2] = fmaf(part[t][2], s_hi, acc[t][2]);
+        acc[t][3] = fmaf(part[t][3], s_hi, acc[t][3]);
+      }
+    }
+  };
 #pragma unroll
   for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
-  for (int s0 = step_begin; s0 < step_end; s0 += kUnroll) {
-    uint4 lo[kUnroll], hi[kUnroll], x[kUnroll][kTiles][kVecChunks];
-    GroupConstants<T> c_lo[kUnroll], c_hi[kUnroll];
-    // A lane's chunk is whole or past the row (K % 32 == 0); past it, zeros meet zeros.
+  Step stages[kStages];
+  if constexpr (kPipelined) load(stages[0], step_begin);
+  for (int s0 = step_begin; s0 < step_end; s0 += kStages) {
+    if constexpr (!kPipelined) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int k = (s0 + u) * kWeightsPerStep<kBits> + kLaneWeights * quad;
-      const bool in = s0 + u < step_end && k < K;
-      const int byte = k * kBits / 8;
-      lo[u] = in ? load_streaming(w_lo + byte) : make_uint4(0, 0, 0, 0);
-      hi[u] = in ? load_streaming(w_hi + byte) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int k = (s0 + u) * kWeightsPerStep<kBits> + kLaneWeights * quad;
-      const bool in = s0 + u < step_end && k < K;
-#pragma unroll
-      for (int t = 0; t < kTiles; ++t) {
-#pragma unroll
-        for (int c = 0; c < kVecChunks; ++c) {
-          x[u][t][c] = in && vec[t] ? *reinterpret_cast<const uint4*>(vec[t] + k + 8 * c) : make_uint4(0, 0, 0, 0);
-        }
-      }
-      const int64_t group = in ? int64_t(k) >> group_shift : 0;
-      c_lo[u] = group_constants<T, kBits>(q, expert, row_lo, group);
-      c_hi[u] = group_constants<T, kBits>(q, expert, row_hi, group);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (s0 + u >= step_end) break;
-      const uint32_t words_lo[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w};
-      const uint32_t words_hi[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
-      float part[kTiles][4] = {};
-      float (&sums)[kTiles][4] = kScaleAfter ? part : acc;
-#pragma unroll
-      for (int wd = 0; wd < 4; ++wd) {
-        uint32_t a_lo[4], a_hi[4];
-        weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], c_lo[u], a_lo);
-        weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], c_hi[u], a_hi);
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          if constexpr (kBits == 4) {
-            // Word wd holds k 8wd .. 8wd + 7 of the lane's 32: vector chunk wd, paired as the weights.
-            const uint4 v = x[u][t][wd];
-            const uint32_t b04 = __byte_perm(v.x, v.z, 0x5410), b15 = __byte_perm(v.x, v.z, 0x7632);
-            const uint32_t b26 = __byte_perm(v.y, v.w, 0x5410), b37 = __byte_perm(v.y, v.w, 0x7632);
-            mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b04, b15);
-            mma_16x8x16<T>(sums[t], a_lo[2], a_hi[2], a_lo[3], a_hi[3], b26, b37);
-          } else {
-            // Word wd holds k 4wd .. 4wd + 3 of the lane's 16: half of vector chunk wd / 2.
-            const uint4 v = x[u][t][wd / 2];
-            const uint32_t b01 = wd % 2 == 0 ? v.x : v.z, b23 = wd % 2 == 0 ? v.y : v.w;
-            mma_16x8x16<T>(sums[t], a_lo[0], a_hi[0], a_lo[1], a_hi[1], b01, b23);
-          }
-        }
-      }
-      if constexpr (kScaleAfter) {
-        // Every lane of the step read the same group: its rows' scales.
-        const float s_lo = to_float(c_lo[u].scale.x), s_hi = to_float(c_hi[u].scale.x);
-#pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          acc[t][0] = fmaf(part[t][0], s_lo, acc[t][0]);
-          acc[t][1] = fmaf(part[t][1], s_lo, acc[t][1]);
-          acc[t][2] = fmaf(part[t][2], s_hi, acc[t][2]);
-          acc[t][3] = fmaf(part[t][3], s_hi, acc[t][3]);
-        }
-      }
+    for (int i = 0; i < kStages; ++i) {
+      if (s0 + i >= step_end) break;
+      // Pipelined: the next step into the other registers, then this one's MMAs.
+      if constexpr (kPipelined) load(stages[(i + 1) % kStages], s0 + i + 1);
+      multiply(stages[i]);
     }
   }
 }
