@@ -98,6 +98,9 @@ class FusedMoE(torch.nn.Module):
 
         factory = dict(dtype=dtype, device=device)
         self.quant_scheme = None if quant is None else _ops.quant_scheme(quant)
+        q = self.quant_scheme
+        self._scheme_fields = None if q is None else (str(q.name), bool(q.weight_only), int(q.group_size),
+                                                      int(q.block_n), int(q.block_k))
         weights = factory if quant is None else dict(dtype=getattr(torch, self.quant_scheme.element), device=device)
         # Weight-only 4-bit experts hold two weights a byte along K.
         packed = 2 if self.quant_scheme is not None and self.quant_scheme.weight_only and \
@@ -388,16 +391,18 @@ class FusedMoE(torch.nn.Module):
         self.load_weights(w13, w2, s13, s2, a13, a2)
 
     def _quant_args(self):
-        """The quantization arguments of the torch ops (empty for a bf16/fp16 layer)."""
-        q = self.quant_scheme
-        if q is None:
+        """The quantization arguments of the torch ops (empty for a bf16/fp16 layer).
+        NOTE: the scheme's fields as plain Python values read once (_scheme_fields):
+        torch.compile cannot trace calls into the nanobind QuantScheme."""
+        if self.quant_scheme is None:
             return {}
-        if q.weight_only:
-            return dict(quant=q.name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
-                        group_size=q.group_size, w13_zero=self.w13_weight_zero, w2_zero=self.w2_weight_zero)
-        return dict(quant=q.name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
-                    a13_scale=self.w13_input_scale, a2_scale=self.w2_input_scale, quant_block_n=q.block_n,
-                    quant_block_k=q.block_k)
+        name, weight_only, group_size, block_n, block_k = self._scheme_fields
+        if weight_only:
+            return dict(quant=name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
+                        group_size=group_size, w13_zero=self.w13_weight_zero, w2_zero=self.w2_weight_zero)
+        return dict(quant=name, w13_scale=self.w13_weight_scale, w2_scale=self.w2_weight_scale,
+                    a13_scale=self.w13_input_scale, a2_scale=self.w2_input_scale, quant_block_n=block_n,
+                    quant_block_k=block_k)
 
     def route(self, router_logits):
         """router_logits [M, num_experts] -> (topk_weights [M, top_k] float32,

@@ -216,8 +216,11 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 }  // namespace
 
 // Weight-only experts: the dense path from this many slots an expert on average. NOTE:
-// measured on H100 (docs/PERF_NOTES.md, issue 30).
-constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 64;
+// measured on H100 (docs/PERF_NOTES.md, issue 30, w4a16): the aligned kernels won at 32-64
+// an expert (Qwen3-30B M = 1024: 912 against 1391 us; Mixtral M = 256: 1916 against
+// 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE M = 1024: 1139
+// against 1013), where each expert's rows are re-read for 8 blocks or more.
+constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
 
 WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));

@@ -284,7 +284,7 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("no_combine", [](WeightOnlyCase& c) { c.options.no_combine = true; c.top_k = 3; });
       add("router_weight_on_input", [](WeightOnlyCase& c) { c.options.apply_router_weight_on_input = true; c.top_k = 1; });
       add("top8_m16", [](WeightOnlyCase& c) { c.top_k = 8; c.num_global = c.num_local = 32; c.M = 16; c.zeros = Zeros::kBytes; });
-      // Past the decode kernels (128 slots): the aligned path, the dense one from 64 slots
+      // Past the decode kernels (128 slots): the aligned path, the dense one from 128 slots
       // an expert (or forced).
       constexpr WeightOnlyPath kAligned = WeightOnlyPath::kAligned, kDense = WeightOnlyPath::kDense;
       add("aligned_m100", [&](WeightOnlyCase& c) { c.M = 100; c.zeros = Zeros::kBytes; c.expect_path = kAligned; });
@@ -302,7 +302,7 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("aligned_decode_asked", [&](WeightOnlyCase& c) {
         c.M = 100, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = kAligned;
       });
-      add("dense_auto_m256", [&](WeightOnlyCase& c) { c.M = 256; c.expect_path = kDense; });
+      add("dense_auto_m512", [&](WeightOnlyCase& c) { c.M = 512; c.expect_path = kDense; });
       add("dense_expert_map", [&](WeightOnlyCase& c) {
         c.M = 90, c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.weight_only_path = kDense,
         c.expect_path = kDense;
