@@ -160,10 +160,8 @@ __device__ __forceinline__ int result_slot(const int (&slot)[2], int t, int c) {
   return __shfl_sync(0xffffffffu, slot[t], 4 * (2 * quad + c));
 }
 
-// NOTE: one CTA an SM: the pipelined two-tile steps take up to 255 registers (at 128 the
-// 4-bit instances spilled 130-180 B).
 template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
-__global__ void __launch_bounds__(kThreads, 1) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
+__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
   wait_for_previous_kernel();
   const SmallBatchMoeParams& m = p.moe;
   const T* x = static_cast<const T*>(m.x);
@@ -199,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) weight_only_aligned_gemm1_kernel(
 }
 
 template <class T, int kBits, bool kScaleAfter>
-__global__ void __launch_bounds__(kThreads, 1) weight_only_aligned_gemm2_kernel(const detail::WeightOnlyAlignedParams p) {
+__global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm2_kernel(const detail::WeightOnlyAlignedParams p) {
   wait_for_previous_kernel();
   const SmallBatchMoeParams& m = p.moe;
   const T* act = static_cast<const T*>(m.act);

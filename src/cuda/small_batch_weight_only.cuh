@@ -152,14 +152,13 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
                                                       int step_begin, int step_end, float (&acc)[kTiles][4]) {
   constexpr int kLaneWeights = 128 / kBits;          // weights in a lane's 16 bytes: 32 or 16
   constexpr int kVecChunks = kLaneWeights / 8;       // 16-byte chunks of the vector a lane-step: 4 or 2
-  // Two steps in registers. One tile (the decode kernels, 128 registers): rounds of two
-  // steps' loads, then their MMAs. Two tiles (the aligned kernels, one CTA an SM and up to
-  // 255 registers): each step's MMAs run while the next step's loads are in flight. NOTE:
-  // in rounds, the aligned kernels issued one instruction a cycle an SM (Mixtral w4a16
-  // M = 256, H100: the warps waited on L2); pipelined at 128 registers, the 4-bit
-  // instances spilled 130-180 B.
-  constexpr int kStages = 2;
-  constexpr bool kPipelined = kTiles > 1;
+  // Rounds of kStages steps' loads, then their MMAs: two steps with one tile (the decode
+  // kernels), one with two tiles (the aligned kernels; twice the vector chunks), under the
+  // 128 registers of two CTAs an SM. NOTE: pipelined instead (each step's MMAs while the
+  // next step's loads fly, one CTA an SM for the registers), the aligned kernels ran
+  // 15-25% slower (H100, w4a16: Qwen3-30B M = 64 186 -> 232 us, M = 1024 912 -> 1104;
+  // docs/PERF_NOTES.md, issue 30): half the warps hid less than the pipeline won.
+  constexpr int kStages = kTiles == 1 ? 2 : 1;
   const int quad = int(threadIdx.x) % 4;
   const uint8_t* w_lo = q.w + expert * q.w_stride_expert + row_lo * q.w_stride_n;
   const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n;
@@ -231,17 +230,12 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
   Step stages[kStages];
-  if constexpr (kPipelined) load(stages[0], step_begin);
   for (int s0 = step_begin; s0 < step_end; s0 += kStages) {
-    if constexpr (!kPipelined) {
 #pragma unroll
-      for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i);
-    }
+    for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i);
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       if (s0 + i >= step_end) break;
-      // Pipelined: the next step into the other registers, then this one's MMAs.
-      if constexpr (kPipelined) load(stages[(i + 1) % kStages], s0 + i + 1);
       multiply(stages[i]);
     }
   }
