@@ -1,0 +1,64 @@
+"""The weight-only rows of a GPU report (issue 30) against their floors and the bf16 layer.
+
+Usage: weight_only_table.py REPORT.json
+Prints, per scheme (w4a16 / w8a16, group, zero points) a table of model x M: the layer's
+time, its floor and percent of it, the bf16 layer's time of the same cell and the speedup
+over it; then the issue's targets, counted: w4a16 >= 80% of the floor at M = 4-64 and
+>= 60% at M = 1-2, w8a16 >= 80% at M = 4-64, w4a16 at most 1.1x the bf16 layer at
+M >= 1024 and at least 3x faster at M <= 16, rel_err <= 1e-2.
+"""
+import json
+import sys
+from collections import defaultdict
+
+
+def main(path):
+    rows = json.load(open(path))["rows"]
+    bf16 = {(r["model"], r["M"]): r["time_us"] for r in rows
+            if r.get("quant") is None and r.get("lora") is None and r.get("dtype") == "bf16"}
+    tables, seen = defaultdict(list), set()
+    for r in rows:
+        q = r.get("quant")
+        if q and q["scheme"] in ("w4a16", "w8a16") and r.get("lora") is None:
+            key = q["scheme"] + (" group " + str(q["group"]) if q["group"] else " per channel") + \
+                (" zero points" if q["zero_point"] else "")
+            if (key, r["model"], r["M"]) in seen:  # a cell timed again (e.g. the LoRA run's base rows)
+                continue
+            seen.add((key, r["model"], r["M"]))
+            tables[key].append(r)
+    counts = defaultdict(lambda: [0, 0])  # target -> [met, cells]
+    worst_err = 0.0
+    for key, table in tables.items():
+        print(f"\n{key}: time / floor us (% of floor), bf16 layer us (speedup)")
+        print(f"{'model':16s} {'M':>5s} {'time':>9s} {'floor':>8s} {'%':>6s} {'bf16':>9s} {'x bf16':>7s}")
+        for r in table:
+            b = bf16.get((r["model"], r["M"]))
+            speedup = b / r["time_us"] if b else float("nan")
+            pct = r["pct_floor"]
+            worst_err = max(worst_err, r["rel_err"] or 0.0)
+            print(f"{r['model']:16s} {r['M']:5d} {r['time_us']:9.1f} {r['floor_us']:8.1f} {pct:6.1f} "
+                  f"{(b or float('nan')):9.1f} {speedup:7.2f}")
+            scheme, M = r["quant"]["scheme"], r["M"]
+            if scheme == "w4a16" and 4 <= M <= 64:
+                counts["w4a16 >= 80% of floor, M 4-64"][0] += pct >= 80
+                counts["w4a16 >= 80% of floor, M 4-64"][1] += 1
+            if scheme == "w4a16" and M <= 2:
+                counts["w4a16 >= 60% of floor, M 1-2"][0] += pct >= 60
+                counts["w4a16 >= 60% of floor, M 1-2"][1] += 1
+            if scheme == "w8a16" and 4 <= M <= 64:
+                counts["w8a16 >= 80% of floor, M 4-64"][0] += pct >= 80
+                counts["w8a16 >= 80% of floor, M 4-64"][1] += 1
+            if scheme == "w4a16" and M >= 1024 and b:
+                counts["w4a16 <= 1.1x bf16, M >= 1024"][0] += r["time_us"] <= 1.1 * b
+                counts["w4a16 <= 1.1x bf16, M >= 1024"][1] += 1
+            if scheme == "w4a16" and M <= 16 and b:
+                counts["w4a16 >= 3x faster than bf16, M <= 16"][0] += speedup >= 3
+                counts["w4a16 >= 3x faster than bf16, M <= 16"][1] += 1
+    print("\ntargets (cells met / cells):")
+    for target, (met, cells) in counts.items():
+        print(f"  {target}: {met} / {cells}")
+    print(f"  rel_err <= 1e-2: worst {worst_err:.2e} over every weight-only row")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
