@@ -70,7 +70,9 @@ constexpr DType kDtype = DType::kBFloat16;  // the layer's activations and outpu
 // would take longer than this: the grid (264 cells) must fit one 10-minute device command.
 constexpr double kCellBudgetS = 1.0;
 
-constexpr const char* kOwnFlags = "[--scheme S[:gG][:zp][,S...]] [--weight-only-path auto|decode|aligned|dense] [--static-act] [--check-tokens N] [--grouped on|off] [--grouped-tiles T1,T2]";
+constexpr const char* kOwnFlags =
+    "[--scheme S[:gG][:zp][,S...]] [--weight-only-path auto|decode|aligned|dense] [--static-act] [--check-tokens N]\n"
+    "       [--grouped on|off] [--grouped-tiles T1,T2]";
 
 // A --scheme entry: the method and, for weight-only ones (NAME[:gG][:zp]), the group
 // (0: per channel) and whether zero points come with it.

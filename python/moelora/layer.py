@@ -187,7 +187,7 @@ class FusedMoE(torch.nn.Module):
         # Weight-only: scales in the activations' dtype, zero points (one a byte) with zero_points.
         shapes += [shapes[0], shapes[1]] if q.weight_only and q.zero_points else [None, None]
         for i, (name, shape) in enumerate(zip(names, shapes)):
-            dtype = torch.uint8 if i >= 4 else self._weight_only_scale_dtype if q.weight_only else torch.float32
+            dtype = torch.uint8 if i >= 4 else (self._weight_only_scale_dtype if q.weight_only else torch.float32)
             value = None if shape is None else torch.nn.Parameter(
                 torch.ones(shape, dtype=dtype, device=device), requires_grad=False)
             self.register_parameter(name, value)
@@ -233,6 +233,16 @@ class FusedMoE(torch.nn.Module):
             text += f", quant={self.quant_scheme.name}"
         return text
 
+    def _given_or_refused(self, name, value):
+        """A scale or zero-point argument of load_weights against its parameter: present
+        exactly when the scheme has the parameter (ValueError otherwise); None when absent."""
+        param = getattr(self, name)
+        if (param is None) != (value is None):
+            raise ValueError(f"FusedMoE.load_weights: {name} expected "
+                             f"{'none' if param is None else 'a tensor of shape ' + str(list(param.shape))}"
+                             f" for scheme {self.quant_scheme!r}, got {'none' if value is None else 'a tensor'}")
+        return None if value is None else torch.as_tensor(value)
+
     @torch.no_grad()
     def _load_weight_only(self, values, w13_scale, w2_scale, w13_zero, w2_zero):
         """load_weights of a weight-only layer: packed uint8 w13 / w2 with their scales (and
@@ -248,7 +258,8 @@ class FusedMoE(torch.nn.Module):
                 if tuple(values[name].shape) != float_shapes[name]:
                     raise ValueError(f"FusedMoE.load_weights: float {name} expected shape {list(float_shapes[name])},"
                                      f" got {list(values[name].shape)}")
-                packed, scale, zero = _ops.quantize_weights(values[name].to(self.w13.device, self._weight_only_scale_dtype), q)
+                float_weights = values[name].to(self.w13.device, self._weight_only_scale_dtype)
+                packed, scale, zero = _ops.quantize_weights(float_weights, q)
                 values[name], given[f"{name}_weight_scale"], given[f"{name}_weight_zero"] = packed, scale, zero
         for name, value in values.items():
             param = getattr(self, name)
@@ -257,14 +268,9 @@ class FusedMoE(torch.nn.Module):
                                  f"{q.name}, packed) with its scales, or float weights to quantize, got "
                                  f"{value.dtype} {list(value.shape)}")
         for name, value in given.items():
-            param = getattr(self, name)
-            if (param is None) != (value is None):
-                raise ValueError(f"FusedMoE.load_weights: {name} expected "
-                                 f"{'none' if param is None else 'a tensor of shape ' + str(list(param.shape))}"
-                                 f" for scheme {q!r}, got {'none' if value is None else 'a tensor'}")
+            param, value = getattr(self, name), self._given_or_refused(name, value)
             if value is None:
                 continue
-            value = torch.as_tensor(value)
             if value.shape != param.shape or (name.endswith("zero") and value.dtype != torch.uint8):
                 raise ValueError(f"FusedMoE.load_weights: {name} expected {param.dtype} {list(param.shape)}, "
                                  f"got {value.dtype} {list(value.shape)}")
@@ -318,14 +324,10 @@ class FusedMoE(torch.nn.Module):
                                  f"{self.quant_scheme.name}) with its scales, or float weights to quantize, "
                                  f"got {value.dtype}")
         for name, value in given.items():
-            param = getattr(self, name)
-            if (param is None) != (value is None):
-                raise ValueError(f"FusedMoE.load_weights: {name} expected "
-                                 f"{'none' if param is None else 'a tensor of shape ' + str(list(param.shape))}"
-                                 f" for scheme {self.quant_scheme!r}, got {'none' if value is None else 'a tensor'}")
+            param, value = getattr(self, name), self._given_or_refused(name, value)
             if value is None:
                 continue
-            value = torch.as_tensor(value).to(device=param.device, dtype=torch.float32)
+            value = value.to(device=param.device, dtype=torch.float32)
             if value.shape != param.shape:
                 raise ValueError(f"FusedMoE.load_weights: {name} expected shape {list(param.shape)}, "
                                  f"got {list(value.shape)}")
@@ -383,7 +385,8 @@ class FusedMoE(torch.nn.Module):
             w13, w2, s13, s2, z13, z2 = quant_checkpoint.read_weight_only_experts(
                 tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,
                 self.intermediate_size, quant_config)
-            self.load_weights(w13, w2, s13.to(self._weight_only_scale_dtype), s2.to(self._weight_only_scale_dtype), w13_zero=z13, w2_zero=z2)
+            dtype = self._weight_only_scale_dtype
+            self.load_weights(w13, w2, s13.to(dtype), s2.to(dtype), w13_zero=z13, w2_zero=z2)
             return
         w13, w2, s13, s2, a13, a2 = quant_checkpoint.read_quantized_experts(
             tensors, prefix, self.quant_scheme, [e for e, _ in self._local_experts()], self.hidden_size,

@@ -13,26 +13,33 @@ namespace moelora::detail {
 
 namespace {
 
+// fn(e, n, g, element offset) for every element of a [E, N, groups] or [E, N] view.
+template <class Fn>
+void for_each_group(const TensorView& t, Fn fn) {
+  const int64_t groups = t.rank == 3 ? t.shape[2] : 1, stride_g = t.rank == 3 ? t.strides[2] : 0;
+  for (int64_t e = 0; e < t.shape[0]; ++e) {
+    for (int64_t n = 0; n < t.shape[1]; ++n) {
+      for (int64_t g = 0; g < groups; ++g) fn(e, n, g, e * t.strides[0] + n * t.strides[1] + g * stride_g);
+    }
+  }
+}
+
+std::string at(int64_t e, int64_t n, int64_t g) {
+  return " at [" + std::to_string(e) + ", " + std::to_string(n) + ", " + std::to_string(g) + "]";
+}
+
 // On the CPU, where they are readable: every scale finite (16-bit; NaN or inf would
 // poison every output of the group's rows).
 void check_scales_finite_16bit(const char* op, const char* name, const TensorView& scales) {
   if (scales.device.type != DeviceType::kCPU) return;
   const auto* data = static_cast<const uint16_t*>(scales.data);
-  const int64_t cols = scales.rank == 3 ? scales.shape[2] : 1;
-  const int64_t stride_k = scales.rank == 3 ? scales.strides[2] : 0;
-  for (int64_t e = 0; e < scales.shape[0]; ++e) {
-    for (int64_t n = 0; n < scales.shape[1]; ++n) {
-      for (int64_t g = 0; g < cols; ++g) {
-        const uint16_t bits = data[e * scales.strides[0] + n * scales.strides[1] + g * stride_k];
-        const float v = scales.dtype == DType::kBFloat16 ? host::to_float(host::bf16{bits})
-                                                         : host::to_float(host::fp16{bits});
-        if (!std::isfinite(v)) {
-          fail(op, std::string("argument '") + name + "' expected finite scales, got " + std::to_string(v) +
-                       " at [" + std::to_string(e) + ", " + std::to_string(n) + ", " + std::to_string(g) + "]");
-        }
-      }
+  for_each_group(scales, [&](int64_t e, int64_t n, int64_t g, int64_t offset) {
+    const float v = scales.dtype == DType::kBFloat16 ? host::to_float(host::bf16{data[offset]})
+                                                     : host::to_float(host::fp16{data[offset]});
+    if (!std::isfinite(v)) {
+      fail(op, std::string("argument '") + name + "' expected finite scales, got " + std::to_string(v) + at(e, n, g));
     }
-  }
+  });
 }
 
 // On the CPU: every unpacked 4-bit zero point below 16 (a byte above means a packed
@@ -40,20 +47,12 @@ void check_scales_finite_16bit(const char* op, const char* name, const TensorVie
 void check_zero_values(const char* op, const char* name, const TensorView& zero, int bits, bool packed) {
   if (zero.device.type != DeviceType::kCPU || bits != 4 || packed) return;
   const auto* data = static_cast<const uint8_t*>(zero.data);
-  const int64_t cols = zero.rank == 3 ? zero.shape[2] : 1;
-  const int64_t stride_k = zero.rank == 3 ? zero.strides[2] : 0;
-  for (int64_t e = 0; e < zero.shape[0]; ++e) {
-    for (int64_t n = 0; n < zero.shape[1]; ++n) {
-      for (int64_t g = 0; g < cols; ++g) {
-        const int v = data[e * zero.strides[0] + n * zero.strides[1] + g * stride_k];
-        if (v > 15) {
-          fail(op, std::string("argument '") + name + "' expected 4-bit zero points in [0, 15] (one a byte), got " +
-                       std::to_string(v) + " at [" + std::to_string(e) + ", " + std::to_string(n) + ", " +
-                       std::to_string(g) + "]: packed zero points are [E, N / 2, K / group_size]");
-        }
-      }
+  for_each_group(zero, [&](int64_t e, int64_t n, int64_t g, int64_t offset) {
+    if (data[offset] > 15) {
+      fail(op, std::string("argument '") + name + "' expected 4-bit zero points in [0, 15] (one a byte), got " +
+                   std::to_string(data[offset]) + at(e, n, g) + ": packed zero points are [E, N / 2, K / group_size]");
     }
-  }
+  });
 }
 
 // One GEMM's weights w [E, N, K * bits / 8] (checked by the caller), scales and zero
@@ -101,15 +100,19 @@ WeightOnlyParams weight_only_params(const char* op, const char* w_name, const Te
     }
     return p;
   }
-  if (!zero) fail(op, std::string("argument '") + zero_name + "' expected uint8 zero points (the scheme has zero_points), got none");
+  if (!zero) {
+    fail(op, std::string("argument '") + zero_name + "' expected uint8 zero points (the scheme has zero_points), got none");
+  }
   ArgCheck zc(op, zero_name, *zero);
   zc.dtype(DType::kUInt8).on(device, "hidden_states").rank(G > 0 ? 3 : 2).dim(0, E, "experts");
   if (G > 0) zc.dim(2, groups, "K / group_size");
   const int64_t rows = zero->shape[1];
   const bool packed = bits == 4 && N % 2 == 0 && rows == N / 2;
   if (!packed && rows != N) {
-    fail(op, std::string("argument '") + zero_name + "' expected dim 1 " + std::to_string(N) + " (one zero point a byte)" +
-                 (bits == 4 && N % 2 == 0 ? " or " + std::to_string(N / 2) + " (4-bit, packed two a byte along N)" : "") +
+    const std::string packed_shape =
+        bits == 4 && N % 2 == 0 ? " or " + std::to_string(N / 2) + " (4-bit, packed two a byte along N)" : "";
+    fail(op, std::string("argument '") + zero_name + "' expected dim 1 " + std::to_string(N) +
+                 " (one zero point a byte)" + packed_shape +
                  ", got shape " + zero->shape_string());
   }
   check_zero_values(op, zero_name, *zero, bits, packed);
