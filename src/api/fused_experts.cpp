@@ -397,6 +397,16 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       g.lora[0] = st.slices[0];
       g.lora[1] = st.slices[1];
     };
+    // The weighted top-k sum of GEMM2's rows by slot (gemm2_out: cache3) into `out`, unless
+    // GEMM2 wrote `out` itself (direct).
+    auto reduce_slots = [&]() {
+      if (plan.direct) return;
+      run_sum_reduce(SumReduceParams{.dtype = dtype, .input = plan.gemm2_out.data, .input_stride_token = top_k * H,
+                                     .input_stride_k = H, .out = plan.out, .out_stride_token = args.out.strides[0],
+                                     .num_tokens = tokens, .top_k = top_k, .hidden = H,
+                                     .scale = options.routed_scaling_factor},
+                     device, stream);
+    };
     // Quantized experts: x's rows quantized first; each GEMM's scales point at its input's.
     GemmQuantParams quant1 = call.quant.gemm1, quant2 = call.quant.gemm2;
     const bool static_scales = args.quant && args.quant->scheme.static_activation_scales;
@@ -498,13 +508,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
         aligned.moe.down_delta = plan.gemm2_out.data;
       }
       cuda::fused_experts_weight_only_aligned(aligned, stream, 2);
-      if (!plan.direct) {
-        run_sum_reduce(SumReduceParams{.dtype = dtype, .input = plan.gemm2_out.data, .input_stride_token = top_k * H,
-                                       .input_stride_k = H, .out = plan.out, .out_stride_token = args.out.strides[0],
-                                       .num_tokens = tokens, .top_k = top_k, .hidden = H,
-                                       .scale = options.routed_scaling_factor},
-                       device, stream);
-      }
+      reduce_slots();
       continue;
     }
 #endif
@@ -605,13 +609,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
                      /*add_inputs=*/true);
     }
 
-    if (!plan.direct) {
-      run_sum_reduce(SumReduceParams{.dtype = dtype, .input = cache3.data, .input_stride_token = top_k * H,
-                                     .input_stride_k = H, .out = plan.out, .out_stride_token = args.out.strides[0],
-                                     .num_tokens = tokens, .top_k = top_k, .hidden = H,
-                                     .scale = options.routed_scaling_factor},
-                     device, stream);
-    }
+    reduce_slots();
   }
 }
 

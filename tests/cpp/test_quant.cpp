@@ -13,6 +13,7 @@
 #include "api/fused_experts_plan.h"
 #include "common/params.h"
 #include "lora_testing.h"
+#include "quant_layer_testing.h"
 #include "test_util.h"
 
 namespace moelora::test {
@@ -210,18 +211,10 @@ INSTANTIATE_TEST_SUITE_P(Backends, QuantizeBackendTest, ::testing::ValuesIn(all_
 
 // ---- fused_experts on quantized experts -----------------------------------------------
 
-struct QuantLayerCase {
+struct QuantLayerCase : QuantLayerDims {
   std::string name;
-  Backend backend;
   QuantMethod method = QuantMethod::kFp8Block;
-  DType dtype = DType::kBFloat16;
-  int64_t M = 20, top_k = 2, H = 256, I = 128;
-  int64_t num_global = 8, num_local = 8;  // num_global > num_local: an expert_map
-  double dropped_share = 0.0;
   bool static_activation_scales = false;  // fp8_tensor
-  int64_t lora_rank = 0;                  // > 0: 4 adapters of this rank on every token
-  bool inplace = false;                   // out is hidden_states
-  FusedExpertsOptions options{};
   std::optional<bool> expect_small_batch;  // CUDA: which path must run (see test_fused_experts.cpp)
   std::optional<bool> expect_grouped;      // CUDA on sm_90a: whether the grouped GEMMs must run
 };
@@ -293,8 +286,6 @@ std::vector<int64_t> favoured_routing(const QuantLayerCase& c, const std::vector
       ids[size_t(m * c.top_k + j)] = chosen.back();
     }
   }
-  std::bernoulli_distribution drop(c.dropped_share);
-  for (auto& id : ids) id = drop(rng) ? -1 : id;
   return ids;
 }
 
@@ -302,60 +293,20 @@ struct QuantLayer {
   QuantLayer(const QuantLayerCase& c, std::mt19937& rng)
       : c(c),
         scheme(make_quant_scheme(c.method, 128, 128, c.static_activation_scales)),
-        x(c.backend, c.dtype, std::max<int64_t>(1, c.M * c.H)),
         w13(c.backend, scheme, c.num_local, 2 * c.I, c.H, rng),
         w2(c.backend, scheme, c.num_local, c.H, c.I, rng),
-        topk_weights(c.backend, DType::kFloat32, std::max<int64_t>(1, c.M * c.top_k)),
-        topk_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M * c.top_k)),
-        expert_map(c.backend, DType::kInt32, c.num_global),
-        static_scales(c.backend, DType::kFloat32, 2),
-        out(c.backend, c.dtype, std::max<int64_t>(1, c.M * (c.options.no_combine ? c.top_k : 1) * c.H)),
-        lora_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M)),
-        workspace(c.backend, DType::kFloat32, (fused_experts_workspace_size(shape(), c.options) + 3) / 4) {
-    x_view = x.view({c.M, c.H});
-    x_values = x.fill_normal(x_view, rng);
-    x.upload();
-    std::vector<int64_t> global(size_t(c.num_global));
-    std::iota(global.begin(), global.end(), 0);
-    std::shuffle(global.begin(), global.end(), rng);
-    const std::vector<int64_t> local(global.begin(), global.begin() + c.num_local);
-    map.assign(size_t(c.num_global), -1);
-    for (int64_t i = 0; i < c.num_local; ++i) map[size_t(local[size_t(i)])] = int32_t(i);
-    expert_map.write(expert_map.view({c.num_global}), std::vector<double>(map.begin(), map.end()));
-    ids = favoured_routing(c, local, rng);
-    weight_values = random_router_weights(c.M, c.top_k, rng);
-    topk_weights.write(topk_weights.view({c.M, c.top_k}), weight_values);
-    topk_ids.write(topk_ids.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
+        io(c, quant_layer_shape(c, scheme), rng,
+           [&c](const std::vector<int64_t>& local, std::mt19937& r) { return favoured_routing(c, local, r); }),
+        static_scales(c.backend, DType::kFloat32, 2) {
     // Static scales a little under the data's range: the largest values saturate.
     static_values = {double(float(3.0 / quant_max(scheme.element))), double(float(0.5 / quant_max(scheme.element)))};
     static_scales.write(static_scales.view({2}), static_values);
-    for (Buffer* b : {&topk_weights, &topk_ids, &expert_map, &static_scales}) b->upload();
-    if (c.lora_rank > 0) {
-      stack13.emplace(c.backend, c.dtype, 2, kAdapters, c.num_local, c.lora_rank, c.H, 2 * c.I,
-                      c.options.activation == Activation::kSwigluOai, rng);
-      stack2.emplace(c.backend, c.dtype, 1, kAdapters, c.num_local, c.lora_rank, c.I, c.H, false, rng);
-      token_loras = random_token_loras(c.M, kAdapters, 1.0, rng);
-      lora_ids.write(lora_ids.view({c.M}), std::vector<double>(token_loras.begin(), token_loras.end()));
-      lora_ids.upload();
-    }
-    out.poison();
-    workspace.poison();
+    static_scales.upload();
   }
 
-  static constexpr int64_t kAdapters = 4;
-
-  FusedExpertsShape shape() const {
-    FusedExpertsShape s{c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local};
-    s.quant = scheme;
-    if (c.lora_rank > 0) {
-      s.max_loras = kAdapters;
-      s.lora_rank = c.lora_rank;
-    }
-    return s;
-  }
+  FusedExpertsShape shape() const { return quant_layer_shape(c, scheme); }
 
   FusedExpertsArgs args() {
-    map_view = expert_map.view({c.num_global});
     a13_view = static_scales.view({1});
     a2_view = static_scales.view({1}, {1}, 1);
     quant.scheme = scheme;
@@ -363,23 +314,7 @@ struct QuantLayer {
     quant.w2_scale = w2.scale_view;
     quant.a13_scale = c.static_activation_scales ? &a13_view : nullptr;
     quant.a2_scale = c.static_activation_scales ? &a2_view : nullptr;
-    FusedExpertsArgs a;
-    a.hidden_states = x_view;
-    a.w13 = w13.view;
-    a.w2 = w2.view;
-    a.topk_weights = topk_weights.view({c.M, c.top_k});
-    a.topk_ids = topk_ids.view({c.M, c.top_k});
-    a.out = c.inplace ? x_view : c.options.no_combine ? out.view({c.M, c.top_k, c.H}) : out.view({c.M, c.H});
-    a.workspace = workspace.view({workspace.size()});
-    a.expert_map = c.num_global > c.num_local ? &map_view : nullptr;
-    a.quant = &quant;
-    if (c.lora_rank > 0) {
-      lora.adapters = MoeLoraAdapters{lora_ids.view({c.M}), nullptr, nullptr};
-      lora.w13 = stack13->weights;
-      lora.w2 = stack2->weights;
-      a.lora = &lora;
-    }
-    return a;
+    return io.args(w13.view, w2.view, &quant);
   }
 
   std::vector<double> reference() const {
@@ -393,32 +328,17 @@ struct QuantLayer {
     }
     rq.layer_dtype = c.dtype;
     rq.chunk_size = c.options.chunk_size;
-    ref::RefLora rl;
-    if (c.lora_rank > 0) {
-      rl.token_lora = token_loras;
-      rl.scale.assign(kAdapters, 1.0);
-      rl.w13 = stack13->ref;
-      rl.w2 = stack2->ref;
-    }
-    return ref::reference_fused_experts(x_values, w13.dequantized, w2.dequantized, weight_values, ids, c.M, c.top_k,
-                                        c.num_local, c.H, c.I, c.num_global > c.num_local ? map.data() : nullptr,
-                                        c.options.activation, c.options.swiglu_alpha, c.options.swiglu_limit,
-                                        c.options.apply_router_weight_on_input, c.options.no_combine,
-                                        c.options.routed_scaling_factor, c.lora_rank > 0 ? &rl : nullptr, &rq);
+    return io.reference(w13.dequantized, w2.dequantized, &rq);
   }
 
   const QuantLayerCase& c;
   QuantScheme scheme;
-  Buffer x;
   QuantWeights w13, w2;
-  Buffer topk_weights, topk_ids, expert_map, static_scales, out, lora_ids, workspace;
-  std::optional<LoraStackData> stack13, stack2;
-  std::vector<double> x_values, weight_values, static_values;
-  std::vector<int64_t> ids, token_loras;
-  std::vector<int32_t> map;
-  TensorView x_view, map_view, a13_view, a2_view;
+  QuantLayerIo io;
+  Buffer static_scales;
+  std::vector<double> static_values;
+  TensorView a13_view, a2_view;
   FusedExpertsQuant quant;
-  FusedExpertsLora lora;
 };
 
 class FusedExpertsQuantTest : public ::testing::TestWithParam<QuantLayerCase> {};
@@ -436,7 +356,7 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   TestStream stream(c.backend);
   fused_experts(layer.args(), c.options, stream.handle());
   stream.sync();
-  Buffer& out = c.inplace ? layer.x : layer.out;
+  Buffer& out = c.inplace ? layer.io.x : layer.io.out;
   out.download();
   const TensorView ov = c.options.no_combine ? out.view({c.M, c.top_k, c.H}) : out.view({c.M, c.H});
   // The grouped path is the only one that writes the alignment's per-slot entries.
@@ -444,8 +364,8 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   if (c.backend == Backend::kCUDA && c.M > 0) {
     const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
     if (layout.grouped_rows > 0) {
-      layer.workspace.download();
-      grouped = !layer.workspace.is_poison(layout.grouped_slot_entries / 4);
+      layer.io.workspace.download();
+      grouped = !layer.io.workspace.is_poison(layout.grouped_slot_entries / 4);
     }
 #ifdef MOELORA_WITH_CUDA
     if (c.expect_grouped.has_value() && cuda::current_device_facts().sm90_kernels) {
@@ -463,8 +383,8 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   EXPECT_LE(error, c.lora_rank > 0 ? 2.5e-2 : ref::tolerance(c.dtype));
   if (!c.inplace) EXPECT_EQ(out.count_unwritten(ov), 0);
   if (c.backend == Backend::kCUDA && c.M > 0 && c.expect_small_batch.has_value()) {
-    layer.workspace.download();
-    EXPECT_EQ(layer.workspace.is_poison(0), *c.expect_small_batch) << "the other path ran";
+    layer.io.workspace.download();
+    EXPECT_EQ(layer.io.workspace.is_poison(0), *c.expect_small_batch) << "the other path ran";
   }
   RecordProperty("rel_error", std::to_string(error));
   RecordProperty("grouped", grouped ? "1" : "0");
@@ -741,8 +661,8 @@ TEST_P(FusedExpertsQuantBackendTest, RejectsBadArguments) {
     const std::string message = error_message([&] { fused_experts(args, c.options, stream.handle()); });
     EXPECT_THAT(message, HasSubstr("'" + bad.argument + "'"));
     stream.sync();
-    layer.out.download();
-    EXPECT_EQ(layer.out.count_written(), 0) << "a rejected call wrote its output";
+    layer.io.out.download();
+    EXPECT_EQ(layer.io.out.count_written(), 0) << "a rejected call wrote its output";
   }
   if (GetParam() == Backend::kCPU) {
     // CPU scales are readable: a NaN weight scale is refused.

@@ -13,7 +13,7 @@
 
 #include "api/fused_experts_plan.h"
 #include "common/params.h"
-#include "lora_testing.h"
+#include "quant_layer_testing.h"
 #include "test_util.h"
 
 namespace moelora::test {
@@ -23,18 +23,15 @@ using ::testing::HasSubstr;
 
 enum class Zeros { kNone, kBytes, kPacked };
 
-struct WeightOnlyCase {
+struct WeightOnlyCase : QuantLayerDims {
+  WeightOnlyCase() {
+    M = 8;
+    lora_share = 0.75;
+  }
   std::string name;
-  Backend backend;
   int bits = 4;
   int64_t group_size = 128;  // 0: per channel
   Zeros zeros = Zeros::kNone;
-  DType dtype = DType::kBFloat16;
-  int64_t M = 8, top_k = 2, H = 256, I = 128;
-  int64_t num_global = 8, num_local = 8;  // num_global > num_local: an expert_map with -1
-  double dropped_share = 0.0;
-  int64_t lora_rank = 0;
-  FusedExpertsOptions options{};
   WeightOnlyPath expect_path = WeightOnlyPath::kDecode;  // the CUDA path that must run
 };
 
@@ -114,108 +111,30 @@ struct WeightOnlyLayer {
   WeightOnlyLayer(const WeightOnlyCase& c, std::mt19937& rng)
       : c(c),
         scheme(scheme_of(c)),
-        x(c.backend, c.dtype, std::max<int64_t>(1, c.M * c.H)),
         w13(c, c.num_local, 2 * c.I, c.H, rng),
         w2(c, c.num_local, c.H, c.I, rng),
-        topk_weights(c.backend, DType::kFloat32, std::max<int64_t>(1, c.M * c.top_k)),
-        topk_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M * c.top_k)),
-        expert_map(c.backend, DType::kInt32, c.num_global),
-        out(c.backend, c.dtype, std::max<int64_t>(1, c.M * (c.options.no_combine ? c.top_k : 1) * c.H)),
-        lora_ids(c.backend, DType::kInt32, std::max<int64_t>(1, c.M)),
-        workspace(c.backend, DType::kFloat32, (fused_experts_workspace_size(shape(), c.options) + 3) / 4) {
-    x_view = x.view({c.M, c.H});
-    x_values = x.fill_normal(x_view, rng);
-    x.upload();
-    // Local experts: a random subset of the global ones; the others map to -1.
-    std::vector<int64_t> global(size_t(c.num_global));
-    std::iota(global.begin(), global.end(), 0);
-    std::shuffle(global.begin(), global.end(), rng);
-    map.assign(size_t(c.num_global), -1);
-    for (int64_t i = 0; i < c.num_local; ++i) map[size_t(global[size_t(i)])] = int32_t(i);
-    expert_map.write(expert_map.view({c.num_global}), std::vector<double>(map.begin(), map.end()));
-    ids = random_routing(c.M, c.top_k, c.num_global, rng);
-    std::bernoulli_distribution drop(c.dropped_share);
-    for (auto& id : ids) id = drop(rng) ? -1 : id;
-    weight_values = random_router_weights(c.M, c.top_k, rng);
-    topk_weights.write(topk_weights.view({c.M, c.top_k}), weight_values);
-    topk_ids.write(topk_ids.view({c.M, c.top_k}), std::vector<double>(ids.begin(), ids.end()));
-    for (Buffer* b : {&topk_weights, &topk_ids, &expert_map}) b->upload();
-    if (c.lora_rank > 0) {
-      stack13.emplace(c.backend, c.dtype, 2, kAdapters, c.num_local, c.lora_rank, c.H, 2 * c.I, false, rng);
-      stack2.emplace(c.backend, c.dtype, 1, kAdapters, c.num_local, c.lora_rank, c.I, c.H, false, rng);
-      token_loras = random_token_loras(c.M, kAdapters, 0.75, rng);
-      lora_ids.write(lora_ids.view({c.M}), std::vector<double>(token_loras.begin(), token_loras.end()));
-      lora_ids.upload();
-    }
-    out.poison();
-    workspace.poison();
-  }
+        io(c, quant_layer_shape(c, scheme), rng, [&c](const std::vector<int64_t>&, std::mt19937& r) {
+          return random_routing(c.M, c.top_k, c.num_global, r);
+        }) {}
 
-  static constexpr int64_t kAdapters = 4;
-
-  FusedExpertsShape shape() const {
-    FusedExpertsShape s{c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local};
-    s.quant = scheme;
-    if (c.lora_rank > 0) {
-      s.max_loras = kAdapters;
-      s.lora_rank = c.lora_rank;
-    }
-    return s;
-  }
+  FusedExpertsShape shape() const { return quant_layer_shape(c, scheme); }
 
   FusedExpertsArgs args() {
-    map_view = expert_map.view({c.num_global});
     quant.scheme = scheme;
     quant.w13_scale = w13.scale_view;
     quant.w2_scale = w2.scale_view;
     quant.w13_zero = c.zeros != Zeros::kNone ? &w13.zero_view : nullptr;
     quant.w2_zero = c.zeros != Zeros::kNone ? &w2.zero_view : nullptr;
-    FusedExpertsArgs a;
-    a.hidden_states = x_view;
-    a.w13 = w13.view;
-    a.w2 = w2.view;
-    a.topk_weights = topk_weights.view({c.M, c.top_k});
-    a.topk_ids = topk_ids.view({c.M, c.top_k});
-    a.out = c.options.no_combine ? out.view({c.M, c.top_k, c.H}) : out.view({c.M, c.H});
-    a.workspace = workspace.view({workspace.size()});
-    a.expert_map = c.num_global > c.num_local ? &map_view : nullptr;
-    a.quant = &quant;
-    if (c.lora_rank > 0) {
-      lora.adapters = MoeLoraAdapters{lora_ids.view({c.M}), nullptr, nullptr};
-      lora.w13 = stack13->weights;
-      lora.w2 = stack2->weights;
-      a.lora = &lora;
-    }
-    return a;
+    return io.args(w13.view, w2.view, &quant);
   }
 
-  std::vector<double> reference() const {
-    ref::RefLora rl;
-    if (c.lora_rank > 0) {
-      rl.token_lora = token_loras;
-      rl.scale.assign(kAdapters, 1.0);
-      rl.w13 = stack13->ref;
-      rl.w2 = stack2->ref;
-    }
-    return ref::reference_fused_experts(x_values, w13.dequantized, w2.dequantized, weight_values, ids, c.M, c.top_k,
-                                        c.num_local, c.H, c.I, c.num_global > c.num_local ? map.data() : nullptr,
-                                        c.options.activation, c.options.swiglu_alpha, c.options.swiglu_limit,
-                                        c.options.apply_router_weight_on_input, c.options.no_combine,
-                                        c.options.routed_scaling_factor, c.lora_rank > 0 ? &rl : nullptr);
-  }
+  std::vector<double> reference() const { return io.reference(w13.dequantized, w2.dequantized); }
 
   const WeightOnlyCase& c;
   QuantScheme scheme;
-  Buffer x;
   PackedWeights w13, w2;
-  Buffer topk_weights, topk_ids, expert_map, out, lora_ids, workspace;
-  std::optional<LoraStackData> stack13, stack2;
-  std::vector<double> x_values, weight_values;
-  std::vector<int64_t> ids, token_loras;
-  std::vector<int32_t> map;
-  TensorView x_view, map_view;
+  QuantLayerIo io;
   FusedExpertsQuant quant;
-  FusedExpertsLora lora;
 };
 
 class WeightOnlyTest : public ::testing::TestWithParam<WeightOnlyCase> {};
@@ -228,20 +147,20 @@ TEST_P(WeightOnlyTest, MatchesReference) {
   TestStream stream(c.backend);
   fused_experts(layer.args(), c.options, stream.handle());
   stream.sync();
-  layer.out.download();
-  const TensorView ov = c.options.no_combine ? layer.out.view({c.M, c.top_k, c.H}) : layer.out.view({c.M, c.H});
-  const double error = ref::rel_error(layer.out.read(ov), layer.reference());
+  layer.io.out.download();
+  const TensorView ov = c.options.no_combine ? layer.io.out.view({c.M, c.top_k, c.H}) : layer.io.out.view({c.M, c.H});
+  const double error = ref::rel_error(layer.io.out.read(ov), layer.reference());
   EXPECT_LE(error, ref::tolerance(c.dtype));
-  EXPECT_EQ(layer.out.count_unwritten(ov), 0);
+  EXPECT_EQ(layer.io.out.count_unwritten(ov), 0);
   // Which CUDA path ran: the decode kernels write no alignment (sorted_token_ids open the
   // workspace), the dense path its dequantized experts.
   if (c.backend == Backend::kCUDA && c.M > 0) {
     const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
     EXPECT_EQ(int(layout.weight_only_path), int(c.expect_path));
-    layer.workspace.download();
-    EXPECT_EQ(layer.workspace.is_poison(0), c.expect_path == WeightOnlyPath::kDecode) << "the other path ran";
+    layer.io.workspace.download();
+    EXPECT_EQ(layer.io.workspace.is_poison(0), c.expect_path == WeightOnlyPath::kDecode) << "the other path ran";
     if (layout.weight_only_dense) {
-      EXPECT_FALSE(layer.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
+      EXPECT_FALSE(layer.io.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
     }
   }
   RecordProperty("rel_error", std::to_string(error));
@@ -364,8 +283,8 @@ TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
     edit(a);
     const std::string message = error_message([&] { fused_experts(a, c.options); });
     EXPECT_THAT(message, HasSubstr(needle)) << what;
-    layer.out.download();
-    EXPECT_EQ(layer.out.count_written(), 0) << what << ": out was written";
+    layer.io.out.download();
+    EXPECT_EQ(layer.io.out.count_written(), 0) << what << ": out was written";
   };
   expect_error("packed K", [&](FusedExpertsArgs& a) { a.w13 = wrong.view({8, 256, 256}); }, "'w13'");
   expect_error("w2 packed K", [&](FusedExpertsArgs& a) { a.w2 = wrong.view({8, 256, 128}); }, "'w2'");
@@ -405,8 +324,8 @@ TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
     WeightOnlyLayer small(odd, rng);
     const std::string message = error_message([&] { fused_experts(small.args(), odd.options); });
     EXPECT_THAT(message, HasSubstr("multiples of 32"));
-    small.out.download();
-    EXPECT_EQ(small.out.count_written(), 0);
+    small.io.out.download();
+    EXPECT_EQ(small.io.out.count_written(), 0);
   }
   // A scheme of the wrong kind: a group size the kernels do not take.
   EXPECT_THAT(error_message([] { make_weight_only_scheme(QuantMethod::kW4A16, 48); }), HasSubstr("group_size"));
