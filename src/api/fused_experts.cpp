@@ -302,23 +302,34 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
   const int64_t M = shape.num_tokens;
   if (M == 0) return;
   // The arguments the kernels read: the caller's, but for weight-only experts on chunks
-  // past the decode kernels (the layout's dense experts), w13 and w2 dequantized into the
-  // workspace once for every chunk.
+  // past the decode kernels (the layout's dense experts), w13 and w2 as 16-bit experts in
+  // the workspace: the chunks plan on them, and the sm90 kernel reads the packed experts
+  // itself (plan.weight_only_tiles); another chunk has them dequantized there once.
   FusedExpertsArgs args = call_args;
   const bool weight_only = call_args.quant && call_args.quant->scheme.weight_only();
-  if (weight_only && layout.weight_only_dense && on_cuda(x)) {
+  bool dense_written = false;
+  auto write_dense_experts = [&]() {
 #ifdef MOELORA_WITH_CUDA
+    if (dense_written) return;
     const int64_t E = shape.num_local_experts, H = shape.hidden_size, I = shape.intermediate_size;
-    void* dense13 = byte_offset(call_args.workspace.data, layout.dense_w13);
-    void* dense2 = byte_offset(call_args.workspace.data, layout.dense_w2);
-    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w13, x.dtype, dense13, E, 2 * I, H}, stream);
-    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w2, x.dtype, dense2, E, H, I}, stream);
-    args.w13 = TensorView::contiguous(dense13, x.dtype, {E, 2 * I, H}, x.device);
-    args.w2 = TensorView::contiguous(dense2, x.dtype, {E, H, I}, x.device);
+    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w13, x.dtype, args.w13.data, E, 2 * I, H}, stream);
+    cuda::dequantize_experts(DequantizeExpertsParams{call.quant.w2, x.dtype, args.w2.data, E, H, I}, stream);
+    dense_written = true;
 #endif
+  };
+  if (weight_only && layout.weight_only_dense && on_cuda(x)) {
+    const int64_t E = shape.num_local_experts, H = shape.hidden_size, I = shape.intermediate_size;
+    args.w13 = TensorView::contiguous(byte_offset(call_args.workspace.data, layout.dense_w13), x.dtype, {E, 2 * I, H},
+                                      x.device);
+    args.w2 = TensorView::contiguous(byte_offset(call_args.workspace.data, layout.dense_w2), x.dtype, {E, H, I},
+                                     x.device);
   }
   // CPU: the GEMMs read the packed weights themselves.
   const bool cpu_weight_only = weight_only && !on_cuda(x);
+  auto with_packed_weights = [&](GemmParams& g, const WeightOnlyParams& w, int64_t K) {
+    g.weight_only = w;
+    g.K = K;  // w's packed bytes otherwise
+  };
 
   const Device device = x.device;
   const DType dtype = x.dtype;
@@ -425,6 +436,9 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       quantize_rows(cache2, plan.act_quantized, plan.act_scales, plan, static_scales, device, stream);
       return plan.act_quantized;
     };
+    // The GEMMs read the packed experts (CPU, or the sm90 kernel), else their dense copies.
+    const bool packed_gemms = cpu_weight_only || plan.weight_only_tiles;
+    if (weight_only && layout.weight_only_dense && on_cuda(x) && !plan.weight_only_tiles) write_dense_experts();
 #ifdef MOELORA_WITH_CUDA
     if (plan.grouped) {
       run_grouped_chunk(plan, args, options, kind, stream);
@@ -552,10 +566,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       GemmParams gemm1 = gemm_params(gemm1_input, args.w13, cache2, sorted_chunk, expert_chunk, ntpp, gemm1_weights,
                                      top_k, block_size, config.gemm1);
       gemm1.quant = quant1;
-      if (cpu_weight_only) {  // K: w13's packed bytes otherwise
-        gemm1.weight_only = call.quant.w13;
-        gemm1.K = H;
-      }
+      if (packed_gemms) with_packed_weights(gemm1, call.quant.w13, H);
       gemm1.a_rows_sorted = plan.sorted_input;
       gemm1.N = I;
       gemm1.num_slots = slots;  // the padding sentinel, whatever rows cache2 has
@@ -573,10 +584,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       GemmParams gemm1 = gemm_params(plan.quantized ? plan.x_quantized : x_chunk, args.w13, cache1, sorted_chunk,
                                      expert_chunk, ntpp, gemm1_weights, top_k, block_size, config.gemm1);
       gemm1.quant = quant1;
-      if (cpu_weight_only) {  // K: w13's packed bytes otherwise
-        gemm1.weight_only = call.quant.w13;
-        gemm1.K = H;
-      }
+      if (packed_gemms) with_packed_weights(gemm1, call.quant.w13, H);
       gemm1.tile_counter = config.gemm1.ordered ? tile_counters : nullptr;
       run_gemm(gemm1, device, stream);
       if (args.lora) {
@@ -596,10 +604,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
     GemmParams gemm2 = gemm_params(gemm2_input(), args.w2, cache3, sorted_chunk, expert_chunk, ntpp, gemm2_weights, 1,
                                    block_size, config.gemm2);
     gemm2.quant = quant2;
-    if (cpu_weight_only) {
-      gemm2.weight_only = call.quant.w2;
-      gemm2.K = I;
-    }
+    if (packed_gemms) with_packed_weights(gemm2, call.quant.w2, I);
     gemm2.tile_counter = tile_counters && config.gemm2.ordered ? tile_counters + 1 : nullptr;
     gemm2.a_rows_sorted = plan.sorted_activation;
     if (plan.fused_lora) with_fused_lora(gemm2, lora2, false, cache2, 1, plan.sorted_activation);

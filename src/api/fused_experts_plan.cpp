@@ -32,11 +32,22 @@ constexpr int64_t kSmallBatch8BitSlotsPerExpert = 4;
 
 MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
                                      const FusedExpertsOptions& options) {
-  // Weight-only experts past the decode kernels run the 16-bit GEMMs on dense copies.
+  // Weight-only experts past the decode kernels: the 16-bit layer's config. Its GEMMs read
+  // the packed experts on sm90 tiles (FusedExpertsChunkPlan::weight_only_tiles), so tiles
+  // the config leaves to the launcher are named here (the launcher's rule: 128 rows where
+  // the block allows); other tiles run on dequantized copies.
   if (shape.quant.weight_only()) {
     FusedExpertsShape dense = shape;
     dense.quant = QuantScheme{};
-    return fused_experts_config(dense, num_local_experts, device, options);
+    MoeKernelConfig config = fused_experts_config(dense, num_local_experts, device, options);
+#ifdef MOELORA_WITH_CUDA
+    if (device.type == DeviceType::kCUDA && cuda::current_device_facts().sm90_kernels && config.block_size % 64 == 0) {
+      for (GemmTile* tile : {&config.gemm1, &config.gemm2}) {
+        if (tile->kernel == GemmKernel::kAuto) *tile = GemmTile{GemmKernel::kSm90, config.block_size % 128 == 0 ? 128 : 64, 256};
+      }
+    }
+#endif
+    return config;
   }
   const int64_t heuristic_block_size = fused_experts_block_size(shape.num_tokens, shape.top_k, shape.num_experts, options);
   if (options.config != nullptr) {
@@ -415,6 +426,17 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     const bool loadable =
         cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
     plan.sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
+    // Weight-only experts on the dense path: the sm90 kernel converts the packed experts
+    // itself when both GEMMs run on it; else the chunk runs on dequantized copies.
+    if (plan.weight_only && plan.sm90_rows) {
+      GemmParams packed1 = gemm1_probe, packed2 = gemm2_probe;
+      packed1.weight_only = quant.w13;
+      packed1.K = H;
+      packed2.weight_only = quant.w2;
+      packed2.K = I;
+      plan.weight_only_tiles =
+          cuda::fused_moe_weight_only_loadable(packed1) && cuda::fused_moe_weight_only_loadable(packed2);
+    }
     plan.fused_lora =
         args.lora && loadable &&
         cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&

@@ -68,6 +68,7 @@ struct FusedExpertsChunkPlan {
   bool weight_only_aligned = false;  // WeightOnlyPath::kAligned (blocks of 16)
   bool tensor_core_gemms = false;  // both GEMMs on the tensor-core kernels, activation fused
   bool sm90_rows = false;          // ... both on sm90 and loadable: GEMM rows may go by entry
+  bool weight_only_tiles = false;  // weight-only on the dense path: the sm90 GEMMs read the packed experts
   bool fused_lora = false;         // adapters: a shrink kernel, the expand in each GEMM's K loop
   bool fused_activation = false;
   bool sorted_activation = false;  // GEMM1 writes cache2 by entry; GEMM2 reads it so

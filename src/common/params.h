@@ -264,8 +264,9 @@ struct GemmParams {
   // W8A8 (issue 28): a and w are 8-bit with scales; out keeps `dtype`. No LoRA expand,
   // no sorted rows.
   GemmQuantParams quant{};
-  // Weight-only experts (CPU backend only; CUDA runs the dequantized experts): w's rows
-  // come from these packed weights (w, w_stride_* unused).
+  // Weight-only experts (the CPU backend, and the CUDA sm90 kernel: fused_moe_weight_only_loadable;
+  // CUDA runs dequantized experts otherwise): w's rows come from these packed weights
+  // (w, w_stride_* unused); K counts weights.
   WeightOnlyParams weight_only{};
 };
 
@@ -523,6 +524,10 @@ void fused_moe(const detail::GemmParams& p, Stream stream);
 // The tensor-core kernels load these operands (16-bit types, K-contiguous 16-byte rows);
 // otherwise fused_moe runs the CUDA-core kernel, which takes neither sorted mode.
 bool fused_moe_tensor_core_loadable(const detail::GemmParams& p);
+// The sm90 kernel reads p.weight_only's packed experts itself (an sm_90 device and an
+// sm_90a build, K % 32 == 0, unit K strides, 16-byte aligned rows); else fused_experts
+// runs the 16-bit GEMMs on dequantized copies.
+bool fused_moe_weight_only_loadable(const detail::GemmParams& p);
 void activation(const detail::ActivationParams& p, Stream stream);
 void moe_sum_reduce(const detail::SumReduceParams& p, Stream stream);
 void moe_gather_sorted_rows(const detail::GatherRowsParams& p, Stream stream);

@@ -313,19 +313,18 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
       const int64_t k0 = int64_t(chunk) * kValues;
       const uint4 bytes = small_batch::load_streaming(packed + k0 * kBits / 8);
       const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
-      const small_batch::GroupConstants<T> c = small_batch::group_constants<T, kBits>(q, e, n, group);
+      const weight_only::GroupConstants<T> c = weight_only::group_constants<T, kBits>(q, e, n, group);
       const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
       uint32_t values[kValues / 2];  // pairs in K order
 #pragma unroll
       for (int wd = 0; wd < 4; ++wd) {
         uint32_t pairs[4];
-        small_batch::weight_pairs<T, kBits, true>(words[wd], c, pairs);
+        weight_only::weight_pairs<T, kBits, true>(words[wd], c, pairs);
         if constexpr (kBits == 4) {
-          // (k0, k4), (k1, k5), (k2, k6), (k3, k7) -> (k0, k1), (k2, k3), (k4, k5), (k6, k7)
-          values[4 * wd + 0] = __byte_perm(pairs[0], pairs[1], 0x5410);
-          values[4 * wd + 1] = __byte_perm(pairs[2], pairs[3], 0x5410);
-          values[4 * wd + 2] = __byte_perm(pairs[0], pairs[1], 0x7632);
-          values[4 * wd + 3] = __byte_perm(pairs[2], pairs[3], 0x7632);
+          uint32_t natural[4];
+          weight_only::natural_order(pairs, natural);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) values[4 * wd + j] = natural[j];
         } else {
           values[2 * wd + 0] = pairs[0];
           values[2 * wd + 1] = pairs[1];

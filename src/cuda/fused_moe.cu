@@ -39,16 +39,21 @@ GemmTile heuristic_tile(const detail::GemmParams& p, const DeviceInfo& device, b
   return {GemmKernel::kSm80, block_m, block_n};
 }
 
-// A 16-bit tensor map over `base` with the 128-byte swizzle wgmma reads; out-of-range
-// elements arrive as zeros. `what` names the tensor in the error.
-void encode_swizzled_tensor_map(CUtensorMap* map, DType dtype, const void* base, cuuint32_t rank,
-                                const cuuint64_t* dims, const cuuint64_t* byte_strides, const cuuint32_t* box,
-                                const char* what) {
+// A tensor map over `base`: 16-bit with the 128-byte swizzle wgmma reads, or bytes
+// unswizzled (packed weights); out-of-range elements arrive as zeros. `what` names the
+// tensor in the error.
+void encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, cuuint32_t rank, const cuuint64_t* dims,
+                       const cuuint64_t* byte_strides, const cuuint32_t* box, const char* what) {
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const bool bytes = dtype == DType::kUInt8;
   const CUresult status = tensor_map_encode_tiled()(
-      map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank,
-      const_cast<void*>(base), dims, byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      map,
+      bytes                         ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+      : dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      rank, const_cast<void*>(base), dims, byte_strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      bytes ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (status != CUDA_SUCCESS) {
     throw Error(std::string("moelora.fused_moe: cuTensorMapEncodeTiled failed for the ") + what +
                 " tensor (CUresult " + std::to_string(int(status)) + ")");
@@ -80,20 +85,39 @@ bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, 
   return ok;
 }
 
-WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
-  // Dims innermost first, byte strides growing outward: split halves (gate rows, then up
-  // rows) put the half outside the row; interleaved pairs (2j gate, 2j + 1 up) inside.
-  const uint64_t elem = 2;  // bf16 / fp16
+namespace {
+
+// The weight map of a call: w as [E][halves][rows][row_elements] (gated split: gate rows
+// then up rows; gated interleaved: row pairs; ungated: one half of N rows). Dims
+// innermost first, byte strides growing outward: split halves put the half outside the
+// row; interleaved pairs (2j gate, 2j + 1 up) inside.
+WeightTensorMap weight_tensor_map(const detail::GemmParams& p, DType dtype, const void* w, uint64_t row_elements,
+                                  uint64_t row_bytes, uint64_t expert_bytes, cuuint32_t box_elements, int box_rows,
+                                  const char* what) {
   const bool interleaved = p.gated && p.activation == detail::ActivationKind::kSwigluOai;
-  const uint64_t row = uint64_t(p.w_stride_n) * elem;
   const uint64_t rows = uint64_t(p.N), halves = p.gated ? 2 : 1;
-  const cuuint64_t dims[4] = {cuuint64_t(p.K), interleaved ? halves : rows, interleaved ? rows : halves,
+  const cuuint64_t dims[4] = {row_elements, interleaved ? halves : rows, interleaved ? rows : halves,
                               cuuint64_t(p.num_experts)};
-  const cuuint64_t strides[3] = {row, interleaved ? 2 * row : rows * row, uint64_t(p.w_stride_expert) * elem};
-  const cuuint32_t box[4] = {64, interleaved ? 1u : cuuint32_t(box_rows), interleaved ? cuuint32_t(box_rows) : 1u, 1};
+  const cuuint64_t strides[3] = {row_bytes, interleaved ? 2 * row_bytes : rows * row_bytes, expert_bytes};
+  const cuuint32_t box[4] = {box_elements, interleaved ? 1u : cuuint32_t(box_rows),
+                             interleaved ? cuuint32_t(box_rows) : 1u, 1};
   WeightTensorMap w_map{};
-  encode_swizzled_tensor_map(&w_map.map, p.dtype, p.w, 4, dims, strides, box, "weight");
+  encode_tensor_map(&w_map.map, dtype, w, 4, dims, strides, box, what);
   return w_map;
+}
+
+}  // namespace
+
+WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
+  const uint64_t elem = 2;  // bf16 / fp16
+  return weight_tensor_map(p, p.dtype, p.w, uint64_t(p.K), uint64_t(p.w_stride_n) * elem,
+                           uint64_t(p.w_stride_expert) * elem, 64, box_rows, "weight");
+}
+
+WeightTensorMap make_packed_weight_tensor_map(const detail::GemmParams& p, int box_rows) {
+  const detail::WeightOnlyParams& q = p.weight_only;
+  return weight_tensor_map(p, DType::kUInt8, q.w, uint64_t(p.K * q.bits / 8), uint64_t(q.w_stride_n),
+                           uint64_t(q.w_stride_expert), cuuint32_t(64 * q.bits / 8), box_rows, "packed weight");
 }
 
 ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int box_rows) {
@@ -102,8 +126,16 @@ ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int 
   const cuuint64_t strides[1] = {uint64_t(p.a_stride_row) * elem};
   const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
   ActivationTensorMap a_map{};
-  encode_swizzled_tensor_map(&a_map.map, p.dtype, p.a, 2, dims, strides, box, "activation");
+  encode_tensor_map(&a_map.map, p.dtype, p.a, 2, dims, strides, box, "activation");
   return a_map;
+}
+
+bool fused_moe_weight_only_loadable(const detail::GemmParams& p) {
+  const detail::WeightOnlyParams& q = p.weight_only;
+  constexpr int64_t kElems = 8;  // 16 bytes of a 16-bit type
+  return q.enabled && sm90_kernels_available(current_device_info()) && p.dtype != DType::kFloat32 && p.K > 0 &&
+         p.K % 32 == 0 && p.a_stride_k == 1 && p.a_stride_row % kElems == 0 && aligned16(p.a) &&
+         (q.bits == 4 || q.bits == 8) && q.w_stride_n % 16 == 0 && q.w_stride_expert % 16 == 0 && aligned16(q.w);
 }
 
 bool quant_element_supported(DType element) {
@@ -143,6 +175,27 @@ void fused_moe_w8a8(const detail::GemmParams& p, cudaStream_t stream) {
   }
 }
 
+// Weight-only experts: the sm90 kernel with the producer's conversion (the tile's
+// kernel must be kSm90 or kAuto; 1-CTA clusters).
+void fused_moe_weight_only(const detail::GemmParams& p, cudaStream_t stream) {
+  if (!fused_moe_weight_only_loadable(p)) {
+    throw std::logic_error("moelora.fused_moe: the weight-only GEMM needs an sm_90 device with sm_90a kernels, K a "
+                           "multiple of 32, unit K strides and 16-byte aligned rows");
+  }
+  if (p.tile.kernel != GemmKernel::kAuto && p.tile.kernel != GemmKernel::kSm90) {
+    throw std::logic_error("moelora.fused_moe: the weight-only GEMM runs on the sm90 kernel only");
+  }
+  const GemmTile tile = p.tile.kernel == GemmKernel::kSm90 ? p.tile : heuristic_tile(p, current_device_info(), true);
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.weight_only.bits == 4) {
+    bf16 ? fused_moe_sm90_weight_only_bf16_w4(p, tile.block_m, tile.block_n, stream)
+         : fused_moe_sm90_weight_only_fp16_w4(p, tile.block_m, tile.block_n, stream);
+  } else {
+    bf16 ? fused_moe_sm90_weight_only_bf16_w8(p, tile.block_m, tile.block_n, stream)
+         : fused_moe_sm90_weight_only_fp16_w8(p, tile.block_m, tile.block_n, stream);
+  }
+}
+
 }  // namespace
 
 void fused_moe(const detail::GemmParams& p, Stream stream) {
@@ -156,6 +209,10 @@ void fused_moe(const detail::GemmParams& p, Stream stream) {
     return;
   }
   const bool sorted_rows = p.a_rows_sorted || p.out_rows_sorted;
+  if (p.weight_only.enabled) {
+    fused_moe_weight_only(p, s);
+    return;
+  }
   const bool loadable = fused_moe_tensor_core_loadable(p);
   if ((sorted_rows || p.lora_t != nullptr) && !loadable) {
     throw std::logic_error("moelora.fused_moe: sorted A or output rows and the fused LoRA expand need a tensor-core kernel");

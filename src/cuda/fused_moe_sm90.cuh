@@ -93,6 +93,7 @@
 #include "cuda/device_info.h"
 #include "cuda/fused_moe_lora_steps.cuh"
 #include "cuda/fused_moe_sm90_schedule.cuh"
+#include "cuda/fused_moe_sm90_weight_only.cuh"
 #include "cuda/fused_moe_tile.cuh"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
@@ -100,17 +101,28 @@
 
 namespace moelora::cuda {
 
-template <class Element_, int kBlockM_, int kBlockN_, int kClusterM_>
+template <class Element_, int kBlockM_, int kBlockN_, int kClusterM_, int kWeightBits_ = 16>
 struct FusedMoeSm90Config {
   using Element = Element_;  // cute::bfloat16_t or cute::half_t
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kClusterM = kClusterM_;  // CTAs sharing one weight tile (m-tiles 2p, 2p + 1)
+  // 16: the experts' weights are Element; 4 or 8: packed weight-only experts that the
+  // producer converts (fused_moe_sm90_weight_only.cuh), in 1-CTA clusters.
+  static constexpr int kWeightBits = kWeightBits_;
+  static constexpr bool kWeightOnly = kWeightBits < 16;
   static constexpr int kBlockK = 64;  // 128 bytes: one 128B-swizzle row
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  // Registers a thread of each role (setmaxnreg): 56 + 2 x 224 fill the 64K of the SM. The
+  // weight-only producer converts whole rows in registers (ptxas spilled at 56).
+  static constexpr int kProducerRegisters = kWeightOnly ? 112 : 56;
+  static constexpr int kConsumerRegisters = kWeightOnly ? 200 : 224;
+  // Named barriers: the consumer warpgroups' (tile tables), the producer's (weight-only steps).
+  static constexpr int kConsumerBarrier = 1;
+  static constexpr int kProducerBarrier = 2;
   // wgmma batches a consumer leaves in flight when it waits: 1 overlaps consecutive K
   // steps but holds two ring slots. NOTE: 0 (one slot held, the pipe drained each step)
   // measured the same on H100 at M = 4096 (Qwen3-30B, Mixtral, DeepSeek).
@@ -120,6 +132,8 @@ struct FusedMoeSm90Config {
   static_assert(kBlockN == 128 || kBlockN == 256, "kBlockN must be 128 or 256");
   static_assert(kClusterM == 1 || kClusterM == 2, "kClusterM must be 1 or 2");
   static_assert(kGroupM % kClusterM == 0, "a raster group holds whole clusters");
+  static_assert(kWeightBits == 16 || ((kWeightBits == 4 || kWeightBits == 8) && kClusterM == 1),
+                "weight-only tiles are 4- or 8-bit, each CTA converting its own weights");
 
   static constexpr int kWarpgroupsM = kBlockM / 64;
   static constexpr int kWarpgroupsN = 2 / kWarpgroupsM;
@@ -149,8 +163,16 @@ struct FusedMoeSm90Config {
   static constexpr int kTileQueueDepth = 4;
   static constexpr int kTileQueueBytes = kTileQueueDepth * int(2 * sizeof(uint64_t) + sizeof(int32_t));
   static constexpr int kRingBudget = 232448 - 1024 - 16 * 8 - kTileQueueBytes - kTableBytes;  // 227 KB opt-in limit
+  // Weight-only: a step's packed rows, and the staging ring the TMA fills ahead of the
+  // conversion (slots and their barriers): up to 4 slots beside 4 ring slots, at least 2.
+  static constexpr int kPackedRowBytes = kBlockK * kWeightBits / 8;
+  static constexpr int kPackedStageBytes = kWeightOnly ? kBlockN * kPackedRowBytes : 0;
+  static constexpr int kStagingFit = kWeightOnly ? (kRingBudget - 4 * kStageBytes) / (kPackedStageBytes + 8) : 0;
+  static constexpr int kStaging = !kWeightOnly ? 0 : kStagingFit >= 4 ? 4 : kStagingFit >= 2 ? kStagingFit : 2;
+  static constexpr int kStagingBytes = kStaging * (kPackedStageBytes + 8);
   // NOTE: more than 8 slots adds nothing (8 already cover ~2 us of loads at 64 x 128).
-  static constexpr int kStages = kRingBudget / kStageBytes < 8 ? kRingBudget / kStageBytes : 8;
+  static constexpr int kStagesFit = (kRingBudget - kStagingBytes) / kStageBytes;
+  static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
   static_assert(kStages >= 3, "the pipeline needs three slots");
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
@@ -160,8 +182,8 @@ struct FusedMoeSm90Config {
       SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
   static constexpr int kSmemElementsA = cute::cosize(SmemLayoutA{});
   static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
-  static constexpr size_t kSmemBytes =
-      1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) + kTileQueueBytes + kTableBytes;
+  static constexpr size_t kSmemBytes = 1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
+                                       kStagingBytes + kTileQueueBytes + kTableBytes;
 };
 
 // Lane q of each quad holds word w[j] for column group j of a 4-group block (its own
@@ -314,14 +336,17 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   using T = typename Config::Element;
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kBlockK = Config::kBlockK;
-  constexpr int kStages = Config::kStages, kSlice = Config::kSlice, kClusterM = Config::kClusterM;
+  constexpr int kStages = Config::kStages, kClusterM = Config::kClusterM;
 
   extern __shared__ uint8_t smem_raw[];
   T* smem_a = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* smem_b = smem_a + Config::kSmemElementsA;
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_b + Config::kSmemElementsB);
+  // Weight-only: the packed rows' staging ring [kStaging][kBlockN][kPackedRowBytes] (none otherwise).
+  uint8_t* staging = reinterpret_cast<uint8_t*>(smem_b + Config::kSmemElementsB);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(staging + Config::kStaging * Config::kPackedStageBytes);
   uint64_t* empty_bar = full_bar + kStages;
-  uint64_t* tile_queue = empty_bar + kStages;  // the ordered tile queue (Sm90TileQueue)
+  uint64_t* staging_bar = empty_bar + kStages;                // [kStaging]: the packed rows landed
+  uint64_t* tile_queue = staging_bar + Config::kStaging;  // the ordered tile queue (Sm90TileQueue)
   int32_t* table_slot = reinterpret_cast<int32_t*>(tile_queue) + Config::kTileQueueBytes / 4;  // [2][kBlockM], -1 = padding
   float* table_weight = reinterpret_cast<float*>(table_slot + 2 * kBlockM);  // [2][kBlockM]
   // Row of a behind chunk i of producer thread t, [kProducerThreads][kChunksA] (16-byte
@@ -338,9 +363,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full_bar[s], Config::kProducerThreads + 1);
+      // Weight-only: one more arrival, thread 0's once the B slot is converted.
+      Barrier::init(&full_bar[s], Config::kProducerThreads + 1 + (Config::kWeightOnly ? 1 : 0));
       Barrier::init(&empty_bar[s], Config::kConsumerWarps * kClusterM);
     }
+    for (int s = 0; s < Config::kStaging; ++s) Barrier::init(&staging_bar[s], 1);
     for (int q = 0; q < Config::kTileQueueDepth; ++q) {
       Barrier::init(&tile_queue[q], 1);                                           // full: the taker
       // empty: every warp of the cluster (the leader's taker fills every CTA's queue)
@@ -380,8 +407,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   if (warpgroup == 0) {
     // ================= producer =================
-    // NOTE: 56 + 2 x 224 registers a thread fill the 64K of the SM.
-    cutlass::arch::warpgroup_reg_dealloc<56>();
+    cutlass::arch::warpgroup_reg_dealloc<Config::kProducerRegisters>();
     const T* a_base = static_cast<const T*>(p.a);
     const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
     const int row0 = threadIdx.x / Config::kChunksPerRow;
@@ -395,6 +421,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     };
     Sm90TileTaker<Config::kTileQueueDepth, kClusterM> taker{{tile_queue, 0, 1}};
+    // Weight-only: the converter, and the steps converted so far (staging slot and parity).
+    Sm90WeightOnlyProducer<Config> converter{p.weight_only, p.K};
+    uint32_t staged = 0;
     const bool takes = ordered && threadIdx.x == 0 && cta_rank == 0;
     if (takes) taker.start(p.tile_counter, int32_t(num_tiles));
     for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
@@ -412,7 +441,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         producer_rows[threadIdx.x * Config::kChunksA + i] = slot >= 0 && slot < p.num_slots ? int32_t(slot / p.top_k) : -1;
       }
       const int64_t n0 = n_tile * out_width;
+      if constexpr (Config::kWeightOnly) {
+        // The first kStaging steps' packed rows (the slots are free: every step issued
+        // before was converted, the last one behind the producer's named barrier).
+        converter.start_tile(p, tile.expert, n0);
+        if (threadIdx.x == 0) {
+          for (int j = 0; j < Config::kStaging && j < num_k_tiles; ++j) {
+            const int s = (staged + j) % Config::kStaging;
+            converter.load_step(p, &w_map.map, &staging_bar[s], staging + s * Config::kPackedStageBytes, n0,
+                                j * kBlockK);
+          }
+        }
+      }
       for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
+        if constexpr (Config::kWeightOnly) converter.load_codes(k_tile * kBlockK);
         // This thread's rows, read before the wait so the load hides behind it. NOTE: one
         // generic load per chunk, each feeding its cp.async, made Mixtral's 128 x 256
         // tiles 6% slower than rows held in registers (H100, M = 1024..4096).
@@ -421,7 +463,16 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         Barrier::wait(&empty_bar[stage], phase);
         const int64_t k0 = k_tile * kBlockK;
         if (threadIdx.x == 0) {
-          if (tile.own_loads) {
+          if (Config::kWeightOnly) {
+            // The B slot comes from the conversion below; only A's box by TMA.
+            if (p.a_rows_sorted) {
+              cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[stage], Config::kStageBytesA);
+              SM90_TMA_LOAD_2D::copy(&a_map.map, &full_bar[stage], 0, smem_a + stage * (kBlockM * kBlockK), int32_t(k0),
+                                     int32_t(entry0));
+            } else {
+              Barrier::arrive(&full_bar[stage]);
+            }
+          } else if (tile.own_loads) {
             // The whole weight tile lands here: this CTA's boxes and, shared, the peer's.
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
                 &full_bar[stage], Config::kStageBytesB + (p.a_rows_sorted ? Config::kStageBytesA : 0));
@@ -433,12 +484,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
             for (int b = 0; b < Config::kBoxes; ++b) {
               if (tile.shared && b % kClusterM != cta_rank) continue;
-              // Box b holds tile columns [b * kBoxRows, +kBoxRows): gated, the gate (b even)
-              // or up (b odd) rows of output columns n0 + (b / 2) * kBoxRows + [0, kBoxRows).
-              const int32_t row = int32_t(p.gated ? n0 + (b / 2) * Config::kBoxRows : n0 + b * Config::kBoxRows);
-              const int32_t half = p.gated ? b % 2 : 0;
               T* dst = smem_b + stage * (kBlockN * kBlockK) + b * (Config::kBoxRows * kBlockK);
-              const int32_t c1 = interleaved ? half : row, c2 = interleaved ? row : half;
+              int32_t c1, c2;
+              weight_box_coords<Config>(p, n0, b, interleaved, c1, c2);
               if (tile.shared) {
                 SM90_TMA_LOAD_MULTICAST_4D::copy(&w_map.map, &full_bar[stage], uint16_t((1 << kClusterM) - 1), 0, dst,
                                                  int32_t(k0), c1, c2, tile.expert);
@@ -453,19 +501,34 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         if (p.a_rows_sorted) {
           // Thread 0 loaded the A box with the weights; the other arrivals come from here.
           Barrier::arrive(&full_bar[stage]);
-          advance();
-          continue;
-        }
-        const int64_t k = k0 + k_col;  // K % 8 == 0: a chunk is all in or all out
-        if (tile.own_loads) {
+        } else {
+          const int64_t k = k0 + k_col;  // K % 8 == 0: a chunk is all in or all out
+          if (tile.own_loads) {
 #pragma unroll
-          for (int i = 0; i < Config::kChunksA; ++i) {
-            const bool ok = rows[i] >= 0 && k < p.K;
-            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_base + rows[i] * p.a_stride_row + k : a_base),
-                          *reinterpret_cast<uint128_t*>(&sA(row0 + i * Config::kRowsPerPass, k_col, stage)), ok);
+            for (int i = 0; i < Config::kChunksA; ++i) {
+              const bool ok = rows[i] >= 0 && k < p.K;
+              CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_base + rows[i] * p.a_stride_row + k : a_base),
+                            *reinterpret_cast<uint128_t*>(&sA(row0 + i * Config::kRowsPerPass, k_col, stage)), ok);
+            }
           }
+          cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
         }
-        cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
+        if constexpr (Config::kWeightOnly) {
+          const int s = staged % Config::kStaging;
+          Barrier::wait(&staging_bar[s], (staged / Config::kStaging) & 1);
+          converter.convert(staging + s * Config::kPackedStageBytes, sB(_, _, stage), k0);
+          cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by wgmma
+          cutlass::arch::NamedBarrier::sync(Config::kProducerThreads, Config::kProducerBarrier);
+          if (threadIdx.x == 0) {
+            Barrier::arrive(&full_bar[stage]);
+            // The slot is free again: the step kStaging ahead of this one.
+            if (k_tile + Config::kStaging < num_k_tiles) {
+              converter.load_step(p, &w_map.map, &staging_bar[s], staging + s * Config::kPackedStageBytes, n0,
+                                  k0 + Config::kStaging * kBlockK);
+            }
+          }
+          ++staged;
+        }
         advance();
       }
       if constexpr (kClusterM == 1) {
@@ -491,7 +554,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
         for (int kt = 0; kt < lora_steps; ++kt) {
           Barrier::wait(&empty_bar[stage], phase);
-          if (threadIdx.x == 0) Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
+          if (threadIdx.x == 0) {
+            Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
+            if (Config::kWeightOnly) Barrier::arrive(&full_bar[stage]);  // and the conversion's
+          }
           const LoraKColumn col(p, mask, kt * kBlockK + k_col);  // this thread's K column
           const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + col.t_col;
 #pragma unroll
@@ -542,7 +608,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   }
 
   // ================= consumers =================
-  cutlass::arch::warpgroup_reg_alloc<224>();
+  cutlass::arch::warpgroup_reg_alloc<Config::kConsumerRegisters>();
   const int thread = threadIdx.x - Config::kProducerThreads;  // 0..255
   Tensor sA = make_tensor(make_smem_ptr(smem_a), typename Config::SmemLayoutA{});  // (BLK_M, BLK_K, STAGES)
   Tensor sB = make_tensor(make_smem_ptr(smem_b), typename Config::SmemLayoutB{});  // (BLK_N, BLK_K, STAGES)
@@ -579,7 +645,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if (tile.own_real) {
       table ^= 1;
       load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight, thread, Config::kConsumerThreads);
-      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, 1);
+      cutlass::arch::NamedBarrier::sync(Config::kConsumerThreads, Config::kConsumerBarrier);
     }
 
     // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
@@ -607,7 +673,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           Barrier::wait(&full_bar[stage], phase);
           // cp.async wrote the A slot (and the LoRA steps' B slot) through the generic
           // proxy; wgmma reads them through the async one.
-          if (!p.a_rows_sorted || k_tile >= num_k_tiles) cutlass::arch::fence_view_async_shared();
+          if (Config::kWeightOnly || !p.a_rows_sorted || k_tile >= num_k_tiles) cutlass::arch::fence_view_async_shared();
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
 #pragma unroll
@@ -689,16 +755,17 @@ int sm90_max_active_clusters() {
   });
 }
 
-// Launches the kernel for one (element type, tile, cluster) instance: at most one CTA
-// per SM, and no more clusters than fit at once (the tile loop is persistent).
-template <class Element, int kBlockM, int kBlockN, int kClusterM>
+// Launches the kernel for one (element type, tile, cluster, weight bits) instance: at
+// most one CTA per SM, and no more clusters than fit at once (the tile loop is persistent).
+template <class Element, int kBlockM, int kBlockN, int kClusterM, int kWeightBits = 16>
 void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
-  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN, kClusterM>;
+  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN, kClusterM, kWeightBits>;
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
   const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
   const int64_t num_tiles = (num_m_tiles + kClusterM - 1) / kClusterM * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
-  const WeightTensorMap w_map = make_weight_tensor_map(p, Config::kBoxRows);
+  const WeightTensorMap w_map = Config::kWeightOnly ? make_packed_weight_tensor_map(p, Config::kBoxRows)
+                                                    : make_weight_tensor_map(p, Config::kBoxRows);
   const ActivationTensorMap a_map = p.a_rows_sorted ? make_activation_tensor_map(p, kBlockM) : ActivationTensorMap{};
   auto kernel = fused_moe_sm90_kernel<Config>;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
@@ -717,6 +784,17 @@ void dispatch_fused_moe_sm90(const detail::GemmParams& p, int block_n, int clust
   if (block_n == 256 && cluster_m == 2) return launch_fused_moe_sm90<T, kBlockM, 256, 2>(p, stream);
   throw Error("moelora.fused_moe: no sm90 instance for tile " + std::to_string(kBlockM) + "x" + std::to_string(block_n) +
               " in clusters of " + std::to_string(cluster_m));
+}
+
+// The weight-only instances of one (element type, weight bits): 1-CTA clusters.
+template <class T, int kWeightBits>
+void dispatch_fused_moe_sm90_weight_only(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
+  if (block_m == 64 && block_n == 128) return launch_fused_moe_sm90<T, 64, 128, 1, kWeightBits>(p, stream);
+  if (block_m == 64 && block_n == 256) return launch_fused_moe_sm90<T, 64, 256, 1, kWeightBits>(p, stream);
+  if (block_m == 128 && block_n == 128) return launch_fused_moe_sm90<T, 128, 128, 1, kWeightBits>(p, stream);
+  if (block_m == 128 && block_n == 256) return launch_fused_moe_sm90<T, 128, 256, 1, kWeightBits>(p, stream);
+  throw Error("moelora.fused_moe: no sm90 weight-only instance for tile " + std::to_string(block_m) + "x" +
+              std::to_string(block_n));
 }
 
 }  // namespace moelora::cuda

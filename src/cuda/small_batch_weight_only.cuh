@@ -6,15 +6,9 @@
 // Lane (g, q) = (lane / 4, lane % 4) of a warp loads, per step of 64 packed bytes, the 16
 // bytes at 16q of its rows g and g + 8 (4-bit: 32 weights, k = 32q .. 32q + 31 of the
 // step; 8-bit: 16) and the same k of its vector g. The MMA's k order inside a step is
-// free as long as rows and vectors agree, so each lane feeds its own 16 bytes:
-// - 4-bit: LOP3 (q >> 4i) & 0x000f000f | EXP makes the 16-bit pair (base + v_i, base +
-//   v_{i+4}) of a word's nibbles i and i + 4 (k = 8w + i, 8w + i + 4), exact in bf16
-//   (base 128) and fp16 (base 1024); (pair - (base + zero)) * scale is the weight pair.
-//   The vector's pairs are permuted the same way (PRMT (x_i, x_{i+4})). FasterTransformer's
-//   and Marlin's conversion, here without the offline reshuffle of the weights: the
-//   layer keeps the checkpoint's plain layout.
-// - 8-bit: fp16 takes PRMT with 0x64 (1024 + v); bf16 builds 2^23 + v in fp32 (PRMT with
-//   0x4B000000), subtracts 2^23 + zero and converts the pair (exact: |v - zero| <= 255).
+// free as long as rows and vectors agree, so each lane feeds its own 16 bytes.
+// weight_only_convert.cuh converts each 32-bit word; the 4-bit pairs come as (k_i, k_i+4),
+// and the vector's pairs are permuted the same way (PRMT (x_i, x_{i+4})).
 // A lane's 16 bytes lie in one scale group (groups of 32, 64, 128 or a whole row), so a
 // lane loads one scale and one zero point per row a step. Where a whole step (128 4-bit
 // or 64 8-bit weights of K) lies in one group, the MMAs take the exact q - zero and the
@@ -32,10 +26,12 @@
 #include "cuda/numeric.cuh"
 #include "cuda/small_batch_mma.cuh"
 #include "cuda/small_batch_slots.cuh"
+#include "cuda/weight_only_convert.cuh"
 
 namespace moelora::cuda::small_batch {
 
 using detail::WeightOnlyParams;
+using namespace weight_only;  // the conversions
 
 // 64 packed bytes a step (kMmaStep).
 template <int kBits>
@@ -47,24 +43,6 @@ __host__ __device__ constexpr int weight_only_steps(int K) {
   return (K + kWeightsPerStep<kBits> - 1) / kWeightsPerStep<kBits>;
 }
 
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
-  return r;
-}
-
-template <class T>
-using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-
-template <class T>
-__device__ __forceinline__ Pair<T> as_pair(uint32_t v) {
-  return reinterpret_cast<const Pair<T>&>(v);
-}
-template <class T>
-__device__ __forceinline__ uint32_t as_bits(Pair<T> v) {
-  return reinterpret_cast<const uint32_t&>(v);
-}
-
 template <class T>
 __device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                             uint32_t b0, uint32_t b1) {
@@ -72,67 +50,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t
     mma_fp16_16x8x16(c, a0, a1, a2, a3, b0, b1);
   } else {
     mma_bf16_16x8x16(c, a0, a1, a2, a3, b0, b1);
-  }
-}
-
-// A row's constants for one lane-step (one scale group): the scale pair, the pair that
-// the conversion's base and the zero point make (4-bit; 8-bit fp16), and the zero point
-// (8-bit bf16, subtracted in fp32).
-template <class T>
-struct GroupConstants {
-  Pair<T> scale, offset;
-  float zero;
-};
-
-// The base the conversions add (exact with 8 / 11 significant bits): 4-bit 128 (bf16)
-// or 1024 (fp16); 8-bit fp16 1024.
-template <class T>
-constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
-
-template <class T, int kBits>
-__device__ __forceinline__ GroupConstants<T> group_constants(const WeightOnlyParams& q, int64_t expert, int64_t row,
-                                                             int64_t group) {
-  const T scale = static_cast<const T*>(q.scale)[expert * q.scale_stride_expert + row * q.scale_stride_n +
-                                                 group * q.scale_stride_k];
-  int zero = kBits == 4 ? 8 : 128;
-  if (q.zero) {
-    const int byte = q.zero[expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n +
-                            group * q.zero_stride_k];
-    zero = q.zero_packed ? (byte >> (4 * int(row & 1))) & 15 : byte;
-  }
-  const T offset = from_float<T>(kConversionBase<T> + float(zero));
-  return GroupConstants<T>{Pair<T>(scale, scale), Pair<T>(offset, offset), float(zero)};
-}
-
-// Four weight pairs of one 32-bit word, as MMA operand registers, in the order the
-// vector's pairs of vector_pairs() take:
-//   4-bit: (k0, k4), (k1, k5), (k2, k6), (k3, k7) of the word's 8 values
-//   8-bit: (k0, k1), (k2, k3) in w[0], w[1] (w[2], w[3] unused)
-// kScaled: times the scale (groups smaller than a step); else q - zero alone, exact, for
-// a scale applied to the step's MMA sums (warp_weight_only_rows).
-template <class T, int kBits, bool kScaled>
-__device__ __forceinline__ void weight_pairs(uint32_t word, const GroupConstants<T>& c, uint32_t (&w)[4]) {
-  auto scaled = [&](Pair<T> v) { return as_bits<T>(kScaled ? __hmul2(v, c.scale) : v); };
-  if constexpr (kBits == 4) {
-    constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x64006400u : 0x43004300u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const Pair<T> v = as_pair<T>(and_or(word >> (4 * i), 0x000f000fu, kExp));
-      w[i] = scaled(__hsub2(v, c.offset));
-    }
-  } else if constexpr (std::is_same_v<T, __half>) {
-    const Pair<T> lo = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4140));
-    const Pair<T> hi = as_pair<T>(__byte_perm(word, 0x64646464u, 0x4342));
-    w[0] = scaled(__hsub2(lo, c.offset));
-    w[1] = scaled(__hsub2(hi, c.offset));
-  } else {
-    // 2^23 + v in fp32, minus 2^23 + zero: v - zero exactly.
-    const float bias = 8388608.f + c.zero;
-    float f[4];
-#pragma unroll
-    for (int b = 0; b < 4; ++b) f[b] = __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 | b)) - bias;
-    w[0] = scaled(__floats2bfloat162_rn(f[0], f[1]));
-    w[1] = scaled(__floats2bfloat162_rn(f[2], f[3]));
   }
 }
 

@@ -2,8 +2,9 @@
 // weights with group or channel scales and optional zero points (packed or one a byte),
 // against the float64 layer on the dequantized weights (q - zero) * scale. The packed
 // bytes, scales and zero points are fresh random data per case (no quantizer between the
-// test and the op), outputs poisoned (NaN) first. Both CUDA paths: the decode kernels
-// (at most kSmallBatchMaxSlots8Bit slots) and the dense experts past them.
+// test and the op), outputs poisoned (NaN) first. Every CUDA path: the decode kernels
+// (at most kSmallBatchMaxSlots8Bit slots), the aligned kernels, and the dense path past
+// them: the sm90 tiles reading the packed experts, or the GEMMs on dequantized copies.
 #include <cmath>
 #include <numeric>
 #include <optional>
@@ -33,7 +34,14 @@ struct WeightOnlyCase : QuantLayerDims {
   int64_t group_size = 128;  // 0: per channel
   Zeros zeros = Zeros::kNone;
   WeightOnlyPath expect_path = WeightOnlyPath::kDecode;  // the CUDA path that must run
+  // kDense: the sm90 tiles read the packed experts (on a device with sm_90a kernels), else
+  // the dense experts are dequantized.
+  bool expect_tiles = false;
 };
+
+// Both GEMMs on 64 x 256 sm90 tiles, x copied into sorted order first.
+const MoeKernelConfig kSortedInputTiles{64, GemmTile{GemmKernel::kSm90, 64, 256}, GemmTile{GemmKernel::kSm90, 64, 128},
+                                        false, true};
 
 void PrintTo(const WeightOnlyCase& c, std::ostream* os) { *os << c.name; }
 
@@ -160,7 +168,13 @@ TEST_P(WeightOnlyTest, MatchesReference) {
     layer.io.workspace.download();
     EXPECT_EQ(layer.io.workspace.is_poison(0), c.expect_path == WeightOnlyPath::kDecode) << "the other path ran";
     if (layout.weight_only_dense) {
-      EXPECT_FALSE(layer.io.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
+#ifdef MOELORA_WITH_CUDA
+      const bool tiles = c.expect_tiles && cuda::current_device_facts().sm90_kernels;
+#else
+      const bool tiles = false;
+#endif
+      EXPECT_EQ(layer.io.workspace.is_poison(layout.dense_w13 / 4), tiles)
+          << (tiles ? "the dense experts were written: the sm90 tiles did not run" : "the dense experts were not written");
     }
   }
   RecordProperty("rel_error", std::to_string(error));
@@ -221,7 +235,7 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("aligned_decode_asked", [&](WeightOnlyCase& c) {
         c.M = 100, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = kAligned;
       });
-      add("dense_auto_m512", [&](WeightOnlyCase& c) { c.M = 512; c.expect_path = kDense; });
+      add("dense_auto_m512", [&](WeightOnlyCase& c) { c.M = 512; c.expect_path = kDense; c.expect_tiles = true; });
       add("dense_expert_map", [&](WeightOnlyCase& c) {
         c.M = 90, c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.weight_only_path = kDense,
         c.expect_path = kDense;
@@ -250,6 +264,36 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("h2880_i1408_g64_dense", [&](WeightOnlyCase& c) {
         c.H = 2880, c.I = 1408, c.group_size = 64, c.num_global = c.num_local = 4, c.M = 66,
         c.options.weight_only_path = kDense, c.expect_path = kDense;
+      });
+      // The sm90 tiles (blocks of 64 or 128 entries name them): every scale and zero-point
+      // layout, gated split and interleaved, K % 64 == 32 and partial N tiles (1440 /
+      // 1376), both tile heights, sorted input, LoRA (the fused expand), expert_map.
+      auto tiles = [&](const std::string& name, auto&& edit) {
+        add("tiles_" + name, [&](WeightOnlyCase& c) {
+          c.M = 300, c.options.weight_only_path = kDense, c.options.block_size = 64, c.expect_path = kDense;
+          c.expect_tiles = true;
+          edit(c);
+        });
+      };
+      tiles("g128", [](WeightOnlyCase&) {});
+      tiles("g32_zp", [](WeightOnlyCase& c) { c.group_size = 32, c.zeros = Zeros::kBytes; });
+      tiles("g64_zp_packed_fp16", [&](WeightOnlyCase& c) {
+        c.group_size = 64, c.zeros = bits == 4 ? Zeros::kPacked : Zeros::kBytes, c.dtype = DType::kFloat16;
+      });
+      tiles("channel_zp", [](WeightOnlyCase& c) { c.group_size = 0, c.zeros = Zeros::kBytes; });
+      tiles("swiglu_oai_h1440_i1376_g32", [](WeightOnlyCase& c) {
+        c.options.activation = Activation::kSwigluOai, c.H = 1440, c.I = 1376, c.group_size = 32;
+        c.num_global = c.num_local = 4, c.M = 200;
+      });
+      tiles("gelu_h1376_i1440_zp", [](WeightOnlyCase& c) {
+        c.options.activation = Activation::kGelu, c.H = 1376, c.I = 1440, c.group_size = 32, c.zeros = Zeros::kBytes;
+        c.num_global = c.num_local = 4, c.M = 200;
+      });
+      tiles("block128", [](WeightOnlyCase& c) { c.options.block_size = 128, c.M = 700; });
+      tiles("sorted_input", [](WeightOnlyCase& c) { c.options.block_size = 0, c.options.config = &kSortedInputTiles; });
+      tiles("lora", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes; });
+      tiles("expert_map_no_combine", [](WeightOnlyCase& c) {
+        c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.no_combine = true, c.top_k = 3;
       });
     }
   }

@@ -1,0 +1,11 @@
+// fused_moe wgmma instances for 4-bit weight-only experts and fp16 activations.
+#include "cuda/fused_moe_launch.h"
+#include "cuda/fused_moe_sm90.cuh"
+
+namespace moelora::cuda {
+
+void fused_moe_sm90_weight_only_fp16_w4(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
+  dispatch_fused_moe_sm90_weight_only<cute::half_t, 4>(p, block_m, block_n, stream);
+}
+
+}  // namespace moelora::cuda
