@@ -437,8 +437,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
       plan.weight_only_tiles =
           cuda::fused_moe_weight_only_loadable(packed1) && cuda::fused_moe_weight_only_loadable(packed2);
     }
+    // (The weight-only tiles take no fused LoRA expand: their ring holds no 16-bit B slots.)
     plan.fused_lora =
-        args.lora && loadable &&
+        args.lora && loadable && !plan.weight_only_tiles &&
         cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&
         cuda::fused_moe_lora_expand_supported(gemm2_probe, lora2.rank, lora2.num_slices, lora2.slices);
   }

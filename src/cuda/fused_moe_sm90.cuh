@@ -108,7 +108,7 @@ struct FusedMoeSm90Config {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kClusterM = kClusterM_;  // CTAs sharing one weight tile (m-tiles 2p, 2p + 1)
   // 16: the experts' weights are Element; 4 or 8: packed weight-only experts that the
-  // producer converts (fused_moe_sm90_weight_only.cuh), in 1-CTA clusters.
+  // consumers convert (fused_moe_sm90_weight_only.cuh), in 1-CTA clusters.
   static constexpr int kWeightBits = kWeightBits_;
   static constexpr bool kWeightOnly = kWeightBits < 16;
   static constexpr int kBlockK = 64;  // 128 bytes: one 128B-swizzle row
@@ -116,13 +116,15 @@ struct FusedMoeSm90Config {
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kProducerThreads + kConsumerThreads;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
-  // Registers a thread of each role (setmaxnreg): 56 + 2 x 224 fill the 64K of the SM. The
-  // weight-only producer converts whole rows in registers (ptxas spilled at 56).
-  static constexpr int kProducerRegisters = kWeightOnly ? 112 : 56;
-  static constexpr int kConsumerRegisters = kWeightOnly ? 200 : 224;
-  // Named barriers: the consumer warpgroups' (tile tables), the producer's (weight-only steps).
+  // Registers a thread of each role (setmaxnreg): the 168 a thread of the launch bounds
+  // redistributed, 56 + 2 x 224 = 3 x 168 (an increment beyond that pool never returns).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = 224;
+  static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the launch's registers");
+  // Named barriers: the consumer warpgroups' (tile tables); weight-only, the B buffer's
+  // converters (both consumer warpgroups, or each its own slice: + the warpgroup).
   static constexpr int kConsumerBarrier = 1;
-  static constexpr int kProducerBarrier = 2;
+  static constexpr int kConvertBarrier = 2;
   // wgmma batches a consumer leaves in flight when it waits: 1 overlaps consecutive K
   // steps but holds two ring slots. NOTE: 0 (one slot held, the pipe drained each step)
   // measured the same on H100 at M = 4096 (Qwen3-30B, Mixtral, DeepSeek).
@@ -150,7 +152,13 @@ struct FusedMoeSm90Config {
 
   static constexpr int kStageBytesA = kBlockM * kBlockK * int(sizeof(Element));
   static constexpr int kStageBytesB = kBlockN * kBlockK * int(sizeof(Element));
-  static constexpr int kStageBytes = kStageBytesA + kStageBytesB;
+  // Weight-only: a ring slot holds A and the step's packed weight rows; the consumers
+  // convert those into one of kBBuffers 16-bit B buffers. Three: a warpgroup converts step
+  // i while the other may still run step i - 2's wgmma (each waits for its own i - 1's).
+  static constexpr int kPackedRowBytes = kBlockK * kWeightBits / 8;
+  static constexpr int kPackedStageBytes = kWeightOnly ? kBlockN * kPackedRowBytes : 0;
+  static constexpr int kBBufferBytes = kWeightOnly ? 3 * kStageBytesB : 0;
+  static constexpr int kStageBytes = kStageBytesA + (kWeightOnly ? kPackedStageBytes : kStageBytesB);
   // Activation-row copies: each producer thread owns one 16-byte K column of fixed rows.
   static constexpr int kChunksPerRow = kBlockK * int(sizeof(Element)) / 16;  // 8
   static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;      // 16
@@ -163,27 +171,21 @@ struct FusedMoeSm90Config {
   static constexpr int kTileQueueDepth = 4;
   static constexpr int kTileQueueBytes = kTileQueueDepth * int(2 * sizeof(uint64_t) + sizeof(int32_t));
   static constexpr int kRingBudget = 232448 - 1024 - 16 * 8 - kTileQueueBytes - kTableBytes;  // 227 KB opt-in limit
-  // Weight-only: a step's packed rows, and the staging ring the TMA fills ahead of the
-  // conversion (slots and their barriers): up to 4 slots beside 4 ring slots, at least 2.
-  static constexpr int kPackedRowBytes = kBlockK * kWeightBits / 8;
-  static constexpr int kPackedStageBytes = kWeightOnly ? kBlockN * kPackedRowBytes : 0;
-  static constexpr int kStagingFit = kWeightOnly ? (kRingBudget - 4 * kStageBytes) / (kPackedStageBytes + 8) : 0;
-  static constexpr int kStaging = !kWeightOnly ? 0 : kStagingFit >= 4 ? 4 : kStagingFit >= 2 ? kStagingFit : 2;
-  static constexpr int kStagingBytes = kStaging * (kPackedStageBytes + 8);
   // NOTE: more than 8 slots adds nothing (8 already cover ~2 us of loads at 64 x 128).
-  static constexpr int kStagesFit = (kRingBudget - kStagingBytes) / kStageBytes;
+  static constexpr int kStagesFit = (kRingBudget - kBBufferBytes) / kStageBytes;
   static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
   static_assert(kStages >= 3, "the pipeline needs three slots");
 
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
   using SmemLayoutA = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+  static constexpr int kBSlots = kWeightOnly ? 3 : kStages;  // the ring's B slots, or the B buffers
   using SmemLayoutB = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kStages>>{}));
+      SmemAtom{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockK>, cute::Int<kBSlots>>{}));
   static constexpr int kSmemElementsA = cute::cosize(SmemLayoutA{});
   static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
-  static constexpr size_t kSmemBytes = 1024 + size_t(kStages) * kStageBytes + 2 * kStages * sizeof(uint64_t) +
-                                       kStagingBytes + kTileQueueBytes + kTableBytes;
+  static constexpr size_t kSmemBytes = 1024 + size_t(kStages) * kStageBytes + kBBufferBytes +
+                                       2 * kStages * sizeof(uint64_t) + kTileQueueBytes + kTableBytes;
 };
 
 // Lane q of each quad holds word w[j] for column group j of a 4-group block (its own
@@ -341,12 +343,11 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   T* smem_a = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   T* smem_b = smem_a + Config::kSmemElementsA;
-  // Weight-only: the packed rows' staging ring [kStaging][kBlockN][kPackedRowBytes] (none otherwise).
-  uint8_t* staging = reinterpret_cast<uint8_t*>(smem_b + Config::kSmemElementsB);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(staging + Config::kStaging * Config::kPackedStageBytes);
+  // Weight-only: the ring's packed weight rows [kStages][kBlockN][kPackedRowBytes] (none otherwise).
+  uint8_t* smem_packed = reinterpret_cast<uint8_t*>(smem_b + Config::kSmemElementsB);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem_packed + kStages * Config::kPackedStageBytes);
   uint64_t* empty_bar = full_bar + kStages;
-  uint64_t* staging_bar = empty_bar + kStages;                // [kStaging]: the packed rows landed
-  uint64_t* tile_queue = staging_bar + Config::kStaging;  // the ordered tile queue (Sm90TileQueue)
+  uint64_t* tile_queue = empty_bar + kStages;  // the ordered tile queue (Sm90TileQueue)
   int32_t* table_slot = reinterpret_cast<int32_t*>(tile_queue) + Config::kTileQueueBytes / 4;  // [2][kBlockM], -1 = padding
   float* table_weight = reinterpret_cast<float*>(table_slot + 2 * kBlockM);  // [2][kBlockM]
   // Row of a behind chunk i of producer thread t, [kProducerThreads][kChunksA] (16-byte
@@ -363,11 +364,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // Weight-only: one more arrival, thread 0's once the B slot is converted.
-      Barrier::init(&full_bar[s], Config::kProducerThreads + 1 + (Config::kWeightOnly ? 1 : 0));
+      Barrier::init(&full_bar[s], Config::kProducerThreads + 1);
       Barrier::init(&empty_bar[s], Config::kConsumerWarps * kClusterM);
     }
-    for (int s = 0; s < Config::kStaging; ++s) Barrier::init(&staging_bar[s], 1);
     for (int q = 0; q < Config::kTileQueueDepth; ++q) {
       Barrier::init(&tile_queue[q], 1);                                           // full: the taker
       // empty: every warp of the cluster (the leader's taker fills every CTA's queue)
@@ -421,9 +420,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       if (++stage == kStages) { stage = 0; phase ^= 1; }
     };
     Sm90TileTaker<Config::kTileQueueDepth, kClusterM> taker{{tile_queue, 0, 1}};
-    // Weight-only: the converter, and the steps converted so far (staging slot and parity).
-    Sm90WeightOnlyProducer<Config> converter{p.weight_only, p.K};
-    uint32_t staged = 0;
     const bool takes = ordered && threadIdx.x == 0 && cta_rank == 0;
     if (takes) taker.start(p.tile_counter, int32_t(num_tiles));
     for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
@@ -441,20 +437,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         producer_rows[threadIdx.x * Config::kChunksA + i] = slot >= 0 && slot < p.num_slots ? int32_t(slot / p.top_k) : -1;
       }
       const int64_t n0 = n_tile * out_width;
-      if constexpr (Config::kWeightOnly) {
-        // The first kStaging steps' packed rows (the slots are free: every step issued
-        // before was converted, the last one behind the producer's named barrier).
-        converter.start_tile(p, tile.expert, n0);
-        if (threadIdx.x == 0) {
-          for (int j = 0; j < Config::kStaging && j < num_k_tiles; ++j) {
-            const int s = (staged + j) % Config::kStaging;
-            converter.load_step(p, &w_map.map, &staging_bar[s], staging + s * Config::kPackedStageBytes, n0,
-                                j * kBlockK);
-          }
-        }
-      }
       for (int64_t k_tile = 0; k_tile < num_k_tiles; ++k_tile) {
-        if constexpr (Config::kWeightOnly) converter.load_codes(k_tile * kBlockK);
         // This thread's rows, read before the wait so the load hides behind it. NOTE: one
         // generic load per chunk, each feeding its cp.async, made Mixtral's 128 x 256
         // tiles 6% slower than rows held in registers (H100, M = 1024..4096).
@@ -463,19 +446,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         Barrier::wait(&empty_bar[stage], phase);
         const int64_t k0 = k_tile * kBlockK;
         if (threadIdx.x == 0) {
-          if (Config::kWeightOnly) {
-            // The B slot comes from the conversion below; only A's box by TMA.
-            if (p.a_rows_sorted) {
-              cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full_bar[stage], Config::kStageBytesA);
-              SM90_TMA_LOAD_2D::copy(&a_map.map, &full_bar[stage], 0, smem_a + stage * (kBlockM * kBlockK), int32_t(k0),
-                                     int32_t(entry0));
-            } else {
-              Barrier::arrive(&full_bar[stage]);
-            }
-          } else if (tile.own_loads) {
-            // The whole weight tile lands here: this CTA's boxes and, shared, the peer's.
+          if (tile.own_loads) {
+            // The whole weight tile lands here: this CTA's boxes and, shared, the peer's
+            // (weight-only: the packed rows).
+            constexpr int kWeightBytes = Config::kWeightOnly ? Config::kPackedStageBytes : Config::kStageBytesB;
             cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-                &full_bar[stage], Config::kStageBytesB + (p.a_rows_sorted ? Config::kStageBytesA : 0));
+                &full_bar[stage], kWeightBytes + (p.a_rows_sorted ? Config::kStageBytesA : 0));
             if (p.a_rows_sorted) {
               // The tile's rows are consecutive entries: one box of kBlockM rows.
               SM90_TMA_LOAD_2D::copy(&a_map.map, &full_bar[stage], 0, smem_a + stage * (kBlockM * kBlockK), int32_t(k0),
@@ -484,9 +460,15 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
             for (int b = 0; b < Config::kBoxes; ++b) {
               if (tile.shared && b % kClusterM != cta_rank) continue;
-              T* dst = smem_b + stage * (kBlockN * kBlockK) + b * (Config::kBoxRows * kBlockK);
               int32_t c1, c2;
               weight_box_coords<Config>(p, n0, b, interleaved, c1, c2);
+              if constexpr (Config::kWeightOnly) {
+                uint8_t* packed = smem_packed + stage * Config::kPackedStageBytes + b * Config::kBoxRows * Config::kPackedRowBytes;
+                SM90_TMA_LOAD_4D::copy(&w_map.map, &full_bar[stage], 0, packed, int32_t(k0 * Config::kWeightBits / 8), c1,
+                                       c2, tile.expert);
+                continue;
+              }
+              T* dst = smem_b + stage * (kBlockN * kBlockK) + b * (Config::kBoxRows * kBlockK);
               if (tile.shared) {
                 SM90_TMA_LOAD_MULTICAST_4D::copy(&w_map.map, &full_bar[stage], uint16_t((1 << kClusterM) - 1), 0, dst,
                                                  int32_t(k0), c1, c2, tile.expert);
@@ -513,25 +495,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           }
           cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
         }
-        if constexpr (Config::kWeightOnly) {
-          const int s = staged % Config::kStaging;
-          Barrier::wait(&staging_bar[s], (staged / Config::kStaging) & 1);
-          converter.convert(staging + s * Config::kPackedStageBytes, sB(_, _, stage), k0);
-          cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by wgmma
-          cutlass::arch::NamedBarrier::sync(Config::kProducerThreads, Config::kProducerBarrier);
-          if (threadIdx.x == 0) {
-            Barrier::arrive(&full_bar[stage]);
-            // The slot is free again: the step kStaging ahead of this one.
-            if (k_tile + Config::kStaging < num_k_tiles) {
-              converter.load_step(p, &w_map.map, &staging_bar[s], staging + s * Config::kPackedStageBytes, n0,
-                                  k0 + Config::kStaging * kBlockK);
-            }
-          }
-          ++staged;
-        }
         advance();
       }
-      if constexpr (kClusterM == 1) {
+      if constexpr (kClusterM == 1 && !Config::kWeightOnly) {
         // Fused LoRA expand (GemmParams::lora_t): K steps over the block's adapters, each
         // owning lora_t_cols columns. A = the tile's rows of t (by entry) whose entry has
         // the column's adapter; B = that adapter's lora_b, block-diagonal over the slices
@@ -554,10 +520,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
         for (int kt = 0; kt < lora_steps; ++kt) {
           Barrier::wait(&empty_bar[stage], phase);
-          if (threadIdx.x == 0) {
-            Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
-            if (Config::kWeightOnly) Barrier::arrive(&full_bar[stage]);  // and the conversion's
-          }
+          if (threadIdx.x == 0) Barrier::arrive(&full_bar[stage]);  // the TMA thread's arrival, without bytes
           const LoraKColumn col(p, mask, kt * kBlockK + k_col);  // this thread's K column
           const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + col.t_col;
 #pragma unroll
@@ -631,6 +594,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   int stage = 0;
   uint32_t phase = 0;
   int table = 0;
+  // Weight-only: this thread's share of each step's conversion, and the B buffer it fills next.
+  Sm90WeightOnlyConverter<Config> converter{p.weight_only, p.K};
+  int b_buffer = 0;
   for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
     int64_t m_group, n_tile;
     sm90_tile_coord<Config::kGroupM / kClusterM>(t, num_m_groups, num_n_tiles, m_group, n_tile);
@@ -650,8 +616,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
     if (tile.active) {
-      // K steps of this tile: the base ones, then the fused LoRA expand's.
-      const int64_t k_steps = num_k_tiles + lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile));
+      // K steps of this tile: the base ones, then the fused LoRA expand's (none with weight-only experts).
+      const int64_t k_steps =
+          num_k_tiles +
+          (Config::kWeightOnly ? 0 : lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile)));
       int release_stage = stage;
       int64_t released = 0;
       auto release = [&] {
@@ -669,16 +637,31 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         // The first wgmma overwrites the accumulators (no clear: ptxas serialises wgmmas
         // when ordinary instructions write their accumulators inside a pipeline stage).
         tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        if constexpr (Config::kWeightOnly) {
+          converter.start_tile(p, tile.expert, n0, thread);
+          converter.load_codes(0);
+        }
         for (int64_t k_tile = 0; k_tile < k_steps; ++k_tile) {
           Barrier::wait(&full_bar[stage], phase);
+          int b_slot = stage;
+          if constexpr (Config::kWeightOnly) {
+            // This step's B buffer from the slot's packed rows; the fence below serves it too.
+            static_assert(Config::kMmaInFlight <= 1, "three B buffers: one batch in flight a warpgroup");
+            converter.convert(smem_packed + stage * Config::kPackedStageBytes, sB(_, _, b_buffer), k_tile * kBlockK);
+            cutlass::arch::fence_view_async_shared();
+            converter.sync(thread);
+            if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
+            b_slot = b_buffer;
+            b_buffer = b_buffer == 2 ? 0 : b_buffer + 1;
+          }
           // cp.async wrote the A slot (and the LoRA steps' B slot) through the generic
           // proxy; wgmma reads them through the async one.
-          if (Config::kWeightOnly || !p.a_rows_sorted || k_tile >= num_k_tiles) cutlass::arch::fence_view_async_shared();
+          if (!p.a_rows_sorted || k_tile >= num_k_tiles) cutlass::arch::fence_view_async_shared();
           warpgroup_fence_operand(acc);
           warpgroup_arrive();
 #pragma unroll
           for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-            gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+            gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, b_slot), acc);
             tiled_mma.accumulate_ = GMMA::ScaleOut::One;
           }
           warpgroup_commit_batch();
