@@ -596,6 +596,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   int table = 0;
   // Weight-only: this thread's share of each step's conversion, and the B buffer it fills next.
   Sm90WeightOnlyConverter<Config> converter{p.weight_only, p.K};
+  const uint32_t b_buffers = static_cast<uint32_t>(__cvta_generic_to_shared(smem_b));
   int b_buffer = 0;
   for (int64_t t = next_tile(); t < num_tiles; t = next_tile()) {
     int64_t m_group, n_tile;
@@ -640,6 +641,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         if constexpr (Config::kWeightOnly) {
           converter.start_tile(p, tile.expert, n0, thread);
           converter.load_codes(0);
+          converter.take_codes();
         }
         for (int64_t k_tile = 0; k_tile < k_steps; ++k_tile) {
           Barrier::wait(&full_bar[stage], phase);
@@ -647,10 +649,12 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           if constexpr (Config::kWeightOnly) {
             // This step's B buffer from the slot's packed rows; the fence below serves it too.
             static_assert(Config::kMmaInFlight <= 1, "three B buffers: one batch in flight a warpgroup");
-            converter.convert(smem_packed + stage * Config::kPackedStageBytes, sB(_, _, b_buffer), k_tile * kBlockK);
+            if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
+            converter.convert(smem_packed + stage * Config::kPackedStageBytes,
+                              b_buffers + b_buffer * (kBlockN * kBlockK * int(sizeof(T))), k_tile * kBlockK);
             cutlass::arch::fence_view_async_shared();
             converter.sync(thread);
-            if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
+            converter.take_codes();
             b_slot = b_buffer;
             b_buffer = b_buffer == 2 ? 0 : b_buffer + 1;
           }

@@ -73,9 +73,11 @@ struct Sm90WeightOnlyConverter {
   int row = 0;          // this thread's tile row
   int first_chunk = 0;  // its first 16-byte chunk (8 weights) of the row's 64
   int32_t weight_row = -1;  // the expert's weight row behind it; -1: past N
-  // The next step's scale and zero point: [0] for chunks 0-3 (k0 .. k0 + 31), [1] for
-  // chunks 4-7 (another group only with groups of 32).
-  weight_only::GroupCodes<T> codes[2];
+  // The step's scale and zero point: [0] for chunks 0-3 (k0 .. k0 + 31), [1] for chunks
+  // 4-7 (another group only with groups of 32); and the next step's, loaded a step ahead.
+  // NOTE: loaded behind the barrier for the step right after, their L2 latency stalled
+  // the conversion (ncu, Qwen3-30B M = 4096: 36% of the warps' stalls on L1TEX).
+  weight_only::GroupCodes<T> codes[2], next_codes[2];
 
   // The tile's weight row of this thread, as weight_box_coords places the boxes.
   __device__ __forceinline__ void start_tile(const detail::GemmParams& p, int tile_expert, int64_t n0, int thread) {
@@ -93,21 +95,28 @@ struct Sm90WeightOnlyConverter {
     weight_row = col < p.N ? int32_t(w_row) : -1;
   }
 
-  // Step k0's scales and zero points (issued a step ahead, behind the wgmma wait).
+  // Step k0's scales and zero points into next_codes (a step ahead of its conversion).
   __device__ __forceinline__ void load_codes(int64_t k0) {
     if (weight_row < 0) return;
     const int64_t k = k0 + 8 * first_chunk;
     const int64_t group = q.group_size > 0 ? k / q.group_size : 0;
-    codes[0] = weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group);
+    next_codes[0] = weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group);
     // K % 32 == 0 (the API's CUDA check): the second half of the step is all in or all out.
     const bool second_group = kChunks == 8 && q.group_size == 32 && k + 32 < K;
-    codes[1] = second_group ? weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group + 1) : codes[0];
+    next_codes[1] =
+        second_group ? weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group + 1) : next_codes[0];
   }
 
-  // Converts this thread's chunks of step k0 from the slot's packed rows into sB_buffer
-  // (kBlockN x 64 of the swizzled layout).
-  template <class SmemB>
-  __device__ __forceinline__ void convert(const uint8_t* packed, SmemB sB_buffer, int64_t k0) const {
+  // The loaded codes become the step's.
+  __device__ __forceinline__ void take_codes() {
+    codes[0] = next_codes[0];
+    codes[1] = next_codes[1];
+  }
+
+  // Converts this thread's chunks of step k0 from the slot's packed rows into the B buffer
+  // at shared address `buffer` (kBlockN rows of 128 bytes, 1024-byte aligned): chunk c of
+  // row r at r * 128 + 16 * (c ^ r % 8), the 128-byte swizzle of the TMA and wgmma.
+  __device__ __forceinline__ void convert(const uint8_t* packed, uint32_t buffer, int64_t k0) const {
     uint32_t words[kWords];
     const uint32_t src = static_cast<uint32_t>(
         __cvta_generic_to_shared(packed + row * Config::kPackedRowBytes + first_chunk * kBits));  // 8 weights: kBits bytes
@@ -142,7 +151,7 @@ struct Sm90WeightOnlyConverter {
           out[0] = lo[0], out[1] = lo[1], out[2] = hi[0], out[3] = hi[1];
         }
       }
-      const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(&sB_buffer(row, 8 * chunk)));
+      const uint32_t dst = buffer + row * 128 + 16 * (chunk ^ (row % 8));
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(out[0]), "r"(out[1]), "r"(out[2]),
                    "r"(out[3])
                    : "memory");
