@@ -227,11 +227,25 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 }  // namespace
 
 // Weight-only experts: the dense path from this many slots an expert on average. NOTE:
-// measured on H100 (docs/PERF_NOTES.md, issue 30, w4a16): the aligned kernels won at 32-64
-// an expert (Qwen3-30B M = 1024: 912 against 1391 us; Mixtral M = 256: 1916 against
-// 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE M = 1024: 1139
-// against 1013), where each expert's rows are re-read for 8 blocks or more.
+// measured on H100 (docs/PERF_NOTES.md, issue 30, w4a16): the aligned kernels won over
+// dequantized copies at 32-64 an expert (Qwen3-30B M = 1024: 912 against 1391 us; Mixtral
+// M = 256: 1916 against 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE
+// M = 1024: 1139 against 1013), where each expert's rows are re-read for 8 blocks or more.
+// Where the sm90 tiles read the packed experts, from 64 an expert (blocks of 64): they beat
+// the aligned kernels there (Qwen3-30B M = 1024: 639 against 906; Mixtral M = 256: 1701
+// against 1948; issue 30 step 2).
 constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
+constexpr int64_t kWeightOnlyTileSlotsPerExpert = 64;
+
+namespace {
+bool weight_only_tiles_available() {
+#ifdef MOELORA_WITH_CUDA
+  return cuda::device_available() && cuda::current_device_facts().sm90_kernels;
+#else
+  return false;
+#endif
+}
+}  // namespace
 
 WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
@@ -245,7 +259,8 @@ WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOp
     case WeightOnlyPath::kAuto: break;
   }
   if (decode) return WeightOnlyPath::kDecode;
-  return slots >= kWeightOnlyDenseSlotsPerExpert * experts ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
+  const int64_t dense_from = weight_only_tiles_available() ? kWeightOnlyTileSlotsPerExpert : kWeightOnlyDenseSlotsPerExpert;
+  return slots >= dense_from * experts ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
 }
 
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
@@ -342,6 +357,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   return l;
 }
 
+// The sm90 weight-only tiles up to this many slots an expert on average; past it the
+// dequantized copies, converted once, serve every tile of an expert's rows. NOTE: each
+// 128-row tile converts its weight tiles again: Mixtral (8 experts) at M = 4096, 1024 an
+// expert, took 8779 us on the tiles and 7077 on the copies, at M = 1024 (256 an expert)
+// 2816 against 4020 (H100, w4a16; issue 30 step 2). 512: between the two, not measured.
+constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 512;
+
 FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                                                const FusedExpertsShape& shape, const WorkspaceLayout& layout,
                                                const LoraStack& lora13, const LoraStack& lora2,
@@ -427,8 +449,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
         cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
     plan.sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
     // Weight-only experts on the dense path: the sm90 kernel converts the packed experts
-    // itself when both GEMMs run on it; else the chunk runs on dequantized copies.
-    if (plan.weight_only && plan.sm90_rows) {
+    // itself when both GEMMs run on it, up to kWeightOnlyTileMaxSlotsPerExpert; else the
+    // chunk runs on dequantized copies.
+    if (plan.weight_only && plan.sm90_rows && slots < kWeightOnlyTileMaxSlotsPerExpert * shape.num_local_experts) {
       GemmParams packed1 = gemm1_probe, packed2 = gemm2_probe;
       packed1.weight_only = quant.w13;
       packed1.K = H;
