@@ -357,12 +357,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   return l;
 }
 
-// The sm90 weight-only tiles up to this many slots an expert on average; past it the
+// The sm90 weight-only tiles below this many slots an expert on average; from it the
 // dequantized copies, converted once, serve every tile of an expert's rows. NOTE: each
 // 128-row tile converts its weight tiles again: Mixtral (8 experts) at M = 4096, 1024 an
-// expert, took 8779 us on the tiles and 7077 on the copies, at M = 1024 (256 an expert)
-// 2816 against 4020 (H100, w4a16; issue 30 step 2). 512: between the two, not measured.
-constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 512;
+// expert, took 8779 us on the tiles and 7077 on the copies; OLMoE at M = 4096 (512 an
+// expert) 1641 against 1773; Mixtral at M = 1024 (256) 2816 against 4020 (H100, w4a16;
+// docs/PERF_NOTES.md issue 30 step 2).
+constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 1024;
 
 FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                                                const FusedExpertsShape& shape, const WorkspaceLayout& layout,
