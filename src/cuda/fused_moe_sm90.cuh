@@ -153,7 +153,7 @@ struct FusedMoeSm90Config {
   static constexpr int kStageBytesA = kBlockM * kBlockK * int(sizeof(Element));
   static constexpr int kStageBytesB = kBlockN * kBlockK * int(sizeof(Element));
   // Weight-only: a ring slot holds A and the step's packed weight rows; the consumers
-  // convert those into one of kBBuffers 16-bit B buffers. Three: a warpgroup converts step
+  // convert those into one of three 16-bit B buffers (kBSlots): a warpgroup converts step
   // i while the other may still run step i - 2's wgmma (each waits for its own i - 1's).
   static constexpr int kPackedRowBytes = kBlockK * kWeightBits / 8;
   static constexpr int kPackedStageBytes = kWeightOnly ? kBlockN * kPackedRowBytes : 0;
@@ -647,7 +647,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
           Barrier::wait(&full_bar[stage], phase);
           int b_slot = stage;
           if constexpr (Config::kWeightOnly) {
-            // This step's B buffer from the slot's packed rows; the fence below serves it too.
+            // This step's B buffer from the slot's packed rows, fenced for the wgmmas' proxy.
             static_assert(Config::kMmaInFlight <= 1, "three B buffers: one batch in flight a warpgroup");
             if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
             converter.convert(smem_packed + stage * Config::kPackedStageBytes,
