@@ -231,9 +231,11 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 // dequantized copies at 32-64 an expert (Qwen3-30B M = 1024: 912 against 1391 us; Mixtral
 // M = 256: 1916 against 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE
 // M = 1024: 1139 against 1013), where each expert's rows are re-read for 8 blocks or more.
-// Where the sm90 tiles read the packed experts, from 64 an expert (blocks of 64): they beat
-// the aligned kernels there (Qwen3-30B M = 1024: 639 against 906; Mixtral M = 256: 1701
-// against 1948; issue 30 step 2).
+// Where the sm90 tiles read the packed experts (no adapters: the tiles take no fused LoRA
+// expand), from 64 an expert (blocks of 64): they beat the aligned kernels there
+// (Qwen3-30B M = 1024: 639 against 906; Mixtral M = 256: 1701 against 1948; issue 30
+// step 2). NOTE: with rank-16 adapters the tiles and the unfused LoRA kernels took Mixtral
+// M = 256 to 7535 us, the aligned path 2345.
 constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
 constexpr int64_t kWeightOnlyTileSlotsPerExpert = 64;
 
@@ -259,7 +261,8 @@ WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOp
     case WeightOnlyPath::kAuto: break;
   }
   if (decode) return WeightOnlyPath::kDecode;
-  const int64_t dense_from = weight_only_tiles_available() ? kWeightOnlyTileSlotsPerExpert : kWeightOnlyDenseSlotsPerExpert;
+  const int64_t dense_from = weight_only_tiles_available() && s.max_loras == 0 ? kWeightOnlyTileSlotsPerExpert
+                                                                              : kWeightOnlyDenseSlotsPerExpert;
   return slots >= dense_from * experts ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
 }
 
@@ -450,9 +453,10 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
         cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
     plan.sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
     // Weight-only experts on the dense path: the sm90 kernel converts the packed experts
-    // itself when both GEMMs run on it, up to kWeightOnlyTileMaxSlotsPerExpert; else the
-    // chunk runs on dequantized copies.
-    if (plan.weight_only && plan.sm90_rows && slots < kWeightOnlyTileMaxSlotsPerExpert * shape.num_local_experts) {
+    // itself when both GEMMs run on it, below kWeightOnlyTileMaxSlotsPerExpert and without
+    // adapters; else the chunk runs on dequantized copies (with the fused LoRA expand).
+    if (plan.weight_only && plan.sm90_rows && !args.lora &&
+        slots < kWeightOnlyTileMaxSlotsPerExpert * shape.num_local_experts) {
       GemmParams packed1 = gemm1_probe, packed2 = gemm2_probe;
       packed1.weight_only = quant.w13;
       packed1.K = H;

@@ -267,7 +267,7 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       });
       // The sm90 tiles (blocks of 64 or 128 entries name them): every scale and zero-point
       // layout, gated split and interleaved, K % 64 == 32 and partial N tiles (1440 /
-      // 1376), both tile heights, sorted input, LoRA (the fused expand), expert_map.
+      // 1376), both tile heights, sorted input, expert_map.
       auto tiles = [&](const std::string& name, auto&& edit) {
         add("tiles_" + name, [&](WeightOnlyCase& c) {
           c.M = 300, c.options.weight_only_path = kDense, c.options.block_size = 64, c.expect_path = kDense;
@@ -291,7 +291,8 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       });
       tiles("block128", [](WeightOnlyCase& c) { c.options.block_size = 128, c.M = 700; });
       tiles("sorted_input", [](WeightOnlyCase& c) { c.options.block_size = 0, c.options.config = &kSortedInputTiles; });
-      tiles("lora", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes; });
+      // With adapters the dense path runs on dequantized copies (the fused LoRA expand).
+      tiles("lora_copies", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes, c.expect_tiles = false; });
       tiles("expert_map_no_combine", [](WeightOnlyCase& c) {
         c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.no_combine = true, c.top_k = 3;
       });
