@@ -75,8 +75,9 @@ struct Sm90WeightOnlyConverter {
   int32_t weight_row = -1;  // the expert's weight row behind it; -1: past N
   // The step's scale and zero point: [0] for chunks 0-3 (k0 .. k0 + 31), [1] for chunks
   // 4-7 (another group only with groups of 32); and the next step's, loaded a step ahead.
-  // NOTE: loaded behind the barrier for the step right after, their L2 latency stalled
-  // the conversion (ncu, Qwen3-30B M = 4096: 36% of the warps' stalls on L1TEX).
+  // NOTE: a step ahead (they were loaded behind the barrier, for the step right after),
+  // the layer gained 8% (Qwen3-30B M = 4096, H100); ncu's L1TEX stalls (36% of the
+  // warps' stalls) stayed, so those come from elsewhere (docs/PERF_NOTES.md issue 30 step 2).
   weight_only::GroupCodes<T> codes[2], next_codes[2];
 
   // The tile's weight row of this thread, as weight_box_coords places the boxes.
