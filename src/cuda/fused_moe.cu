@@ -175,7 +175,7 @@ void fused_moe_w8a8(const detail::GemmParams& p, cudaStream_t stream) {
   }
 }
 
-// Weight-only experts: the sm90 kernel with the producer's conversion (the tile's
+// Weight-only experts: the sm90 kernel converting the packed experts (the tile's
 // kernel must be kSm90 or kAuto; 1-CTA clusters).
 void fused_moe_weight_only(const detail::GemmParams& p, cudaStream_t stream) {
   if (!fused_moe_weight_only_loadable(p)) {

@@ -21,7 +21,7 @@ void fused_moe_sm90_fp16_m64(const detail::GemmParams& p, int block_n, int clust
 void fused_moe_sm90_fp16_m128(const detail::GemmParams& p, int block_n, int cluster_m, cudaStream_t stream);
 
 // wgmma weight-only (issue 30): GemmParams::weight_only's packed 4-/8-bit experts, converted
-// by the producer; K % 32 == 0; block_m 64|128 dividing p.block_size; block_n 128|256;
+// by the consumer warpgroups; K % 32 == 0; block_m 64|128 dividing p.block_size; block_n 128|256;
 // 1-CTA clusters.
 void fused_moe_sm90_weight_only_bf16_w4(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);
 void fused_moe_sm90_weight_only_bf16_w8(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream);

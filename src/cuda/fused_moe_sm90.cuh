@@ -329,6 +329,18 @@ struct Sm90TileOutput {
   }
 };
 
+// TMA coordinates (dims 1 and 2 of the weight maps) of weight box b of the tile at
+// output column n0: box b holds tile rows [b * kBoxRows, +kBoxRows); gated, the gate (b
+// even) or up (b odd) rows of output columns n0 + (b / 2) * kBoxRows + [0, kBoxRows).
+template <class Config>
+__device__ __forceinline__ void weight_box_coords(const detail::GemmParams& p, int64_t n0, int b, bool interleaved,
+                                                  int32_t& c1, int32_t& c2) {
+  const int32_t row = int32_t(p.gated ? n0 + (b / 2) * Config::kBoxRows : n0 + b * Config::kBoxRows);
+  const int32_t half = p.gated ? b % 2 : 0;
+  c1 = interleaved ? half : row;
+  c2 = interleaved ? row : half;
+}
+
 template <class Config>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     fused_moe_sm90_kernel(const __grid_constant__ detail::GemmParams p, const __grid_constant__ WeightTensorMap w_map,

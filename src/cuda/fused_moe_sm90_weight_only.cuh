@@ -41,18 +41,6 @@ struct CudaElement<cute::half_t> {
   using type = __half;
 };
 
-// TMA coordinates (dims 1 and 2 of the weight maps) of weight box b of the tile at
-// output column n0: box b holds tile rows [b * kBoxRows, +kBoxRows); gated, the gate (b
-// even) or up (b odd) rows of output columns n0 + (b / 2) * kBoxRows + [0, kBoxRows).
-template <class Config>
-__device__ __forceinline__ void weight_box_coords(const detail::GemmParams& p, int64_t n0, int b, bool interleaved,
-                                                  int32_t& c1, int32_t& c2) {
-  const int32_t row = int32_t(p.gated ? n0 + (b / 2) * Config::kBoxRows : n0 + b * Config::kBoxRows);
-  const int32_t half = p.gated ? b % 2 : 0;
-  c1 = interleaved ? half : row;
-  c2 = interleaved ? row : half;
-}
-
 template <class Config>
 struct Sm90WeightOnlyConverter {
   using T = typename CudaElement<typename Config::Element>::type;
@@ -80,7 +68,7 @@ struct Sm90WeightOnlyConverter {
   // warps' stalls) stayed, so those come from elsewhere (docs/PERF_NOTES.md issue 30 step 2).
   weight_only::GroupCodes<T> codes[2], next_codes[2];
 
-  // The tile's weight row of this thread, as weight_box_coords places the boxes.
+  // The tile's weight row of this thread, as the weight boxes place them (weight_box_coords).
   __device__ __forceinline__ void start_tile(const detail::GemmParams& p, int tile_expert, int64_t n0, int thread) {
     expert = tile_expert;
     const int group_thread = thread % kGroupThreads;

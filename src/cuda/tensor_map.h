@@ -35,7 +35,7 @@ TensorMapEncodeTiled tensor_map_encode_tiled();
 WeightTensorMap make_weight_tensor_map(const detail::GemmParams& p, int box_rows);
 // Weight-only experts (GemmParams::weight_only): the packed weights in the same
 // coordinates, K in bytes, boxes of box_rows x (64 weights' bytes), no swizzle (the
-// producer converts them into the swizzled 16-bit slots).
+// consumers convert them into swizzled 16-bit B buffers).
 WeightTensorMap make_packed_weight_tensor_map(const detail::GemmParams& p, int box_rows);
 ActivationTensorMap make_activation_tensor_map(const detail::GemmParams& p, int box_rows);
 

@@ -1,6 +1,6 @@
 // The weight-only conversions (w4a16 / w8a16, issue 30): packed 4-bit or 8-bit weights
 // to bf16/fp16 pairs in registers, shared by the small-batch kernels
-// (small_batch_weight_only.cuh), dequantize_experts and the sm90 tile kernel's producer
+// (small_batch_weight_only.cuh), dequantize_experts and the sm90 tile kernel's consumers
 // (fused_moe_sm90_weight_only.cuh).
 // - 4-bit: LOP3 (q >> 4i) & 0x000f000f | EXP makes the 16-bit pair (base + v_i, base +
 //   v_{i+4}) of a word's nibbles i and i + 4 (k = 8w + i, 8w + i + 4), exact in bf16
@@ -57,7 +57,7 @@ template <class T>
 constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
 
 // A row's scale and zero point for one group, as loaded: split from group_constants so
-// that a caller can issue the loads early (the sm90 producer, before its barrier waits).
+// that a caller can issue the loads early (the sm90 consumers, a step ahead).
 template <class T>
 struct GroupCodes {
   T scale;
