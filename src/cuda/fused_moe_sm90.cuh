@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             static_assert(Config::kMmaInFlight <= 1, "three B buffers: one batch in flight a warpgroup");
             if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
             converter.convert(smem_packed + stage * Config::kPackedStageBytes,
-                              b_buffers + b_buffer * (kBlockN * kBlockK * int(sizeof(T))), k_tile * kBlockK);
+                              b_buffers + b_buffer * (kBlockN * kBlockK * int(sizeof(T))));
             cutlass::arch::fence_view_async_shared();
             converter.sync(thread);
             converter.take_codes();

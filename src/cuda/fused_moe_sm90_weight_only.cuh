@@ -57,10 +57,17 @@ struct Sm90WeightOnlyConverter {
 
   const detail::WeightOnlyParams& q;
   int64_t K;
-  int expert = 0;
   int row = 0;          // this thread's tile row
   int first_chunk = 0;  // its first 16-byte chunk (8 weights) of the row's 64
-  int32_t weight_row = -1;  // the expert's weight row behind it; -1: past N
+  // The tile's scale and zero-point rows of this thread's weight row, set once a tile so
+  // that a step's codes cost a shift and an add (docs/PERF_NOTES.md issue 30 step 3:
+  // the per-step `expert * stride + row * stride + group * stride` and the row and K
+  // predicates as branches were most of the 834 instructions of a step).
+  const T* scale_row = nullptr;
+  const uint8_t* zero_row = nullptr;  // null: the scheme's symmetric zero point
+  weight_only::ZeroPointField zero_field;
+  int group_shift = 0;                // log2(group_size); per channel the K stride is 0
+  bool two_groups = false;            // a step's 64 weights of a thread span two groups of 32
   // The step's scale and zero point: [0] for chunks 0-3 (k0 .. k0 + 31), [1] for chunks
   // 4-7 (another group only with groups of 32); and the next step's, loaded a step ahead.
   // NOTE: a step ahead (they were loaded behind the barrier, for the step right after),
@@ -69,8 +76,10 @@ struct Sm90WeightOnlyConverter {
   weight_only::GroupCodes<T> codes[2], next_codes[2];
 
   // The tile's weight row of this thread, as the weight boxes place them (weight_box_coords).
+  // Rows past N take row 0's scales: a B row past N feeds only output columns past N,
+  // which the epilogue drops, and its packed bytes (TMA zero fill) convert to finite
+  // values, so no predicate is needed.
   __device__ __forceinline__ void start_tile(const detail::GemmParams& p, int tile_expert, int64_t n0, int thread) {
-    expert = tile_expert;
     const int group_thread = thread % kGroupThreads;
     row = (kShared ? 0 : (thread / 128) * Config::kSlice) + group_thread / kThreadsPerRow;
     first_chunk = (group_thread % kThreadsPerRow) * kChunks;
@@ -81,19 +90,33 @@ struct Sm90WeightOnlyConverter {
       col = n0 + (box / 2) * Config::kBoxRows + row % Config::kBoxRows;
       w_row = interleaved ? 2 * col + box % 2 : (box % 2) * p.N + col;
     }
-    weight_row = col < p.N ? int32_t(w_row) : -1;
+    if (col >= p.N) w_row = 0;
+    scale_row = static_cast<const T*>(q.scale) + tile_expert * q.scale_stride_expert + w_row * q.scale_stride_n;
+    zero_row = q.zero ? q.zero + tile_expert * q.zero_stride_expert +
+                            (q.zero_packed ? w_row >> 1 : w_row) * q.zero_stride_n
+                      : nullptr;
+    zero_field = weight_only::zero_point_field(q, w_row);
+    group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 0;
+    two_groups = kChunks == 8 && q.group_size == 32;
+  }
+
+  __device__ __forceinline__ weight_only::GroupCodes<T> load_group(int64_t group) const {
+    weight_only::GroupCodes<T> c;
+    c.scale = scale_row[group * q.scale_stride_k];
+    c.zero = kBits == 4 ? 8 : 128;
+    if (zero_row) c.zero = zero_row[group * q.zero_stride_k];
+    return c;
   }
 
   // Step k0's scales and zero points into next_codes (a step ahead of its conversion).
   __device__ __forceinline__ void load_codes(int64_t k0) {
-    if (weight_row < 0) return;
+    // K % 32 == 0 (the API's CUDA check): a thread's chunks, and the second half of a
+    // step, are all in or all out; out (the last step of K % 64 == 32) they take the
+    // last group's codes, loaded in bounds.
     const int64_t k = k0 + 8 * first_chunk;
-    const int64_t group = q.group_size > 0 ? k / q.group_size : 0;
-    next_codes[0] = weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group);
-    // K % 32 == 0 (the API's CUDA check): the second half of the step is all in or all out.
-    const bool second_group = kChunks == 8 && q.group_size == 32 && k + 32 < K;
-    next_codes[1] =
-        second_group ? weight_only::load_group_codes<T, kBits>(q, expert, weight_row, group + 1) : next_codes[0];
+    const int64_t group = (k < K ? k : K - 1) >> group_shift;
+    next_codes[0] = load_group(group);
+    next_codes[1] = two_groups && k + 32 < K ? load_group(group + 1) : next_codes[0];
   }
 
   // The loaded codes become the step's.
@@ -102,48 +125,49 @@ struct Sm90WeightOnlyConverter {
     codes[1] = next_codes[1];
   }
 
-  // Converts this thread's chunks of step k0 from the slot's packed rows into the B buffer
+  // Converts this thread's chunks of a step from the slot's packed rows into the B buffer
   // at shared address `buffer` (kBlockN rows of 128 bytes, 1024-byte aligned): chunk c of
   // row r at r * 128 + 16 * (c ^ r % 8), the 128-byte swizzle of the TMA and wgmma.
-  __device__ __forceinline__ void convert(const uint8_t* packed, uint32_t buffer, int64_t k0) const {
-    uint32_t words[kWords];
+  // Chunks past K (the last step of K % 64 == 32) convert the TMA's zero fill: finite
+  // values that meet A's zero-filled columns, so they need no predicate either.
+  // 16 bytes of packed words at a time, converted and stored before the next load (the
+  // volatile shared accesses keep that order): half the live words of loading them all
+  // first, whose 128 x 256 w4 instance spilled (111 STL, 39 LDL).
+  __device__ __forceinline__ void convert(const uint8_t* packed, uint32_t buffer) const {
     const uint32_t src = static_cast<uint32_t>(
         __cvta_generic_to_shared(packed + row * Config::kPackedRowBytes + first_chunk * kBits));  // 8 weights: kBits bytes
+    weight_only::GroupConstants<T> c[2];
+    c[0] = weight_only::make_group_constants<T>(codes[0], zero_field);
+    c[1] = weight_only::make_group_constants<T>(codes[1], zero_field);
+    constexpr int kChunksPerLoad = 4 * 4 / kBits;  // a 16-byte load: 4 chunks of 4-bit, 2 of 8-bit
+    const uint32_t row_base = buffer + row * 128;
+    const int swizzle = row % 8;
 #pragma unroll
     for (int v = 0; v < kWords / 4; ++v) {
+      uint32_t words[4];
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[4 * v]), "=r"(words[4 * v + 1]), "=r"(words[4 * v + 2]), "=r"(words[4 * v + 3])
+                   : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                    : "r"(src + 16 * v));
-    }
-    const bool row_ok = weight_row >= 0;
-    weight_only::GroupConstants<T> c[2];
-    if (row_ok) {
-      c[0] = weight_only::make_group_constants<T>(codes[0]);
-      c[1] = weight_only::make_group_constants<T>(codes[1]);
-    }
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const int chunk = first_chunk + i;
-      // Past K (the last step of K % 64 == 32) or past N: zeros (no scale was loaded).
-      const bool ok = row_ok && k0 + 8 * chunk < K;
-      uint32_t out[4] = {0, 0, 0, 0};
-      if (ok) {
+      for (int j = 0; j < kChunksPerLoad; ++j) {
+        const int i = v * kChunksPerLoad + j;  // this thread's chunk
         const weight_only::GroupConstants<T>& cc = c[kChunks == 8 ? i / 4 : 0];
+        uint32_t out[4];
         if constexpr (kBits == 4) {
           uint32_t pairs[4];
-          weight_only::weight_pairs<T, 4, true>(words[i], cc, pairs);
+          weight_only::weight_pairs<T, 4, true>(words[j], cc, pairs);
           weight_only::natural_order(pairs, out);
         } else {
           uint32_t lo[4], hi[4];
-          weight_only::weight_pairs<T, 8, true>(words[2 * i], cc, lo);
-          weight_only::weight_pairs<T, 8, true>(words[2 * i + 1], cc, hi);
+          weight_only::weight_pairs<T, 8, true>(words[2 * j], cc, lo);
+          weight_only::weight_pairs<T, 8, true>(words[2 * j + 1], cc, hi);
           out[0] = lo[0], out[1] = lo[1], out[2] = hi[0], out[3] = hi[1];
         }
+        const uint32_t dst = row_base + 16 * ((first_chunk + i) ^ swizzle);
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(out[0]), "r"(out[1]), "r"(out[2]),
+                     "r"(out[3])
+                     : "memory");
       }
-      const uint32_t dst = buffer + row * 128 + 16 * (chunk ^ (row % 8));
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(out[0]), "r"(out[1]), "r"(out[2]),
-                   "r"(out[3])
-                   : "memory");
     }
   }
 

@@ -57,12 +57,26 @@ template <class T>
 constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
 
 // A row's scale and zero point for one group, as loaded: split from group_constants so
-// that a caller can issue the loads early (the sm90 consumers, a step ahead).
+// that a caller can issue the loads early (the sm90 consumers and the decode kernels,
+// steps ahead). `zero` is the loaded byte (packed: both nibbles of the row pair) or the
+// symmetric zero point; ZeroPointField picks the row's bits only when the constants are
+// made, so that nothing waits for the load where it is issued.
 template <class T>
 struct GroupCodes {
   T scale;
   int zero;
 };
+
+// Where a row's zero point lies in its loaded byte: packed zero points hold row 2i in the
+// low nibble and 2i + 1 in the high one.
+struct ZeroPointField {
+  int shift = 0;
+  int mask = 255;
+};
+
+__device__ __forceinline__ ZeroPointField zero_point_field(const WeightOnlyParams& q, int64_t row) {
+  return q.zero && q.zero_packed ? ZeroPointField{4 * int(row & 1), 15} : ZeroPointField{0, 255};
+}
 
 template <class T, int kBits>
 __device__ __forceinline__ GroupCodes<T> load_group_codes(const WeightOnlyParams& q, int64_t expert, int64_t row,
@@ -72,23 +86,23 @@ __device__ __forceinline__ GroupCodes<T> load_group_codes(const WeightOnlyParams
                                                group * q.scale_stride_k];
   codes.zero = kBits == 4 ? 8 : 128;
   if (q.zero) {
-    const int byte = q.zero[expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n +
-                            group * q.zero_stride_k];
-    codes.zero = q.zero_packed ? (byte >> (4 * int(row & 1))) & 15 : byte;
+    codes.zero = q.zero[expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n +
+                        group * q.zero_stride_k];
   }
   return codes;
 }
 
 template <class T>
-__device__ __forceinline__ GroupConstants<T> make_group_constants(const GroupCodes<T>& codes) {
-  const T offset = from_float<T>(kConversionBase<T> + float(codes.zero));
-  return GroupConstants<T>{Pair<T>(codes.scale, codes.scale), Pair<T>(offset, offset), float(codes.zero)};
+__device__ __forceinline__ GroupConstants<T> make_group_constants(const GroupCodes<T>& codes, ZeroPointField field) {
+  const int zero = (codes.zero >> field.shift) & field.mask;
+  const T offset = from_float<T>(kConversionBase<T> + float(zero));
+  return GroupConstants<T>{Pair<T>(codes.scale, codes.scale), Pair<T>(offset, offset), float(zero)};
 }
 
 template <class T, int kBits>
 __device__ __forceinline__ GroupConstants<T> group_constants(const WeightOnlyParams& q, int64_t expert, int64_t row,
                                                              int64_t group) {
-  return make_group_constants<T>(load_group_codes<T, kBits>(q, expert, row, group));
+  return make_group_constants<T>(load_group_codes<T, kBits>(q, expert, row, group), zero_point_field(q, row));
 }
 
 // Four weight pairs of one 32-bit word, as MMA operand registers, in the order the
