@@ -231,19 +231,27 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 // dequantized copies at 32-64 an expert (Qwen3-30B M = 1024: 912 against 1391 us; Mixtral
 // M = 256: 1916 against 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE
 // M = 1024: 1139 against 1013), where each expert's rows are re-read for 8 blocks or more.
-// Where the sm90 tiles read the packed experts (no adapters: the tiles take no fused LoRA
-// expand), from 64 an expert (blocks of 64): they beat the aligned kernels there
-// (Qwen3-30B M = 1024: 639 against 906; Mixtral M = 256: 1701 against 1948; issue 30
-// step 2). NOTE: with rank-16 adapters the tiles and the unfused LoRA kernels took Mixtral
-// M = 256 to 7535 us, the aligned path 2345.
+// Where the sm90 tiles read the packed experts (the chunk's config puts both GEMMs on sm90
+// tiles, no adapters: the tiles take no fused LoRA expand), from 32 an expert: they beat
+// the aligned kernels there (issue 30 step 3, w4a16 / w8a16 at 32 an expert: DeepSeek-V3
+// M = 1024 957 against 1374 us / 1043 against 1787; gpt-oss M = 1024 2077 / 2773, 2115 /
+// 3613; OLMoE M = 256 252 / 336, 280 / 423), and lose below (16 an expert: Qwen3-30B
+// M = 256 1497 against 301; 8: DeepSeek-V3 M = 256 3440 against 572). NOTE: with rank-16
+// adapters the tiles and the unfused LoRA kernels took Mixtral M = 256 to 7535 us, the
+// aligned path 2345.
 constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
-constexpr int64_t kWeightOnlyTileSlotsPerExpert = 64;
+constexpr int64_t kWeightOnlyTileSlotsPerExpert = 32;
 
 namespace {
-bool weight_only_tiles_available() {
+// Whether a chunk of this shape would run the weight-only sm90 tiles (the plan's final
+// word is FusedExpertsChunkPlan::weight_only_tiles, which also checks the tensors).
+bool weight_only_tiles_expected(const FusedExpertsShape& chunk, int64_t experts, const FusedExpertsOptions& o) {
 #ifdef MOELORA_WITH_CUDA
-  return cuda::device_available() && cuda::current_device_facts().sm90_kernels;
+  if (chunk.max_loras != 0 || !cuda::device_available() || !cuda::current_device_facts().sm90_kernels) return false;
+  const MoeKernelConfig config = fused_experts_config(chunk, experts, Device{DeviceType::kCUDA, 0}, o);
+  return config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
 #else
+  (void)chunk, (void)experts, (void)o;
   return false;
 #endif
 }
@@ -261,9 +269,11 @@ WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOp
     case WeightOnlyPath::kAuto: break;
   }
   if (decode) return WeightOnlyPath::kDecode;
-  const int64_t dense_from = weight_only_tiles_available() && s.max_loras == 0 ? kWeightOnlyTileSlotsPerExpert
-                                                                              : kWeightOnlyDenseSlotsPerExpert;
-  return slots >= dense_from * experts ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
+  if (slots >= kWeightOnlyDenseSlotsPerExpert * experts) return WeightOnlyPath::kDense;
+  if (slots < kWeightOnlyTileSlotsPerExpert * experts) return WeightOnlyPath::kAligned;
+  FusedExpertsShape chunk = s;
+  chunk.num_tokens = chunk_tokens;
+  return weight_only_tiles_expected(chunk, experts, o) ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
 }
 
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {

@@ -37,6 +37,9 @@ struct WeightOnlyCase : QuantLayerDims {
   // kDense: the sm90 tiles read the packed experts (on a device with sm_90a kernels), else
   // the dense experts are dequantized.
   bool expect_tiles = false;
+  // Auto routing at 32-127 slots an expert: the tiles where the device has sm90 kernels
+  // (expect_path kDense, expect_tiles), else the aligned kernels.
+  bool aligned_without_tiles = false;
 };
 
 // Both GEMMs on 64 x 256 sm90 tiles, x copied into sorted order first.
@@ -163,16 +166,18 @@ TEST_P(WeightOnlyTest, MatchesReference) {
   // Which CUDA path ran: the decode kernels write no alignment (sorted_token_ids open the
   // workspace), the dense path its dequantized experts.
   if (c.backend == Backend::kCUDA && c.M > 0) {
-    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
-    EXPECT_EQ(int(layout.weight_only_path), int(c.expect_path));
-    layer.io.workspace.download();
-    EXPECT_EQ(layer.io.workspace.is_poison(0), c.expect_path == WeightOnlyPath::kDecode) << "the other path ran";
-    if (layout.weight_only_dense) {
 #ifdef MOELORA_WITH_CUDA
-      const bool tiles = c.expect_tiles && cuda::current_device_facts().sm90_kernels;
+    const bool sm90 = cuda::current_device_facts().sm90_kernels;
 #else
-      const bool tiles = false;
+    const bool sm90 = false;
 #endif
+    const WeightOnlyPath expect_path = c.aligned_without_tiles && !sm90 ? WeightOnlyPath::kAligned : c.expect_path;
+    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
+    EXPECT_EQ(int(layout.weight_only_path), int(expect_path));
+    layer.io.workspace.download();
+    EXPECT_EQ(layer.io.workspace.is_poison(0), expect_path == WeightOnlyPath::kDecode) << "the other path ran";
+    if (layout.weight_only_dense) {
+      const bool tiles = c.expect_tiles && sm90;
       EXPECT_EQ(layer.io.workspace.is_poison(layout.dense_w13 / 4), tiles)
           << (tiles ? "the dense experts were written: the sm90 tiles did not run" : "the dense experts were not written");
     }
@@ -218,7 +223,7 @@ std::vector<WeightOnlyCase> weight_only_cases() {
       add("router_weight_on_input", [](WeightOnlyCase& c) { c.options.apply_router_weight_on_input = true; c.top_k = 1; });
       add("top8_m16", [](WeightOnlyCase& c) { c.top_k = 8; c.num_global = c.num_local = 32; c.M = 16; c.zeros = Zeros::kBytes; });
       // Past the decode kernels (128 slots): the aligned path, the dense one from 128 slots
-      // an expert (or forced).
+      // an expert, from 32 where the chunk's config names sm90 tiles (or forced).
       constexpr WeightOnlyPath kAligned = WeightOnlyPath::kAligned, kDense = WeightOnlyPath::kDense;
       add("aligned_m100", [&](WeightOnlyCase& c) { c.M = 100; c.zeros = Zeros::kBytes; c.expect_path = kAligned; });
       add("aligned_g32", [&](WeightOnlyCase& c) { c.M = 100; c.group_size = 32; c.expect_path = kAligned; });
@@ -236,6 +241,10 @@ std::vector<WeightOnlyCase> weight_only_cases() {
         c.M = 100, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = kAligned;
       });
       add("dense_auto_m512", [&](WeightOnlyCase& c) { c.M = 512; c.expect_path = kDense; c.expect_tiles = true; });
+      // 55 slots an expert: blocks of 64 name sm90 tiles, which take the chunk from 32 an expert.
+      add("tiles_auto_m220", [&](WeightOnlyCase& c) {
+        c.M = 220, c.zeros = Zeros::kBytes, c.expect_path = kDense, c.expect_tiles = true, c.aligned_without_tiles = true;
+      });
       add("dense_expert_map", [&](WeightOnlyCase& c) {
         c.M = 90, c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.weight_only_path = kDense,
         c.expect_path = kDense;
