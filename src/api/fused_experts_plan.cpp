@@ -240,6 +240,13 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 // adapters the tiles and the unfused LoRA kernels took Mixtral M = 256 to 7535 us, the
 // aligned path 2345.
 constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
+// The decode kernels below this many slots an expert on average: they take an expert's
+// slots 8 at a time, each pass streaming its weights again, where the aligned kernels
+// convert each weight once for a 16-entry block. NOTE: H100 (issue 30 step 3), Mixtral at
+// 8 an expert (M = 32) w4a16 545 us decode against 445 aligned, w8a16 782 / 578; at 16
+// (M = 64) 923 / 697, 1288 / 874; below 8 an expert decode won every cell (Mixtral M = 16,
+// 4 an expert: 339 against 418; OLMoE M = 16, 2: 100 / 132; gpt-oss M = 32, 1: 630 / 747).
+constexpr int64_t kWeightOnlyDecodeMaxSlotsPerExpert = 8;
 constexpr int64_t kWeightOnlyTileSlotsPerExpert = 32;
 
 namespace {
@@ -268,7 +275,7 @@ WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOp
     case WeightOnlyPath::kDense: return o.weight_only_path;
     case WeightOnlyPath::kAuto: break;
   }
-  if (decode) return WeightOnlyPath::kDecode;
+  if (decode && slots < kWeightOnlyDecodeMaxSlotsPerExpert * experts) return WeightOnlyPath::kDecode;
   if (slots >= kWeightOnlyDenseSlotsPerExpert * experts) return WeightOnlyPath::kDense;
   if (slots < kWeightOnlyTileSlotsPerExpert * experts) return WeightOnlyPath::kAligned;
   FusedExpertsShape chunk = s;
