@@ -272,8 +272,10 @@ enum class Activation : int8_t { kSilu, kGelu, kSwigluOai };
 //   kDecode:  the small-batch kernels from topk_ids (chunks of at most
 //             kSmallBatchMaxSlots8Bit slots; larger ones take kAligned)
 //   kAligned: the same register dequantization and MMAs over moe_align_block_size's blocks
-//   kDense:   w13 and w2 dequantized once into the workspace, then the 16-bit GEMMs
-//   kAuto:    by the chunk's slots (fused_experts_plan.cpp)
+//   kDense:   on sm_90a without adapters, where the config names wgmma tiles for both
+//             GEMMs, the tile kernel reading the packed experts; else w13 and w2
+//             dequantized once into the workspace, then the 16-bit GEMMs
+//   kAuto:    by the chunk's slots an expert (fused_experts_plan.cpp)
 enum class WeightOnlyPath : int8_t { kAuto, kDecode, kAligned, kDense };
 
 struct FusedExpertsOptions {
@@ -375,10 +377,12 @@ struct FusedExpertsLora {
 //       byte; or, 4-bit, packed two a byte along N ([E, N / 2, K / G], the even n in the low
 //       nibble: vLLM's w13_qzeros). Without zero points: 8 (4-bit) or 128 (8-bit).
 // A weight is (q - zero) * scale; the GEMMs run on bf16/fp16 activations. On CUDA
-// (WeightOnlyPath): chunks of at most kSmallBatchMaxSlots8Bit slots run the decode
-// kernels, which stream the packed weights and dequantize in registers; larger ones the
-// same dot products over the alignment's blocks; the largest dequantize the experts once
-// into the workspace (fused_experts_workspace_size counts it) and run the 16-bit GEMMs.
+// (WeightOnlyPath): chunks of at most kSmallBatchMaxSlots8Bit slots, fewer than 8 an
+// expert, run the decode kernels, which stream the packed weights and dequantize in
+// registers; larger ones the same dot products over the alignment's blocks; from 32 slots
+// an expert the sm_90a tiles read the packed experts where the config names them, and
+// from 128 the experts are dequantized once into the workspace otherwise
+// (fused_experts_workspace_size counts it) for the 16-bit GEMMs.
 struct FusedExpertsQuant {
   QuantScheme scheme;
   TensorView w13_scale;
