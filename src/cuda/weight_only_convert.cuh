@@ -57,10 +57,10 @@ template <class T>
 constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
 
 // A row's scale and zero point for one group, as loaded: split from group_constants so
-// that a caller can issue the loads early (the sm90 consumers and the decode kernels,
-// steps ahead). `zero` is the loaded byte (packed: both nibbles of the row pair) or the
-// symmetric zero point; ZeroPointField picks the row's bits only when the constants are
-// made, so that nothing waits for the load where it is issued.
+// that a caller can issue the loads early (the sm90 consumers, a step ahead). `zero` is
+// the loaded byte (packed: both nibbles of the row pair) or the symmetric zero point;
+// ZeroPointField picks the row's bits only when the constants are made, so that nothing
+// waits for the load where it is issued.
 template <class T>
 struct GroupCodes {
   T scale;

@@ -241,12 +241,12 @@ std::vector<WeightOnlyCase> weight_only_cases() {
         c.M = 100, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = kAligned;
       });
       add("dense_auto_m512", [&](WeightOnlyCase& c) { c.M = 512; c.expect_path = kDense; c.expect_tiles = true; });
-      // 55 slots an expert: blocks of 64 name sm90 tiles, which take the chunk from 32 an expert.
       // 8 slots an expert (64 slots, within the decode kernels' 128): the aligned kernels.
       add("aligned_m32_8_an_expert", [&](WeightOnlyCase& c) { c.M = 32, c.expect_path = kAligned; });
       add("decode_asked_m32", [&](WeightOnlyCase& c) {
         c.M = 32, c.options.weight_only_path = WeightOnlyPath::kDecode, c.expect_path = WeightOnlyPath::kDecode;
       });
+      // 55 slots an expert: blocks of 64 name sm90 tiles, which take the chunk from 32 an expert.
       add("tiles_auto_m220", [&](WeightOnlyCase& c) {
         c.M = 220, c.zeros = Zeros::kBytes, c.expect_path = kDense, c.expect_tiles = true, c.aligned_without_tiles = true;
       });
