@@ -543,6 +543,24 @@ class LayerCell {
     return median(times);
   }
 
+  // The time of a call (time_us) whose slots all route to no local expert (an expert_map
+  // of -1 for every expert): the layer's launches, slot tables and output writes without
+  // reading an expert, its fixed cost at this M (issue 30's exemption of cells whose fixed
+  // cost exceeds a quarter of the bf16 layer's time).
+  double time_without_experts_us(const moelora::FusedExpertsOptions& fo, int iters, double budget_s = INFINITY) {
+    if (!no_experts_) {
+      const std::vector<int32_t> map(m_.E, -1);
+      no_experts_ = std::make_unique<Buffer>(cuda_, map.size() * 4);
+      no_experts_->upload(map.data(), map.size() * 4);
+      const moelora::Device device = cuda_ ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{};
+      no_experts_view_ = view(no_experts_->ptr(), DType::kInt32, {m_.E}, device);
+    }
+    for (moelora::FusedExpertsArgs& a : args_) a.expert_map = &no_experts_view_;
+    const double t = time_us(fo, iters, budget_s);
+    for (moelora::FusedExpertsArgs& a : args_) a.expert_map = nullptr;
+    return t;
+  }
+
   // The routings' floors averaged over the rotations (expert_bytes per routed expert);
   // with LoRA set, the stacks' bytes are added and their FLOPs go to *lora_flops.
   void floors(double expert_bytes, double* bytes, double* flops, double* lora_flops) const {
@@ -589,6 +607,9 @@ class LayerCell {
   std::vector<LoraBatch> lora_batch_;
   std::vector<moelora::FusedExpertsLora> lora_;
   const LoraStacks* lora_stacks_ = nullptr;
+  // time_without_experts_us: expert_map [E], all -1.
+  std::unique_ptr<Buffer> no_experts_;
+  TensorView no_experts_view_;
 };
 
 }  // namespace moelora::bench

@@ -37,6 +37,8 @@
 // Weight-only schemes (issue 30): w4a16 / w8a16[:gG][:zp] (group G, 0 per channel; zero
 // points), random packed codes (WeightOnlyGemm), checked against the float64 layer on the
 // dequantized weights; --weight-only-path forces FusedExpertsOptions::weight_only_path.
+// Their rows at M <= 16 also time the layer with every slot routed to no expert (an
+// expert_map of -1): "fixed_us", the launches and tables without the experts' bytes.
 // --grouped on|off forces MoeKernelConfig::grouped_gemm (CUTLASS grouped GEMMs) on or off
 // in every cell (a caller's config: no small-batch kernels, the heuristic block size), for
 // the crossover against the W8A8 tile kernels; without it the layer's heuristic decides.
@@ -528,7 +530,14 @@ struct Row {
   double rel_err = -1, rel_err_bf16 = -1;  // -1: not checked
   int64_t checked_tokens = 0, check_chunk = 0;
   double base_us = 0, base_floor_us = 0;  // LoRA rows: the cell's row without LoRA
+  // Weight-only rows without LoRA at M <= kFixedCostMaxTokens: the call's time with every
+  // slot routed to no expert (LayerCell::time_without_experts_us); -1: not measured.
+  double fixed_us = -1;
 };
+
+// The M up to which weight-only rows time the layer's fixed cost (issue 30's 3x target
+// at M <= 16 exempts cells whose fixed cost exceeds a quarter of the bf16 layer's time).
+constexpr int64_t kFixedCostMaxTokens = 16;
 
 // A model's bf16 references by (M, LoRA rank, tokens): every scheme checks against them.
 using Bf16Refs = std::map<std::vector<int64_t>, std::vector<double>>;
@@ -562,6 +571,9 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
       if (plan.chunk_size > 0) check_fo.chunk_size = plan.chunk_size;
       const std::vector<uint16_t> out = cell.run_once(check_fo);
       row.time_us = cell.time_us(fo, o.iters > 0 ? o.iters : cuda ? 30 : 3, kCellBudgetS);
+      if (weight_only && i == 0 && M <= kFixedCostMaxTokens) {
+        row.fixed_us = cell.time_without_experts_us(fo, o.iters > 0 ? o.iters : cuda ? 30 : 3, kCellBudgetS);
+      }
       double lora_flops;
       cell.floors(q.expert_bytes(), &row.bytes, &row.flops, &lora_flops);
       row.floor_us = std::max(row.bytes / (ceilings.copy_tbps * 1e6),
@@ -633,10 +645,11 @@ void print_row(const Row& r) {
   const std::string tax = r.lora_rank > 0 ? format("  tax x%.3f on base %.1f us (floor x%.3f)", r.time_us / r.base_us,
                                                    r.base_us, r.floor_us / r.base_floor_us)
                                           : std::string();
-  std::printf("%-16s M=%-5lld %-18s %9.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.1f TFLOP/s  rel_err %s%s\n",
+  const std::string fixed = r.fixed_us >= 0 ? format("  fixed %.1f us", r.fixed_us) : std::string();
+  std::printf("%-16s M=%-5lld %-18s %9.1f us  floor %8.1f us (%5.1f%%)  %6.3f TB/s  %7.1f TFLOP/s  rel_err %s%s%s\n",
               label.c_str(), (long long)r.M, scheme_label(r.scheme).c_str(), r.time_us, r.floor_us,
               100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e6), r.flops / (r.time_us * 1e6), check.c_str(),
-              tax.c_str());
+              tax.c_str(), fixed.c_str());
   std::fflush(stdout);
 }
 
@@ -662,11 +675,12 @@ std::string json_row(const Row& r, const Options& o) {
   return format("{\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"bf16\", \"lora\": %s, "
                 "\"quant\": %s, \"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, "
                 "\"tbps\": %.4f, \"tflops\": %.3f, \"rel_err\": %s, \"rel_err_bf16\": %s, \"checked_tokens\": %lld, "
-                "\"check_chunk\": %s, \"grouped\": \"%s\"%s}",
+                "\"check_chunk\": %s, \"grouped\": \"%s\"%s%s}",
                 r.model->name, (long long)r.M, lora.c_str(), quant.c_str(), r.device.c_str(), r.time_us, r.floor_us,
                 100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e6), r.flops / (r.time_us * 1e6),
                 number(r.rel_err).c_str(), number(r.rel_err_bf16).c_str(), (long long)r.checked_tokens,
-                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", o.grouped.c_str(), lora_keys.c_str());
+                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", o.grouped.c_str(), lora_keys.c_str(),
+                r.fixed_us >= 0 ? format(", \"fixed_us\": %.3f", r.fixed_us).c_str() : "");
 }
 
 }  // namespace
