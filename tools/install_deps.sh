@@ -2,7 +2,8 @@
 # Installs what building and testing moelora needs, from the package registries, at
 # pinned versions: the Python tools (requirements-dev.txt), torch for the torch ops' tests
 # (requirements-torch.txt; MOELORA_TORCH=0 skips it), GoogleTest (Debian package, when
-# missing) and, when nvcc is present, the CUTLASS headers into .deps/cutlass.
+# missing), clang for the fuzz target (when missing) and, when nvcc is present, the
+# CUTLASS headers into .deps/cutlass.
 # Safe to run again: each step is skipped when already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,16 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.
   echo "install_deps: GoogleTest headers missing; installing libgtest-dev"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libgtest-dev
+fi
+
+# The fuzz target (tools/fuzz.sh): clang with libFuzzer and the sanitizers' runtimes
+# (Debian's clang package; MOELORA_FUZZ=0 skips it).
+if [ "${MOELORA_FUZZ:-1}" != 0 ] && ! { command -v clang++ >/dev/null 2>&1 &&
+    echo 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer,address,undefined - -o /tmp/moelora_fuzz_probe 2>/dev/null; }; then
+  echo "install_deps: clang with libFuzzer missing; installing clang"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq clang
 fi
 
 if command -v nvcc >/dev/null 2>&1 || [ "${MOELORA_FETCH_CUTLASS:-0}" = 1 ]; then

@@ -13,6 +13,13 @@ void check_block_size(const char* op, int64_t block_size, bool multiple_of_16) {
   }
 }
 
+void check_range(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi) {
+  if (value < lo || value > hi) {
+    fail(op, std::string("argument '") + name + "' expected a value in [" + std::to_string(lo) + ", " +
+                 std::to_string(hi) + "], got " + std::to_string(value));
+  }
+}
+
 void check_cpu_ids(const char* op, const char* name, const TensorView& ids, int64_t lo, int64_t hi) {
   if (on_cuda(ids) || ids.numel() == 0) return;
   for (int64_t i = 0; i < ids.shape[0]; ++i) {

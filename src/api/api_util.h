@@ -19,6 +19,16 @@ inline ArgCheck& float_dtype(ArgCheck& c) {
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The sizes the queries take (slots, tokens) stay below this: sorted ids and slot
+// indices are int32 on every backend, and the byte counts derived from them fit in int64.
+constexpr int64_t kMaxSlots = (int64_t(1) << 31) - 1;
+// Hidden and intermediate sizes: far above any model's (32K), low enough that an
+// expert's bytes (experts x 2I x H x 4) fit in int64.
+constexpr int64_t kMaxLayerDim = int64_t(1) << 20;
+
+// A raw number argument of a query or an op (not a tensor): value in [lo, hi].
+void check_range(const char* op, const char* name, int64_t value, int64_t lo, int64_t hi);
+
 inline int64_t round_up(int64_t v, int64_t to) { return ceil_div(v, to) * to; }
 
 inline bool on_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }

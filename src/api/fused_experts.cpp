@@ -98,20 +98,7 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   for (const auto& [w, name] : {std::pair{&args.w13, "w13"}, std::pair{&args.w2, "w2"}}) {
     ArgCheck(op, "out", args.out).no_overlap(*w, name);
   }
-  if (options.chunk_size < 1) fail(op, "argument 'chunk_size' expected >= 1, got " + std::to_string(options.chunk_size));
-  if (options.block_size != 0) check_block_size(op, options.block_size, /*multiple_of_16=*/true);
-  if (options.config != nullptr) {
-    MoeKernelConfig resolved = *options.config;
-    if (options.block_size > 0) resolved.block_size = options.block_size;
-    if (resolved.block_size != 0) {
-      detail::check_kernel_config(op, "config", resolved);
-    } else if (resolved.gemm1.kernel != GemmKernel::kAuto || resolved.gemm2.kernel != GemmKernel::kAuto) {
-      fail(op, "argument 'config' expected a block_size (or options.block_size) when it names GEMM tiles, got 0");
-    }
-  }
-  if (options.activation == Activation::kSwigluOai && !(options.swiglu_limit > 0.f)) {
-    fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(options.swiglu_limit));
-  }
+  check_fused_experts_options(op, options);
   // LoRA: the stacks of both GEMMs and the adapter state.
   LoraStack lora13{}, lora2{};
   detail::LoraAdapterParams lora_adapters{};
@@ -139,6 +126,7 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     shape.max_loras = lora13.max_loras;
     shape.lora_rank = std::max(lora13.rank, lora2.rank);
   }
+  check_fused_experts_shape(op, shape);
   const WorkspaceLayout layout = workspace_layout(shape, options);
   ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
   const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
@@ -393,7 +381,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       shrink.p.block_lora_masks = block_lora_masks;
       shrink.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
       shrink.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
-      shrink.p.segmented_entries = moe_align_block_size_capacity(slots, block_size, E_global).max_num_tokens_padded;
+      shrink.p.segmented_entries = align_capacity(slots, block_size, E_global).max_num_tokens_padded;
       shrink.p.shrink_counters = lora_shrink_counters;
       shrink.p.a_rows_by_entry = a_rows_by_entry;
 #ifdef MOELORA_WITH_CUDA

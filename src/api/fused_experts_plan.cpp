@@ -9,6 +9,7 @@
 #include "api/api_util.h"
 #include "api/fused_moe.h"
 #include "api/kernel_config.h"
+#include "api/moe_align_block_size.h"
 
 namespace moelora {
 
@@ -17,6 +18,11 @@ using namespace detail;
 // ---------------------------------------------------------------------------------
 int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_experts,
                                  const FusedExpertsOptions& options) {
+  const char* op = "fused_experts_block_size";
+  check_range(op, "num_tokens", num_tokens, 0, kMaxSlots);
+  check_range(op, "top_k", top_k, 1, kMaxNumExperts);
+  check_range(op, "num_experts", num_experts, 1, kMaxNumExperts);
+  if (options.block_size != 0) check_block_size(op, options.block_size, /*multiple_of_16=*/true);
   if (options.block_size > 0) return options.block_size;
   // NOTE: monotone in num_tokens, so the first (largest) chunk's block size bounds the
   // workspace of every later chunk. Tiles of 16 rows waste least padding when each
@@ -32,6 +38,9 @@ constexpr int64_t kSmallBatch8BitSlotsPerExpert = 4;
 
 MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
                                      const FusedExpertsOptions& options) {
+  check_fused_experts_shape("fused_experts_config", shape);
+  check_fused_experts_options("fused_experts_config", options);
+  check_range("fused_experts_config", "num_local_experts", num_local_experts, 0, kMaxNumExperts);
   // Weight-only experts past the decode kernels: the 16-bit layer's config. Its GEMMs read
   // the packed experts on sm90 tiles (FusedExpertsChunkPlan::weight_only_tiles), so tiles
   // the config leaves to the launcher are named here (the launcher's rule: 128 rows where
@@ -283,6 +292,54 @@ WeightOnlyPath weight_only_path(const FusedExpertsShape& s, const FusedExpertsOp
   return weight_only_tiles_expected(chunk, experts, o) ? WeightOnlyPath::kDense : WeightOnlyPath::kAligned;
 }
 
+void check_fused_experts_shape(const char* op, const FusedExpertsShape& s) {
+  check_range(op, "num_tokens", s.num_tokens, 0, kMaxSlots);
+  check_range(op, "top_k", s.top_k, 1, kMaxNumExperts);
+  check_range(op, "num_experts", s.num_experts, 1, kMaxNumExperts);
+  check_range(op, "num_local_experts", s.num_local_experts, 0, kMaxNumExperts);
+  if (s.num_tokens * s.top_k > kMaxSlots) {
+    fail(op, "argument 'num_tokens' expected num_tokens * top_k <= " + std::to_string(kMaxSlots) + ", got " +
+                 std::to_string(s.num_tokens) + " * " + std::to_string(s.top_k));
+  }
+  check_range(op, "hidden_size", s.hidden_size, 1, kMaxLayerDim);
+  check_range(op, "intermediate_size", s.intermediate_size, 1, kMaxLayerDim);
+  if (s.dtype != DType::kFloat32 && s.dtype != DType::kFloat16 && s.dtype != DType::kBFloat16) {
+    fail(op, std::string("argument 'dtype' expected float32|float16|bfloat16, got ") + dtype_name(s.dtype));
+  }
+  check_range(op, "max_loras", s.max_loras, 0, kMaxLoraAdapters);
+  if (s.max_loras > 0) check_range(op, "lora_rank", s.lora_rank, 1, kMaxLoraRank);
+  if (s.quant.enabled()) check_quant_scheme(op, s.quant);
+}
+
+void check_fused_experts_options(const char* op, const FusedExpertsOptions& o) {
+  if (o.chunk_size < 1) fail(op, "argument 'chunk_size' expected >= 1, got " + std::to_string(o.chunk_size));
+  if (o.block_size != 0) check_block_size(op, o.block_size, /*multiple_of_16=*/true);
+  if (o.config != nullptr) {
+    MoeKernelConfig resolved = *o.config;
+    if (o.block_size > 0) resolved.block_size = o.block_size;
+    if (resolved.block_size != 0) {
+      check_kernel_config(op, "config", resolved);
+    } else if (resolved.gemm1.kernel != GemmKernel::kAuto || resolved.gemm2.kernel != GemmKernel::kAuto) {
+      fail(op, "argument 'config' expected a block_size (or options.block_size) when it names GEMM tiles, got 0");
+    }
+  }
+  if (o.activation != Activation::kSilu && o.activation != Activation::kGelu && o.activation != Activation::kSwigluOai) {
+    fail(op, "argument 'activation' expected silu, gelu or swiglu_oai, got code " + std::to_string(int(o.activation)));
+  }
+  if (o.activation == Activation::kSwigluOai && !(o.swiglu_limit > 0.f)) {
+    fail(op, "argument 'swiglu_limit' expected > 0, got " + std::to_string(o.swiglu_limit));
+  }
+  switch (o.weight_only_path) {
+    case WeightOnlyPath::kAuto:
+    case WeightOnlyPath::kDecode:
+    case WeightOnlyPath::kAligned:
+    case WeightOnlyPath::kDense: break;
+    default:
+      fail(op, "argument 'weight_only_path' expected auto, decode, aligned or dense, got code " +
+                   std::to_string(int(o.weight_only_path)));
+  }
+}
+
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
@@ -299,7 +356,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   const int64_t groups = s.max_loras > 0 ? lora_groups(s.num_experts, s.max_loras) : s.num_experts;
   for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
        block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
-    const AlignCapacity c = moe_align_block_size_capacity(slots, block_size, groups);
+    const AlignCapacity c = align_capacity(slots, block_size, groups);
     l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
     l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
   }
@@ -317,7 +374,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16: its rows
   // are the padded entries of that alignment.
   const bool grouped = s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots;
-  l.grouped_rows = grouped ? moe_align_block_size_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
+  l.grouped_rows = grouped ? align_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
   // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
       take(std::max({slots * 2 * s.intermediate_size * elem, slots * s.hidden_size * elem,
@@ -412,8 +469,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   plan_grouped_path(plan, args, options, layout, quant, E_global, H, I);
   const int64_t block_size = plan.block_size = config.block_size;
   const AlignCapacity cap = plan.capacity =
-      args.lora ? moe_lora_align_block_size_capacity(slots, block_size, E_global, lora13.max_loras)
-                : moe_align_block_size_capacity(slots, block_size, E_global);
+      align_capacity(slots, block_size, args.lora ? lora_groups(E_global, lora13.max_loras) : E_global);
   if (cap.max_num_tokens_padded > layout.capacity.max_num_tokens_padded ||
       cap.max_num_blocks > layout.capacity.max_num_blocks) {
     // The layout bounds every block size; this guards the workspace against a new one.
@@ -543,6 +599,9 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
 }  // namespace detail
 
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape, const FusedExpertsOptions& options) {
+  const char* op = "fused_experts_workspace_size";
+  check_fused_experts_shape(op, shape);
+  check_fused_experts_options(op, options);
   return detail::workspace_layout(shape, options).total;
 }
 

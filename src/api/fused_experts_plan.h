@@ -43,6 +43,12 @@ struct WorkspaceLayout {
   AlignCapacity capacity;
 };
 
+// The checks of a layer's shape and options that the op and the size queries share
+// (ranges that keep every derived size in int64, the scheme, the option values).
+void check_fused_experts_shape(const char* op, const FusedExpertsShape& s);
+void check_fused_experts_options(const char* op, const FusedExpertsOptions& o);
+
+// For a checked shape and options.
 WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o);
 
 // The path of a weight-only call (every chunk takes it): options.weight_only_path, or by

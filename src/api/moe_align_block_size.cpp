@@ -39,13 +39,23 @@ AlignParams align_params(const TensorView& topk_ids, int64_t block_size, int64_t
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------
-AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts) {
+namespace detail {
+AlignCapacity align_capacity(int64_t num_slots, int64_t block_size, int64_t num_groups) {
   // Every non-empty group (of num_experts experts + the trailing dropped-slot group)
   // pads by at most block_size - 1 entries, and at most num_slots groups are non-empty.
   // NOTE: the min keeps decode grids small: at M = 1, top_k = 8 and 256 experts the
   // GEMM grids cover 9 blocks instead of 257.
-  const int64_t max_padded = num_slots + std::min(num_experts + 1, num_slots) * (block_size - 1);
+  const int64_t max_padded = num_slots + std::min(num_groups + 1, num_slots) * (block_size - 1);
   return {max_padded, ceil_div(max_padded, block_size)};
+}
+}  // namespace detail
+
+AlignCapacity moe_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts) {
+  const char* op = "moe_align_block_size_capacity";
+  check_range(op, "num_slots", num_slots, 0, kMaxSlots);
+  check_block_size(op, block_size, /*multiple_of_16=*/false);
+  check_range(op, "num_experts", num_experts, 1, kMaxNumExperts);
+  return align_capacity(num_slots, block_size, num_experts);
 }
 
 namespace {
@@ -59,7 +69,11 @@ detail::AlignParams checked_align_params(const char* op, const char* capacity_fn
                                          const TensorView& expert_ids, const TensorView* block_lora_ids,
                                          const TensorView& num_tokens_post_padded) {
   const Device device = topk_ids.device;
-  const AlignCapacity cap = moe_align_block_size_capacity(topk_ids.numel(), block_size, num_groups);
+  if (topk_ids.numel() > kMaxSlots) {
+    fail(op, "argument 'topk_ids' expected at most " + std::to_string(kMaxSlots) + " slots (sorted ids are int32), got " +
+                 topk_ids.shape_string());
+  }
+  const AlignCapacity cap = align_capacity(topk_ids.numel(), block_size, num_groups);
   ArgCheck(op, "sorted_token_ids", sorted_token_ids)
       .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
       .dim_at_least(0, cap.max_num_tokens_padded, (std::string(capacity_fn) + "().max_num_tokens_padded").c_str());
@@ -118,7 +132,12 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
 // LoRA: the virtual alignment over (expert, adapter or none) pairs.
 AlignCapacity moe_lora_align_block_size_capacity(int64_t num_slots, int64_t block_size, int64_t num_experts,
                                                  int64_t max_loras) {
-  return moe_align_block_size_capacity(num_slots, block_size, lora_groups(num_experts, max_loras));
+  const char* op = "moe_lora_align_block_size_capacity";
+  check_range(op, "num_slots", num_slots, 0, kMaxSlots);
+  check_block_size(op, block_size, /*multiple_of_16=*/false);
+  check_range(op, "num_experts", num_experts, 1, kMaxNumExperts);
+  check_max_loras(op, max_loras);
+  return align_capacity(num_slots, block_size, lora_groups(num_experts, max_loras));
 }
 
 void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters& adapters, int64_t max_loras,

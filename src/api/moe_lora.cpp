@@ -146,6 +146,13 @@ LoraDelta& LoraDelta::with_blocks(const int32_t* sorted_token_ids, int64_t max_n
 
 // ---------------------------------------------------------------------------------
 int64_t fused_moe_lora_workspace_size(int64_t num_slots, int num_slices, int64_t rank, DType dtype) {
+  const char* op = "fused_moe_lora_workspace_size";
+  check_range(op, "num_slots", num_slots, 0, kMaxSlots);
+  check_range(op, "num_slices", num_slices, 1, 2);
+  check_range(op, "rank", rank, 1, kMaxLoraRank);
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    fail(op, std::string("argument 'dtype' expected float32|float16|bfloat16, got ") + dtype_name(dtype));
+  }
   return round_up(std::max<int64_t>(num_slots * num_slices * rank * int64_t(dtype_size(dtype)), 1), 256);
 }
 

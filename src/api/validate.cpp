@@ -1,6 +1,7 @@
 #include "api/validate.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace moelora::detail {
 
@@ -27,7 +28,28 @@ ArgCheck::ArgCheck(const char* op, const char* name, const TensorView& t) : op_(
                                                 std::to_string(d));
     }
   }
+  if (dtype_size(t.dtype) == 0) fail_expected("a known dtype", "dtype code " + std::to_string(int(t.dtype)));
+  // Every size a check or a backend derives from the view (its element count, its
+  // furthest byte) must fit in int64: a view that claims more is not memory anyone owns.
+  int64_t elements = 1, last = 0, bytes = 0;
+  bool fits = true;
+  for (int d = 0; d < t.rank; ++d) {
+    int64_t span = 0;
+    fits = fits && !__builtin_mul_overflow(elements, t.shape[d], &elements);
+    if (t.shape[d] > 0) {
+      fits = fits && !__builtin_mul_overflow(t.shape[d] - 1, t.strides[d], &span) &&
+             !__builtin_add_overflow(last, span, &last);
+    }
+  }
+  fits = fits && last < INT64_MAX && !__builtin_mul_overflow(last + 1, int64_t(dtype_size(t.dtype)), &bytes);
+  if (!fits) fail_expected("sizes and strides whose extent fits in 64-bit byte offsets", "shape " + t.shape_string());
   if (t.data == nullptr && t.numel() > 0) fail_expected("a data pointer", "null with shape " + t.shape_string());
+  // Elements are read through typed pointers (DLPack allows any byte offset).
+  const uintptr_t misaligned = reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype);
+  if (misaligned != 0 && t.numel() > 0) {
+    fail_expected("data aligned to its " + std::to_string(dtype_size(t.dtype)) + "-byte elements",
+                  "an address offset by " + std::to_string(misaligned) + " bytes");
+  }
 }
 
 void ArgCheck::fail_expected(const std::string& expected, const std::string& given) const {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -203,6 +204,50 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
 
 // An empty batch may arrive with any strides (DLPack exporters report 0 for empty
 // arrays; seen with nanobind 3.1): it is accepted and nothing runs.
+// The size queries check the shape and options they are given (found by the fuzzer,
+// issue 33: top_k 0 divided by zero, huge sizes overflowed the byte counts).
+TEST(FusedExpertsWorkspace, QueriesRejectOutOfRangeShapesAndOptions) {
+  const FusedExpertsShape good{16, 2, 8, 64, 32, DType::kBFloat16};
+  ASSERT_GT(fused_experts_workspace_size(good), 0);
+  struct Bad {
+    const char* argument;
+    std::function<void(FusedExpertsShape&, FusedExpertsOptions&)> edit;
+  };
+  const std::vector<Bad> bad = {
+      {"'num_tokens'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.num_tokens = -1; }},
+      {"'num_tokens'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.num_tokens = int64_t(1) << 30; s.top_k = 8; }},
+      {"'top_k'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.top_k = 0; }},
+      {"'num_experts'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.num_experts = 0; }},
+      {"'num_local_experts'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.num_local_experts = -2; }},
+      {"'hidden_size'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.hidden_size = int64_t(1) << 40; }},
+      {"'intermediate_size'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.intermediate_size = 0; }},
+      {"'dtype'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.dtype = DType::kInt32; }},
+      {"'max_loras'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.max_loras = kMaxLoraAdapters + 1; }},
+      {"'lora_rank'", [](FusedExpertsShape& s, FusedExpertsOptions&) { s.max_loras = 2; s.lora_rank = 0; }},
+      {"'chunk_size'", [](FusedExpertsShape&, FusedExpertsOptions& o) { o.chunk_size = 0; }},
+      {"'block_size'", [](FusedExpertsShape&, FusedExpertsOptions& o) { o.block_size = 24; }},
+      {"'activation'", [](FusedExpertsShape&, FusedExpertsOptions& o) { o.activation = static_cast<Activation>(7); }},
+      {"'weight_only_path'",
+       [](FusedExpertsShape&, FusedExpertsOptions& o) { o.weight_only_path = static_cast<WeightOnlyPath>(9); }},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.argument);
+    FusedExpertsShape s = good;
+    FusedExpertsOptions o;
+    b.edit(s, o);
+    EXPECT_THAT(error_message([&] { fused_experts_workspace_size(s, o); }), HasSubstr(b.argument));
+  }
+  EXPECT_THAT(error_message([] { fused_experts_block_size(-1, 2, 8); }), HasSubstr("'num_tokens'"));
+  EXPECT_THAT(error_message([] { fused_experts_block_size(4, 0, 8); }), HasSubstr("'top_k'"));
+  EXPECT_THAT(error_message([] { fused_experts_block_size(4, 2, 0); }), HasSubstr("'num_experts'"));
+  EXPECT_THAT(error_message([] { fused_moe_lora_workspace_size(16, 3, 8, DType::kBFloat16); }),
+              HasSubstr("'num_slices'"));
+  EXPECT_THAT(error_message([] { fused_moe_lora_workspace_size(16, 2, 0, DType::kBFloat16); }), HasSubstr("'rank'"));
+  EXPECT_THAT(error_message([] { fused_moe_lora_workspace_size(int64_t(1) << 40, 2, 8, DType::kBFloat16); }),
+              HasSubstr("'num_slots'"));
+  EXPECT_THAT(error_message([] { fused_moe_lora_workspace_size(16, 2, 8, DType::kInt32); }), HasSubstr("'dtype'"));
+}
+
 TEST(FusedExpertsEmpty, EmptyViewsWithZeroStridesAreAccepted) {
   const int64_t E = 2, top_k = 2, H = 16, I = 8;
   std::vector<float> w13(E * 2 * I * H, 0.5f), w2(E * H * I, 0.5f), one(1);

@@ -396,6 +396,15 @@ TEST_P(FusedMoeBackendTest, RejectsBadArguments) {
          a.out.shape[1] = 1;  // no size mismatch: only the overlap is wrong
          a.w.shape[1] = 1;
        }},
+      // Found by the fuzzer (issue 33): out written over the alignment the GEMM reads
+      // (the CPU backend then read w at a garbage expert), an unknown dtype code, an
+      // element pointer off its alignment, and an extent past 64-bit byte offsets.
+      {"out overlapping expert_ids", "out",
+       [](FusedMoeArgs& a, GemmProblem&) { a.out.data = a.expert_ids.data; }},
+      {"a of an unknown dtype code", "a", [](FusedMoeArgs& a, GemmProblem&) { a.a.dtype = static_cast<DType>(42); }},
+      {"a off its elements' alignment", "a",
+       [](FusedMoeArgs& a, GemmProblem&) { a.a.data = static_cast<char*>(a.a.data) + 1; }},
+      {"w past 64-bit offsets", "w", [](FusedMoeArgs& a, GemmProblem&) { a.w.strides[0] = INT64_MAX / 2; }},
       {"block_size 40", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 40; }},
       {"block_size 15", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 15; }},
       {"block_size 257", "block_size", [](FusedMoeArgs& a, GemmProblem&) { a.block_size = 257; }},

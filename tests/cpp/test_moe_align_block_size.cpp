@@ -350,6 +350,22 @@ TEST_P(AlignBackendTest, CapacityCoversTheDroppedGroup) {
   }
 }
 
+// The capacity queries check their numbers (found by the fuzzer, issue 33: a huge slot
+// count overflowed the padded size, block size 0 divided by zero).
+TEST(AlignCapacity, RejectsOutOfRangeArguments) {
+  EXPECT_THAT(error_message([] { moe_align_block_size_capacity(-1, 64, 8); }), HasSubstr("'num_slots'"));
+  EXPECT_THAT(error_message([] { moe_align_block_size_capacity(int64_t(1) << 62, 64, 8); }),
+              HasSubstr("'num_slots'"));
+  EXPECT_THAT(error_message([] { moe_align_block_size_capacity(16, 0, 8); }), HasSubstr("'block_size'"));
+  EXPECT_THAT(error_message([] { moe_align_block_size_capacity(16, 64, 0); }), HasSubstr("'num_experts'"));
+  EXPECT_THAT(error_message([] { moe_align_block_size_capacity(16, 64, kMaxNumExperts + 1); }),
+              HasSubstr("'num_experts'"));
+  EXPECT_THAT(error_message([] { moe_lora_align_block_size_capacity(16, 64, 8, 0); }), HasSubstr("'max_loras'"));
+  EXPECT_THAT(error_message([] { moe_lora_align_block_size_capacity(16, 64, 8, kMaxLoraAdapters + 1); }),
+              HasSubstr("'max_loras'"));
+  EXPECT_THAT(error_message([] { moe_lora_align_block_size_capacity(16, 64, -3, 4); }), HasSubstr("'num_experts'"));
+}
+
 // ---- rejected arguments ---------------------------------------------------------------
 
 // Each case breaks one argument of an otherwise valid call; the call must throw
