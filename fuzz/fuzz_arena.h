@@ -11,12 +11,14 @@
 
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
+#include <new>
 #include <random>
 #include <vector>
 
@@ -34,18 +36,33 @@ constexpr size_t kMaxBlockBytes = size_t(1) << 20;
   std::abort();
 }
 
-// The values written into a block: float tensors from a seeded generator (specials:
-// NaN, inf and huge values now and then), others as raw bytes.
-enum class Fill { kValues, kBytes };
+// The values written into a block: float tensors from a seeded generator in [-2, 2]
+// (kValues) or (0, 2] (kPositive: scales), with NaN, inf and huge values now and then;
+// others as raw bytes.
+enum class Fill { kValues, kPositive, kBytes };
 
 class Arena {
  public:
   explicit Arena(FuzzedDataProvider& fdp) : fdp_(fdp), rng_(fdp.ConsumeIntegral<uint32_t>()) {
     specials_ = fdp_.ConsumeIntegralInRange<int>(0, 7) == 0;
-    mutation_rate_ = fdp_.ConsumeIntegralInRange<int>(0, 3);  // 0: no mutations this call
+    // A view's chance of a mutation, in 64ths: none, rare (most calls run the backend),
+    // or often (the validation).
+    mutation_rate_ = fdp_.PickValueInArray({0, 1, 4, 16});
   }
 
   FuzzedDataProvider& fdp() { return fdp_; }
+
+  // Whether a choice this call makes goes outside the op's contract: never in a clean
+  // call (mutation rate 0), rarely or often in the others.
+  bool odd() {
+    return mutation_rate_ > 0 && fdp_.remaining_bytes() > 0 && fdp_.ConsumeIntegralInRange<int>(0, 63) < 2 * mutation_rate_;
+  }
+  // One of `usual`, or of `unusual` (if any) when odd().
+  template <class T>
+  T pick(std::initializer_list<T> usual, std::initializer_list<T> unusual) {
+    const std::initializer_list<T>& list = unusual.size() > 0 && odd() ? unusual : usual;
+    return *(list.begin() + fdp_.ConsumeIntegralInRange<size_t>(0, list.size() - 1));
+  }
 
   // A view of `dtype` and row-major `shape`, mutated at the call's rate.
   TensorView input(DType dtype, std::initializer_list<int64_t> shape, Fill fill = Fill::kValues) {
@@ -55,15 +72,19 @@ class Arena {
   TensorView output(DType dtype, std::initializer_list<int64_t> shape) {
     return make(dtype, shape, Fill::kBytes, /*output=*/true);
   }
-  // Integers (int32, int64 or uint8) in [lo, hi], shape as input(): ids, flags, zero points.
+  // Integers (int32, int64 or uint8) in [lo, hi], the op's valid range, shape as
+  // input(): ids, flags, zero points. When odd(), one past either end too. Drawn from
+  // the call's seeded generator: one fuzzer value an element ran short inputs dry.
   TensorView ids(DType dtype, std::initializer_list<int64_t> shape, int64_t lo, int64_t hi) {
     TensorView t = make(dtype, shape, Fill::kBytes, /*output=*/false);
+    if (odd()) --lo, ++hi;
     Block* b = block_of(t);
     const bool integers = t.dtype == DType::kInt32 || t.dtype == DType::kInt64 || t.dtype == DType::kUInt8;
     if (!b || !integers) return t;
     const size_t width = dtype_size(t.dtype);
+    std::uniform_int_distribution<int64_t> value(lo, hi);
     for (size_t i = 0; i + width <= b->size; i += width) {
-      const int64_t v = fdp_.ConsumeIntegralInRange<int64_t>(lo, hi);
+      const int64_t v = value(rng_);
       const int32_t v32 = int32_t(v);
       const uint8_t v8 = uint8_t(v);
       std::memcpy(b->bytes.get() + i, width == 8 ? static_cast<const void*>(&v)
@@ -94,7 +115,12 @@ class Arena {
 
  private:
   struct Block {
-    std::unique_ptr<uint8_t[]> bytes;
+    // 256-byte aligned, as framework allocations are (the workspace needs it; the
+    // misalign mutation moves views off it), and exactly `size` long.
+    struct AlignedDelete {
+      void operator()(uint8_t* p) const { ::operator delete[](p, std::align_val_t(256)); }
+    };
+    std::unique_ptr<uint8_t[], AlignedDelete> bytes;
     size_t size = 0;
     bool output = false;
     std::vector<uint8_t> before;
@@ -108,7 +134,7 @@ class Arena {
   }
 
   bool mutate() {
-    return mutation_rate_ > 0 && fdp_.remaining_bytes() > 0 && fdp_.ConsumeIntegralInRange<int>(0, 15) < mutation_rate_;
+    return mutation_rate_ > 0 && fdp_.remaining_bytes() > 0 && fdp_.ConsumeIntegralInRange<int>(0, 63) < mutation_rate_;
   }
 
   TensorView make(DType dtype, std::initializer_list<int64_t> shape, Fill fill, bool output) {
@@ -220,7 +246,7 @@ class Arena {
     auto block = std::make_unique<Block>();
     block->size = bytes;
     block->output = output;
-    block->bytes.reset(new uint8_t[bytes]);
+    block->bytes.reset(static_cast<uint8_t*>(::operator new[](bytes, std::align_val_t(256))));
     fill_block(*block, t.dtype, fill, output);
     t.data = block->bytes.get() + misalign - low * int64_t(width);
     blocks_.push_back(std::move(block));
@@ -231,7 +257,7 @@ class Arena {
     std::uniform_real_distribution<float> value(-2.f, 2.f);
     std::uniform_int_distribution<int> byte(0, 255);
     const size_t width = dtype_size(dtype);
-    const bool floats = fill == Fill::kValues && !output &&
+    const bool floats = fill != Fill::kBytes && !output &&
                         (dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16);
     if (!floats) {
       for (size_t i = 0; i < b.size; ++i) b.bytes[i] = uint8_t(byte(rng_));
@@ -239,6 +265,7 @@ class Arena {
     }
     for (size_t i = 0; i + width <= b.size; i += width) {
       float v = value(rng_);
+      if (fill == Fill::kPositive) v = std::fabs(v) + 0.01f;
       if (specials_ && byte(rng_) < 8) {
         const float specials[] = {NAN, INFINITY, -INFINITY, 1e30f, -1e30f, 0.f, 1e-30f};
         v = specials[byte(rng_) % 7];
@@ -263,7 +290,7 @@ class Arena {
   FuzzedDataProvider& fdp_;
   std::mt19937 rng_;
   bool specials_ = false;
-  int mutation_rate_ = 0;  // in 16ths
+  int mutation_rate_ = 0;  // in 64ths
   bool alias_ = false;
   std::vector<std::unique_ptr<Block>> blocks_;
   alignas(16) uint8_t scratch_[16] = {};
