@@ -2,6 +2,8 @@
 // chunk's plan (fused_experts_plan.h) on the backend ops. Both backends share it.
 #include <algorithm>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "api/api_util.h"
 #include "api/fused_experts_plan.h"
@@ -137,23 +139,22 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
     fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
   }
-  for (const auto* t : {&x, &args.w13, &args.w2, &args.topk_ids, &args.topk_weights, &args.out}) {
-    if (detail::views_overlap(args.workspace, *t)) fail(op, "argument 'workspace' expected memory disjoint from the other arguments, got an overlap");
-  }
+  // out may be hidden_states itself (checked above); nothing else it writes aliases what
+  // it reads.
+  std::vector<NamedView> read = {{&args.w13, "w13"}, {&args.w2, "w2"}, {&args.topk_ids, "topk_ids"},
+                                 {&args.topk_weights, "topk_weights"}, {args.expert_map, "expert_map"}};
   if (args.quant) {
-    for (const TensorView* t : {&args.quant->w13_scale, &args.quant->w2_scale, args.quant->a13_scale,
-                                args.quant->a2_scale, args.quant->w13_zero, args.quant->w2_zero}) {
-      if (t && (detail::views_overlap(args.workspace, *t) || detail::views_overlap(args.out, *t))) {
-        fail(op, "argument 'quant' expected scales disjoint from 'out' and 'workspace', got an overlap");
-      }
-    }
+    read.insert(read.end(), {{&args.quant->w13_scale, "w13_scale"}, {&args.quant->w2_scale, "w2_scale"},
+                             {args.quant->a13_scale, "a13_scale"}, {args.quant->a2_scale, "a2_scale"},
+                             {args.quant->w13_zero, "w13_zero"}, {args.quant->w2_zero, "w2_zero"}});
   }
   if (args.lora) {
-    if (detail::views_overlap(args.workspace, args.lora->adapters.token_lora_ids) ||
-        detail::views_overlap(args.out, args.lora->adapters.token_lora_ids)) {
-      fail(op, "argument 'token_lora_ids' expected memory disjoint from 'out' and 'workspace', got an overlap");
-    }
+    append_lora_reads(args.lora->adapters, read);
+    append_lora_reads(args.lora->w13, "w13_lora_a", "w13_lora_b", read);
+    append_lora_reads(args.lora->w2, "w2_lora_a", "w2_lora_b", read);
   }
+  check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}}, read);
+  check_disjoint_writes(op, {{&args.workspace, "workspace"}}, {{&x, "hidden_states"}});
   if (on_cuda(x)) require_cuda_backend(op);
   return ValidatedCall{shape, lora13, lora2, lora_adapters, layout, quant};
 }

@@ -83,11 +83,9 @@ void fused_moe(const FusedMoeArgs& args, Stream stream) {
     }
     topk_weights = args.topk_weights;
   }
-  // out is written while the alignment and the weights are read: no aliasing.
-  ArgCheck(op, "out", args.out)
-      .no_overlap(args.sorted_token_ids, "sorted_token_ids").no_overlap(args.expert_ids, "expert_ids")
-      .no_overlap(args.num_tokens_post_padded, "num_tokens_post_padded");
-  if (topk_weights) ArgCheck(op, "out", args.out).no_overlap(*topk_weights, "topk_weights");
+  check_disjoint_writes(op, {{&args.out, "out"}},
+                        {{&args.sorted_token_ids, "sorted_token_ids"}, {&args.expert_ids, "expert_ids"},
+                         {&args.num_tokens_post_padded, "num_tokens_post_padded"}, {topk_weights, "topk_weights"}});
   if (on_cuda(a)) require_cuda_backend(op);
   if (!on_cuda(a)) {
     // On the CPU the block experts are readable: an id outside [-1, E) would index past w.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "api/api_util.h"
 #include "api/moe_lora.h"
@@ -79,22 +80,22 @@ detail::AlignParams checked_align_params(const char* op, const char* capacity_fn
       .dim_at_least(0, cap.max_num_tokens_padded, (std::string(capacity_fn) + "().max_num_tokens_padded").c_str());
   ArgCheck(op, "expert_ids", expert_ids)
       .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-      .dim_at_least(0, cap.max_num_blocks, (std::string(capacity_fn) + "().max_num_blocks").c_str())
-      .no_overlap(sorted_token_ids, "sorted_token_ids");
-  ArgCheck ntpp(op, "num_tokens_post_padded", num_tokens_post_padded);
-  ntpp.rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids")
-      .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
+      .dim_at_least(0, cap.max_num_blocks, (std::string(capacity_fn) + "().max_num_blocks").c_str());
+  ArgCheck(op, "num_tokens_post_padded", num_tokens_post_padded)
+      .rank(1).dtype(DType::kInt32).dim(0, 1, "a single count").on(device, "topk_ids");
   if (block_lora_ids) {
     ArgCheck(op, "block_lora_ids", *block_lora_ids)
         .rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "topk_ids")
-        .dim(0, expert_ids.shape[0], "one adapter per block, as 'expert_ids'")
-        .no_overlap(sorted_token_ids, "sorted_token_ids").no_overlap(expert_ids, "expert_ids");
-    ntpp.no_overlap(*block_lora_ids, "block_lora_ids");
+        .dim(0, expert_ids.shape[0], "one adapter per block, as 'expert_ids'");
   }
   if (expert_map) {
     ArgCheck(op, "expert_map", *expert_map)
         .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
   }
+  detail::check_disjoint_writes(op,
+                                {{&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
+                                 {block_lora_ids, "block_lora_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}},
+                                {{&topk_ids, "topk_ids"}, {expert_map, "expert_map"}});
   if (int64_t(cap.max_num_tokens_padded) > INT32_MAX) {
     fail(op, "argument 'topk_ids' expected fewer slots (sorted ids are int32), got " + topk_ids.shape_string());
   }
@@ -153,6 +154,12 @@ void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters
   detail::AlignParams p = checked_align_params(op, "moe_lora_align_block_size_capacity", topk_ids, block_size,
                                                num_experts, lora_groups(num_experts, max_loras), expert_map,
                                                sorted_token_ids, expert_ids, &block_lora_ids, num_tokens_post_padded);
+  std::vector<NamedView> adapter_reads;
+  append_lora_reads(adapters, adapter_reads);
+  check_disjoint_writes(op,
+                        {{&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
+                         {&block_lora_ids, "block_lora_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}},
+                        adapter_reads);
   p.max_loras = max_loras;
   p.token_lora_ids = lora.token_lora_ids;
   p.token_lora_ids_stride = lora.token_lora_ids_stride;

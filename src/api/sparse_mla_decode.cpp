@@ -93,6 +93,9 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& args, Stream stream) {
     ArgCheck(kOp, "attn_sink", *args.attn_sink).rank(1).dtype(DType::kFloat32).on(device, "q")
         .dim(0, num_heads, "heads of 'q'");
   }
+  detail::check_disjoint_writes(kOp, {{&args.out, "out"}, {args.lse, "lse"}},
+                                {{&q, "q"}, {&args.kv, "kv"}, {&args.indices, "indices"},
+                                 {args.topk_length, "topk_length"}, {args.attn_sink, "attn_sink"}});
   if (!std::isfinite(args.softmax_scale) || args.softmax_scale <= 0.0f) {
     fail(kOp, "argument 'softmax_scale' expected a finite value > 0, got " + std::to_string(args.softmax_scale));
   }
@@ -107,9 +110,10 @@ void sparse_mla_decode(const SparseMlaDecodeArgs& args, Stream stream) {
                     " bytes (sparse_mla_decode_workspace_size for " + std::to_string(num_splits) + " splits), got " +
                     std::to_string(given));
     }
-    ArgCheck(kOp, "workspace", args.workspace).no_overlap(q, "q").no_overlap(args.kv, "kv")
-        .no_overlap(args.indices, "indices").no_overlap(args.out, "out");
-    if (args.lse) ArgCheck(kOp, "workspace", args.workspace).no_overlap(*args.lse, "lse");
+    detail::check_disjoint_writes(kOp, {{&args.workspace, "workspace"}},
+                                  {{&q, "q"}, {&args.kv, "kv"}, {&args.indices, "indices"}, {&args.out, "out"},
+                                   {args.lse, "lse"}, {args.topk_length, "topk_length"},
+                                   {args.attn_sink, "attn_sink"}});
   }
   if (num_tokens == 0) return;
 

@@ -159,6 +159,22 @@ bool views_overlap(const TensorView& a, const TensorView& b) {
   return ra.first < rb.last && rb.first < ra.last;
 }
 
+void check_disjoint_writes(const char* op, const std::vector<NamedView>& writes, const std::vector<NamedView>& reads) {
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const TensorView* w = writes[i].first;
+    const char* w_name = writes[i].second;
+    if (!w) continue;
+    auto check = [&](const NamedView& other) {
+      if (other.first && views_overlap(*w, *other.first)) {
+        fail(op, std::string("argument '") + w_name + "' expected memory disjoint from '" + other.second +
+                     "', got an overlap");
+      }
+    };
+    for (size_t j = i + 1; j < writes.size(); ++j) check(writes[j]);
+    for (const NamedView& r : reads) check(r);
+  }
+}
+
 bool same_view(const TensorView& a, const TensorView& b) {
   if (a.data != b.data || a.dtype != b.dtype || a.rank != b.rank || a.device != b.device) return false;
   for (int d = 0; d < a.rank; ++d) {

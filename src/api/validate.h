@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "moelora/tensor.h"
 
@@ -46,6 +48,14 @@ class ArgCheck {
 
 // Byte range [first, last) a view touches; empty views touch nothing.
 bool views_overlap(const TensorView& a, const TensorView& b);
+
+// An op's tensor and its argument name; a null view is an absent optional argument.
+using NamedView = std::pair<const TensorView*, const char*>;
+// Every tensor an op writes is disjoint from every tensor it reads and from the other
+// written ones: a kernel would read what it has overwritten, or two outputs race.
+// NOTE: found by the fuzzer (issue 33): fused_moe's out over expert_ids, and
+// fused_experts' in-place out over expert_map, sent the CPU backend to a garbage expert.
+void check_disjoint_writes(const char* op, const std::vector<NamedView>& writes, const std::vector<NamedView>& reads);
 bool same_view(const TensorView& a, const TensorView& b);
 
 }  // namespace moelora::detail

@@ -154,6 +154,11 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
       {"out negative stride", "out", [](auto& a, auto&, auto&) { a.out.strides[0] = -136; }},
       {"no_combine with a 2-D out", "out", [](auto&, auto& o, auto&) { o.no_combine = true; }},
       {"out overlapping w2", "out", [](auto& a, auto&, auto&) { a.out.data = a.w2.data; }},
+      // Found by the fuzzer (issue 33): an in-place out over expert_map sent the CPU
+      // backend's second chunk to a garbage expert; every read tensor is checked now.
+      {"out over topk_weights", "out", [](auto& a, auto&, auto&) { a.topk_weights.data = a.out.data; }},
+      {"workspace over topk_weights", "workspace",
+       [](auto& a, auto&, auto&) { a.topk_weights.data = a.workspace.data; }},
       {"workspace too small", "workspace", [](auto& a, auto&, auto&) { a.workspace.shape[0] -= 1; }},
       {"workspace unaligned", "workspace",
        [](auto& a, auto&, auto&) { a.workspace.data = static_cast<char*>(a.workspace.data) + 4; }},
@@ -202,8 +207,6 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
   }
 }
 
-// An empty batch may arrive with any strides (DLPack exporters report 0 for empty
-// arrays; seen with nanobind 3.1): it is accepted and nothing runs.
 // The size queries check the shape and options they are given (found by the fuzzer,
 // issue 33: top_k 0 divided by zero, huge sizes overflowed the byte counts).
 TEST(FusedExpertsWorkspace, QueriesRejectOutOfRangeShapesAndOptions) {
@@ -248,6 +251,8 @@ TEST(FusedExpertsWorkspace, QueriesRejectOutOfRangeShapesAndOptions) {
   EXPECT_THAT(error_message([] { fused_moe_lora_workspace_size(16, 2, 8, DType::kInt32); }), HasSubstr("'dtype'"));
 }
 
+// An empty batch may arrive with any strides (DLPack exporters report 0 for empty
+// arrays; seen with nanobind 3.1): it is accepted and nothing runs.
 TEST(FusedExpertsEmpty, EmptyViewsWithZeroStridesAreAccepted) {
   const int64_t E = 2, top_k = 2, H = 16, I = 8;
   std::vector<float> w13(E * 2 * I * H, 0.5f), w2(E * H * I, 0.5f), one(1);

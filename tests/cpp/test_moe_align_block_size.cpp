@@ -405,6 +405,9 @@ TEST_P(AlignBackendTest, RejectsBadArguments) {
        [](AlignCall& c, auto&, auto&, auto&) { c.expert_ids_view.shape[0] = c.capacity.max_num_blocks - 1; }},
       {"two counts", "num_tokens_post_padded",
        [](AlignCall& c, auto&, auto&, auto&) { c.count_view.shape[0] = 2; }},
+      // An output over the ids it reads (check_disjoint_writes, issue 33).
+      {"count over topk_ids", "num_tokens_post_padded",
+       [](AlignCall& c, auto&, auto&, auto&) { c.count_view.data = c.ids_view.data; }},
       {"count on another device", "num_tokens_post_padded",
        [&](AlignCall& c, auto&, auto&, auto&) {
          c.count_view.device = other_device(backend());
