@@ -2,8 +2,6 @@
 // chunk's plan (fused_experts_plan.h) on the backend ops. Both backends share it.
 #include <algorithm>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "api/api_util.h"
 #include "api/fused_experts_plan.h"
@@ -95,11 +93,6 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     ArgCheck(op, "out", args.out).rank(2).same_dtype(x, "hidden_states").on(device, "hidden_states").unit_stride(1)
         .dim(0, M, "tokens").dim(1, H, "hidden size");
   }
-  const bool inplace = detail::same_view(args.out, x);
-  if (!inplace) ArgCheck(op, "out", args.out).no_overlap(x, "hidden_states");
-  for (const auto& [w, name] : {std::pair{&args.w13, "w13"}, std::pair{&args.w2, "w2"}}) {
-    ArgCheck(op, "out", args.out).no_overlap(*w, name);
-  }
   check_fused_experts_options(op, options);
   // LoRA: the stacks of both GEMMs and the adapter state.
   LoraStack lora13{}, lora2{};
@@ -139,14 +132,19 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
     fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
   }
-  // out may be hidden_states itself (checked above); nothing else it writes aliases what
-  // it reads.
-  std::vector<NamedView> read = {{&args.w13, "w13"}, {&args.w2, "w2"}, {&args.topk_ids, "topk_ids"},
-                                 {&args.topk_weights, "topk_weights"}, {args.expert_map, "expert_map"}};
+  // out may be hidden_states itself (in place: then the workspace's check against out
+  // covers it); nothing else it writes aliases what it reads.
+  const bool inplace = detail::same_view(args.out, x);
+  NamedViews read = {{inplace ? nullptr : &x, "hidden_states"}, {&args.w13, "w13"}, {&args.w2, "w2"},
+                     {&args.topk_ids, "topk_ids"}, {&args.topk_weights, "topk_weights"},
+                     {args.expert_map, "expert_map"}};
   if (args.quant) {
-    read.insert(read.end(), {{&args.quant->w13_scale, "w13_scale"}, {&args.quant->w2_scale, "w2_scale"},
-                             {args.quant->a13_scale, "a13_scale"}, {args.quant->a2_scale, "a2_scale"},
-                             {args.quant->w13_zero, "w13_zero"}, {args.quant->w2_zero, "w2_zero"}});
+    const FusedExpertsQuant& q = *args.quant;
+    for (const NamedView& v : {NamedView{&q.w13_scale, "w13_scale"}, NamedView{&q.w2_scale, "w2_scale"},
+                               NamedView{q.a13_scale, "a13_scale"}, NamedView{q.a2_scale, "a2_scale"},
+                               NamedView{q.w13_zero, "w13_zero"}, NamedView{q.w2_zero, "w2_zero"}}) {
+      read.add(v.first, v.second);
+    }
   }
   if (args.lora) {
     append_lora_reads(args.lora->adapters, read);
@@ -154,7 +152,6 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     append_lora_reads(args.lora->w2, "w2_lora_a", "w2_lora_b", read);
   }
   check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}}, read);
-  check_disjoint_writes(op, {{&args.workspace, "workspace"}}, {{&x, "hidden_states"}});
   if (on_cuda(x)) require_cuda_backend(op);
   return ValidatedCall{shape, lora13, lora2, lora_adapters, layout, quant};
 }

@@ -63,8 +63,7 @@ void fused_moe(const FusedMoeArgs& args, Stream stream) {
   ArgCheck(op, "out", args.out)
       .rank(2).same_dtype(a, "a").on(device, "a")
       .dim(0, a.shape[0] * args.top_k, "num_slots = a rows * top_k")
-      .dim(1, args.w.shape[1], "N, from 'w'")
-      .no_overlap(a, "a").no_overlap(args.w, "w");
+      .dim(1, args.w.shape[1], "N, from 'w'");
   check_block_size(op, args.block_size, /*multiple_of_16=*/true);
   detail::check_gemm_tile(op, "tile", args.tile, args.block_size);
   ArgCheck(op, "sorted_token_ids", args.sorted_token_ids).rank(1).dtype(DType::kInt32).unit_stride(0).on(device, "a");
@@ -84,7 +83,8 @@ void fused_moe(const FusedMoeArgs& args, Stream stream) {
     topk_weights = args.topk_weights;
   }
   check_disjoint_writes(op, {{&args.out, "out"}},
-                        {{&args.sorted_token_ids, "sorted_token_ids"}, {&args.expert_ids, "expert_ids"},
+                        {{&a, "a"}, {&args.w, "w"}, {&args.sorted_token_ids, "sorted_token_ids"},
+                         {&args.expert_ids, "expert_ids"},
                          {&args.num_tokens_post_padded, "num_tokens_post_padded"}, {topk_weights, "topk_weights"}});
   if (on_cuda(a)) require_cuda_backend(op);
   if (!on_cuda(a)) {

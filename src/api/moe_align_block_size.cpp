@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <string>
-#include <vector>
 
 #include "api/api_util.h"
 #include "api/moe_lora.h"
@@ -63,12 +62,13 @@ namespace {
 
 // The checks both alignment ops share; returns the backend's parameters. num_groups: the
 // alignment groups (experts, or (expert, adapter) pairs) that size the outputs;
-// block_lora_ids: the LoRA op's extra output, or null.
+// block_lora_ids: the LoRA op's extra output, or null; reads: what the op reads besides
+// topk_ids and expert_map (the LoRA op's adapter state).
 detail::AlignParams checked_align_params(const char* op, const char* capacity_fn, const TensorView& topk_ids,
                                          int64_t block_size, int64_t num_experts, int64_t num_groups,
                                          const TensorView* expert_map, const TensorView& sorted_token_ids,
                                          const TensorView& expert_ids, const TensorView* block_lora_ids,
-                                         const TensorView& num_tokens_post_padded) {
+                                         const TensorView& num_tokens_post_padded, NamedViews reads) {
   const Device device = topk_ids.device;
   if (topk_ids.numel() > kMaxSlots) {
     fail(op, "argument 'topk_ids' expected at most " + std::to_string(kMaxSlots) + " slots (sorted ids are int32), got " +
@@ -92,10 +92,12 @@ detail::AlignParams checked_align_params(const char* op, const char* capacity_fn
     ArgCheck(op, "expert_map", *expert_map)
         .rank(1).dtype(DType::kInt32).unit_stride(0).dim(0, num_experts, "num_experts").on(device, "topk_ids");
   }
+  reads.add(&topk_ids, "topk_ids");
+  reads.add(expert_map, "expert_map");
   detail::check_disjoint_writes(op,
                                 {{&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
                                  {block_lora_ids, "block_lora_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}},
-                                {{&topk_ids, "topk_ids"}, {expert_map, "expert_map"}});
+                                reads);
   if (int64_t(cap.max_num_tokens_padded) > INT32_MAX) {
     fail(op, "argument 'topk_ids' expected fewer slots (sorted ids are int32), got " + topk_ids.shape_string());
   }
@@ -125,7 +127,7 @@ void moe_align_block_size(const TensorView& topk_ids, int64_t block_size, int64_
   const char* op = "moe_align_block_size";
   check_align_args(op, topk_ids, block_size, num_experts);
   run_align(checked_align_params(op, "moe_align_block_size_capacity", topk_ids, block_size, num_experts, num_experts,
-                                 expert_map, sorted_token_ids, expert_ids, nullptr, num_tokens_post_padded),
+                                 expert_map, sorted_token_ids, expert_ids, nullptr, num_tokens_post_padded, {}),
             topk_ids.device, stream);
 }
 
@@ -151,15 +153,12 @@ void moe_lora_align_block_size(const TensorView& topk_ids, const MoeLoraAdapters
   check_max_loras(op, max_loras);
   const detail::LoraAdapterParams lora =
       lora_adapter_params(op, adapters, topk_ids.shape[0], max_loras, topk_ids.device, "topk_ids");
+  NamedViews adapter_reads = {};
+  append_lora_reads(adapters, adapter_reads);
   detail::AlignParams p = checked_align_params(op, "moe_lora_align_block_size_capacity", topk_ids, block_size,
                                                num_experts, lora_groups(num_experts, max_loras), expert_map,
-                                               sorted_token_ids, expert_ids, &block_lora_ids, num_tokens_post_padded);
-  std::vector<NamedView> adapter_reads;
-  append_lora_reads(adapters, adapter_reads);
-  check_disjoint_writes(op,
-                        {{&sorted_token_ids, "sorted_token_ids"}, {&expert_ids, "expert_ids"},
-                         {&block_lora_ids, "block_lora_ids"}, {&num_tokens_post_padded, "num_tokens_post_padded"}},
-                        adapter_reads);
+                                               sorted_token_ids, expert_ids, &block_lora_ids, num_tokens_post_padded,
+                                               adapter_reads);
   p.max_loras = max_loras;
   p.token_lora_ids = lora.token_lora_ids;
   p.token_lora_ids_stride = lora.token_lora_ids_stride;

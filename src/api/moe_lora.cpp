@@ -142,14 +142,17 @@ LoraDelta& LoraDelta::with_blocks(const int32_t* sorted_token_ids, int64_t max_n
   return *this;
 }
 
-void append_lora_reads(const MoeLoraAdapters& adapters, std::vector<NamedView>& read) {
-  read.insert(read.end(), {{&adapters.token_lora_ids, "token_lora_ids"},
-                           {adapters.adapter_enabled, "adapter_enabled"},
-                           {adapters.adapter_scale, "adapter_scale"}});
+void append_lora_reads(const MoeLoraAdapters& adapters, NamedViews& read) {
+  read.add(&adapters.token_lora_ids, "token_lora_ids");
+  read.add(adapters.adapter_enabled, "adapter_enabled");
+  read.add(adapters.adapter_scale, "adapter_scale");
 }
 
-void append_lora_reads(const MoeLoraWeights& w, const char* a_name, const char* b_name, std::vector<NamedView>& read) {
-  for (int c = 0; c < w.num_slices && c < 2; ++c) read.insert(read.end(), {{&w.lora_a[c], a_name}, {&w.lora_b[c], b_name}});
+void append_lora_reads(const MoeLoraWeights& w, const char* a_name, const char* b_name, NamedViews& read) {
+  for (int c = 0; c < w.num_slices && c < 2; ++c) {
+    read.add(&w.lora_a[c], a_name);
+    read.add(&w.lora_b[c], b_name);
+  }
 }
 
 }  // namespace detail
@@ -229,10 +232,9 @@ void fused_moe_lora(const FusedMoeLoraArgs& args, Stream stream) {
   if (reinterpret_cast<uintptr_t>(args.workspace.data) % 256 != 0) {
     fail(op, "argument 'workspace' expected a 256-byte aligned pointer, got an unaligned one");
   }
-  std::vector<NamedView> read = {{&a, "a"}, {&args.topk_ids, "topk_ids"}, {args.topk_weights, "topk_weights"},
-                                 {args.sorted_token_ids, "sorted_token_ids"}, {args.expert_ids, "expert_ids"},
-                                 {args.block_lora_ids, "block_lora_ids"},
-                                 {args.num_tokens_post_padded, "num_tokens_post_padded"}};
+  NamedViews read = {{&a, "a"}, {&args.topk_ids, "topk_ids"}, {args.topk_weights, "topk_weights"},
+                     {args.sorted_token_ids, "sorted_token_ids"}, {args.expert_ids, "expert_ids"},
+                     {args.block_lora_ids, "block_lora_ids"}, {args.num_tokens_post_padded, "num_tokens_post_padded"}};
   append_lora_reads(args.adapters, read);
   append_lora_reads(args.weights, "lora_a", "lora_b", read);
   check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}}, read);

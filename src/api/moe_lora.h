@@ -5,8 +5,6 @@
 #include <cstdint>
 #include <string>
 
-#include <vector>
-
 #include "api/validate.h"
 #include "common/params.h"
 #include "moelora/ops.h"
@@ -35,8 +33,8 @@ LoraStack lora_stack(const char* op, const std::string& name, const MoeLoraWeigh
 
 // The tensors a LoRA op reads, for check_disjoint_writes: the adapter state, and one
 // GEMM's stacks (lora_a[c] named a_name, lora_b[c] b_name; num_slices already checked).
-void append_lora_reads(const MoeLoraAdapters& adapters, std::vector<NamedView>& read);
-void append_lora_reads(const MoeLoraWeights& w, const char* a_name, const char* b_name, std::vector<NamedView>& read);
+void append_lora_reads(const MoeLoraAdapters& adapters, NamedViews& read);
+void append_lora_reads(const MoeLoraWeights& w, const char* a_name, const char* b_name, NamedViews& read);
 
 // One GEMM's LoRA delta in the per-slot mode (topk_ids [M, top_k] gives each slot's
 // expert); with_blocks() switches it to the blocks of a LoRA alignment.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 
 namespace moelora::detail {
 
@@ -159,18 +160,21 @@ bool views_overlap(const TensorView& a, const TensorView& b) {
   return ra.first < rb.last && rb.first < ra.last;
 }
 
-void check_disjoint_writes(const char* op, const std::vector<NamedView>& writes, const std::vector<NamedView>& reads) {
-  for (size_t i = 0; i < writes.size(); ++i) {
-    const TensorView* w = writes[i].first;
-    const char* w_name = writes[i].second;
-    if (!w) continue;
+void NamedViews::add(const TensorView* t, const char* name) {
+  if (size_ == kCapacity) throw std::logic_error("moelora: NamedViews holds at most 32 views");
+  items_[size_++] = NamedView{t, name};
+}
+
+void check_disjoint_writes(const char* op, const NamedViews& writes, const NamedViews& reads) {
+  for (const NamedView* w = writes.begin(); w != writes.end(); ++w) {
+    if (!w->first) continue;
     auto check = [&](const NamedView& other) {
-      if (other.first && views_overlap(*w, *other.first)) {
-        fail(op, std::string("argument '") + w_name + "' expected memory disjoint from '" + other.second +
+      if (other.first && views_overlap(*w->first, *other.first)) {
+        fail(op, std::string("argument '") + w->second + "' expected memory disjoint from '" + other.second +
                      "', got an overlap");
       }
     };
-    for (size_t j = i + 1; j < writes.size(); ++j) check(writes[j]);
+    for (const NamedView* v = w + 1; v != writes.end(); ++v) check(*v);
     for (const NamedView& r : reads) check(r);
   }
 }

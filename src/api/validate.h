@@ -6,7 +6,6 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "moelora/tensor.h"
 
@@ -51,11 +50,27 @@ bool views_overlap(const TensorView& a, const TensorView& b);
 
 // An op's tensor and its argument name; a null view is an absent optional argument.
 using NamedView = std::pair<const TensorView*, const char*>;
+// A short list of them, on the stack: the checks run on every call, which allocates
+// nothing.
+class NamedViews {
+ public:
+  static constexpr int kCapacity = 32;
+  NamedViews(std::initializer_list<NamedView> views) {
+    for (const NamedView& v : views) add(v.first, v.second);
+  }
+  void add(const TensorView* t, const char* name);
+  const NamedView* begin() const { return items_; }
+  const NamedView* end() const { return items_ + size_; }
+
+ private:
+  NamedView items_[kCapacity];
+  int size_ = 0;
+};
 // Every tensor an op writes is disjoint from every tensor it reads and from the other
 // written ones: a kernel would read what it has overwritten, or two outputs race.
 // NOTE: found by the fuzzer (issue 33): fused_moe's out over expert_ids, and
 // fused_experts' in-place out over expert_map, sent the CPU backend to a garbage expert.
-void check_disjoint_writes(const char* op, const std::vector<NamedView>& writes, const std::vector<NamedView>& reads);
+void check_disjoint_writes(const char* op, const NamedViews& writes, const NamedViews& reads);
 bool same_view(const TensorView& a, const TensorView& b);
 
 }  // namespace moelora::detail
