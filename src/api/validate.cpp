@@ -166,6 +166,13 @@ void NamedViews::add(const TensorView* t, const char* name) {
 }
 
 void check_disjoint_writes(const char* op, const NamedViews& writes, const NamedViews& reads) {
+  // Optional tensors an op ignores (topk_weights without mul_routed_weight) reach here
+  // unchecked: their rank and extent first (found by the fuzzer: a rank-5 view).
+  for (const NamedViews* list : {&writes, &reads}) {
+    for (const NamedView& v : *list) {
+      if (v.first) ArgCheck(op, v.second, *v.first);
+    }
+  }
   for (const NamedView* w = writes.begin(); w != writes.end(); ++w) {
     if (!w->first) continue;
     auto check = [&](const NamedView& other) {
