@@ -1,6 +1,7 @@
 // fused_experts on weight-only experts (w4a16 / w8a16, issue 30): the checks of the
 // packed weights, their scales and zero points (layouts: include/moelora/ops.h,
 // FusedExpertsQuant), and the backend parameters they become.
+#include <climits>
 #include <cmath>
 #include <string>
 
@@ -81,6 +82,15 @@ WeightOnlyParams weight_only_params(const char* op, const char* w_name, const Te
     sc.rank(2).dim(0, E, "experts").dim(1, N, "N, one per output channel (group_size 0)");
   }
   check_scales_finite_16bit(op, scale_name, scale);
+  // The CUDA kernels step through a row's groups with 32-bit offsets (weight_only_convert.cuh).
+  auto check_group_stride = [&](const char* name, const TensorView& t) {
+    if (device.type != DeviceType::kCUDA || G == 0) return;
+    if (t.strides[2] < 0 || t.strides[2] > INT32_MAX / 2 / groups) {
+      fail(op, std::string("argument '") + name + "' expected a stride along K / group_size in [0, " +
+                   std::to_string(INT32_MAX / 2 / groups) + "] elements on CUDA, got " + std::to_string(t.strides[2]));
+    }
+  };
+  check_group_stride(scale_name, scale);
   WeightOnlyParams p;
   p.enabled = true;
   p.bits = bits;
@@ -116,6 +126,7 @@ WeightOnlyParams weight_only_params(const char* op, const char* w_name, const Te
                  ", got shape " + zero->shape_string());
   }
   check_zero_values(op, zero_name, *zero, bits, packed);
+  check_group_stride(zero_name, *zero);
   p.zero = static_cast<const uint8_t*>(zero->data);
   p.zero_packed = packed;
   p.zero_stride_expert = zero->strides[0];

@@ -138,8 +138,8 @@ void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int s
 // expert has several blocks).
 constexpr int kAlignedBlock = 16;
 
-// The lane's vector of each tile: the rows of entries g and 8 + g of `block` (null when
-// padding), and their slots (-1 for padding).
+// The lane's vector of each tile: the rows of entries g and 8 + g of `block` (padding:
+// row 0 of a, whose product column is not stored), and their slots (-1 for padding).
 template <class T, class RowOf>
 __device__ __forceinline__ void block_vectors(const detail::WeightOnlyAlignedParams& p, int64_t block, const T* a,
                                               int64_t a_stride, RowOf row_of, const T* (&vec)[2], int (&slot)[2]) {
@@ -149,7 +149,7 @@ __device__ __forceinline__ void block_vectors(const detail::WeightOnlyAlignedPar
   for (int t = 0; t < 2; ++t) {
     const int s = p.sorted_token_ids[block * kAlignedBlock + 8 * t + g];
     slot[t] = s >= 0 && s < num_slots ? s : -1;
-    vec[t] = slot[t] >= 0 ? a + int64_t(row_of(slot[t])) * a_stride : nullptr;
+    vec[t] = slot[t] >= 0 ? a + int64_t(row_of(slot[t])) * a_stride : a;
   }
 }
 
@@ -313,7 +313,9 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
       const int64_t k0 = int64_t(chunk) * kValues;
       const uint4 bytes = small_batch::load_streaming(packed + k0 * kBits / 8);
       const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
-      const weight_only::GroupConstants<T> c = weight_only::group_constants<T, kBits>(q, e, n, group);
+      weight_only::WeightRowCodes<T, kBits> codes;
+      codes.start(q, e, n);
+      const weight_only::GroupConstants<T> c = codes.constants(codes.load(group));
       const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
       uint32_t values[kValues / 2];  // pairs in K order
 #pragma unroll

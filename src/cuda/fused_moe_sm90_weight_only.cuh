@@ -63,9 +63,7 @@ struct Sm90WeightOnlyConverter {
   // that a step's codes cost a shift and an add (docs/PERF_NOTES.md issue 30 step 3:
   // the per-step `expert * stride + row * stride + group * stride` and the row and K
   // predicates as branches were most of the 834 instructions of a step).
-  const T* scale_row = nullptr;
-  const uint8_t* zero_row = nullptr;  // null: the scheme's symmetric zero point
-  weight_only::ZeroPointField zero_field;
+  weight_only::WeightRowCodes<T, kBits> row_codes;
   int group_shift = 0;                // log2(group_size); per channel the K stride is 0
   bool two_groups = false;            // a step's 64 weights of a thread span two groups of 32
   // The step's scale and zero point: [0] for chunks 0-3 (k0 .. k0 + 31), [1] for chunks
@@ -91,21 +89,9 @@ struct Sm90WeightOnlyConverter {
       w_row = interleaved ? 2 * col + box % 2 : (box % 2) * p.N + col;
     }
     if (col >= p.N) w_row = 0;
-    scale_row = static_cast<const T*>(q.scale) + tile_expert * q.scale_stride_expert + w_row * q.scale_stride_n;
-    zero_row = q.zero ? q.zero + tile_expert * q.zero_stride_expert +
-                            (q.zero_packed ? w_row >> 1 : w_row) * q.zero_stride_n
-                      : nullptr;
-    zero_field = weight_only::zero_point_field(q, w_row);
+    row_codes.start(q, tile_expert, w_row);
     group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 0;
     two_groups = kChunks == 8 && q.group_size == 32;
-  }
-
-  __device__ __forceinline__ weight_only::GroupCodes<T> load_group(int64_t group) const {
-    weight_only::GroupCodes<T> c;
-    c.scale = scale_row[group * q.scale_stride_k];
-    c.zero = kBits == 4 ? 8 : 128;
-    if (zero_row) c.zero = zero_row[group * q.zero_stride_k];
-    return c;
   }
 
   // Step k0's scales and zero points into next_codes (a step ahead of its conversion).
@@ -114,9 +100,9 @@ struct Sm90WeightOnlyConverter {
     // step, are all in or all out; out (the last step of K % 64 == 32) they take the
     // last group's codes, loaded in bounds.
     const int64_t k = k0 + 8 * first_chunk;
-    const int64_t group = (k < K ? k : K - 1) >> group_shift;
-    next_codes[0] = load_group(group);
-    next_codes[1] = two_groups && k + 32 < K ? load_group(group + 1) : next_codes[0];
+    const int group = int((k < K ? k : K - 1) >> group_shift);
+    next_codes[0] = row_codes.load(group);
+    next_codes[1] = two_groups && k + 32 < K ? row_codes.load(group + 1) : next_codes[0];
   }
 
   // The loaded codes become the step's.
@@ -137,8 +123,8 @@ struct Sm90WeightOnlyConverter {
     const uint32_t src = static_cast<uint32_t>(
         __cvta_generic_to_shared(packed + row * Config::kPackedRowBytes + first_chunk * kBits));  // 8 weights: kBits bytes
     weight_only::GroupConstants<T> c[2];
-    c[0] = weight_only::make_group_constants<T>(codes[0], zero_field);
-    c[1] = weight_only::make_group_constants<T>(codes[1], zero_field);
+    c[0] = row_codes.constants(codes[0]);
+    c[1] = row_codes.constants(codes[1]);
     constexpr int kChunksPerLoad = 4 * 4 / kBits;  // a 16-byte load: 4 chunks of 4-bit, 2 of 8-bit
     const uint32_t row_base = buffer + row * 128;
     const int swizzle = row % 8;

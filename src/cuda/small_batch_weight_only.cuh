@@ -55,7 +55,8 @@ __device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t
 
 // One warp's 16-row product over steps [step_begin, step_end) of the packed K: rows
 // row_lo (g) and row_hi (g + 8) of `expert`, against kTiles n8 tiles of vectors (the
-// lane's vector g of each: vec[t], null: zeros), into acc[t]: (row g, vector 2q),
+// lane's vector g of each: vec[t], never null: a lane with no vector of its own passes
+// any valid one, whose product column nobody reads), into acc[t]: (row g, vector 2q),
 // (g, 2q + 1), (g + 8, 2q), (g + 8, 2q + 1). K: weights a row. Two tiles (the aligned
 // kernels' 16-entry blocks) convert each weight pair once for both.
 // kScaleAfter (a step within one scale group: groups of at least a step's K, or one per
@@ -63,46 +64,65 @@ __device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t
 // fp32; the weights skip one multiply a pair. NOTE: the 4-bit instances streamed at
 // 2.0-2.2 TB/s with the multiply (H100, Mixtral M = 1-16), issue-bound where the 8-bit
 // ones, at half the weights a byte, reached 2.7 (docs/PERF_NOTES.md, issue 30).
-template <class T, int kBits, bool kScaleAfter, int kTiles = 1>
-__device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
-                                                      int64_t row_hi, const T* const (&vec)[kTiles], int K,
-                                                      int step_begin, int step_end, float (&acc)[kTiles][4]) {
+// kZero: the rows have zero points or not (warp_weight_only_rows branches once an item).
+template <class T, int kBits, bool kScaleAfter, ZeroPoints kZero, int kTiles>
+__device__ __forceinline__ void warp_weight_only_rows_of(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
+                                                         int64_t row_hi, const T* const (&vec)[kTiles], int K,
+                                                         int step_begin, int step_end, float (&acc)[kTiles][4]) {
   constexpr int kLaneWeights = 128 / kBits;          // weights in a lane's 16 bytes: 32 or 16
   constexpr int kVecChunks = kLaneWeights / 8;       // 16-byte chunks of the vector a lane-step: 4 or 2
+  constexpr int kStepWeights = kWeightsPerStep<kBits>;
   // Rounds of kStages steps' loads, then their MMAs: two steps with one tile (the decode
-  // kernels), one with two tiles (the aligned kernels; twice the vector chunks), under the
-  // 128 registers of two CTAs an SM. NOTE: pipelined instead (each step's MMAs while the
-  // next step's loads fly, one CTA an SM for the registers), the aligned kernels ran
+  // kernels) and with two tiles of 8-bit weights, one with two tiles of 4-bit weights
+  // (the aligned kernels; four vector chunks a tile: two steps spilled 60-80 bytes), under
+  // the 128 registers of two CTAs an SM. NOTE: pipelined instead (each step's MMAs while
+  // the next step's loads fly, one CTA an SM for the registers), the aligned kernels ran
   // 15-25% slower (H100, w4a16: Qwen3-30B M = 64 186 -> 232 us, M = 1024 912 -> 1104;
   // docs/PERF_NOTES.md, issue 30): half the warps hid less than the pipeline won.
-  constexpr int kStages = kTiles == 1 ? 2 : 1;
-  const int quad = int(threadIdx.x) % 4;
-  const uint8_t* w_lo = q.w + expert * q.w_stride_expert + row_lo * q.w_stride_n;
-  const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n;
+  constexpr int kStages = kTiles == 1 || kBits == 8 ? 2 : 1;
+  const int lane_k = kLaneWeights * (int(threadIdx.x) % 4);  // the lane's first weight of a step
+  // Everything a step adds to these is a 32-bit offset: the per-item index math is done.
+  const uint8_t* w_lo = q.w + expert * q.w_stride_expert + row_lo * q.w_stride_n + lane_k * kBits / 8;
+  const uint8_t* w_hi = q.w + expert * q.w_stride_expert + row_hi * q.w_stride_n + lane_k * kBits / 8;
+  const T* x[kTiles];
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) x[t] = vec[t] + lane_k;
+  WeightRowCodes<T, kBits> codes_lo, codes_hi;
+  codes_lo.start(q, expert, row_lo);
+  codes_hi.start(q, expert, row_hi);
   const int group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 30;  // groups: powers of two
   struct Step {
     uint4 lo, hi, x[kTiles][kVecChunks];
-    GroupConstants<T> c_lo, c_hi;
+    GroupCodes<T> c_lo, c_hi;
   };
-  // A lane's chunk is whole or past the row (K % 32 == 0); past it, zeros meet zeros.
-  auto load = [&](Step& st, int step) {
-    const int k = step * kWeightsPerStep<kBits> + kLaneWeights * quad;
-    const bool in = step < step_end && k < K;
+  // A step's loads, all issued before any of a round's MMAs. Checked (the tail: a slice's
+  // last round, or K's partial last step; K % 32 == 0, so a lane's chunk is whole or past
+  // the row): past the slice or K, zeros meet zeros. Unchecked rounds carry no predicate
+  // and no branch, so nothing waits on a load the compiler sank behind one (the scale
+  // loads of a round's second step were, a second memory round trip a round).
+  auto load = [&](Step& st, int step, auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
+    const int k = step * kStepWeights;  // the step's first weight
+    const bool in = !kChecked || (step < step_end && k + lane_k < K);
     const int byte = k * kBits / 8;
-    st.lo = in ? load_streaming(w_lo + byte) : make_uint4(0, 0, 0, 0);
-    st.hi = in ? load_streaming(w_hi + byte) : make_uint4(0, 0, 0, 0);
+    const uint4 zeros = make_uint4(0, 0, 0, 0);
+    st.lo = in ? load_streaming(w_lo + byte) : zeros;
+    st.hi = in ? load_streaming(w_hi + byte) : zeros;
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
       for (int c = 0; c < kVecChunks; ++c) {
-        st.x[t][c] = in && vec[t] ? *reinterpret_cast<const uint4*>(vec[t] + k + 8 * c) : make_uint4(0, 0, 0, 0);
+        st.x[t][c] = in ? *reinterpret_cast<const uint4*>(x[t] + k + 8 * c) : zeros;
       }
     }
-    const int64_t group = in ? int64_t(k) >> group_shift : 0;
-    st.c_lo = group_constants<T, kBits>(q, expert, row_lo, group);
-    st.c_hi = group_constants<T, kBits>(q, expert, row_hi, group);
+    // kScaleAfter: the step's one group; else the lane's. Clamped into the row.
+    const int group_k = kChecked ? min(kScaleAfter ? k : k + lane_k, K - 1) : (kScaleAfter ? k : k + lane_k);
+    const int group = group_k >> group_shift;
+    st.c_lo = codes_lo.template load<kZero>(group);
+    st.c_hi = codes_hi.template load<kZero>(group);
   };
   auto multiply = [&](const Step& st) {
+    const GroupConstants<T> c_lo = codes_lo.constants(st.c_lo), c_hi = codes_hi.constants(st.c_hi);
     const uint32_t words_lo[4] = {st.lo.x, st.lo.y, st.lo.z, st.lo.w};
     const uint32_t words_hi[4] = {st.hi.x, st.hi.y, st.hi.z, st.hi.w};
     float part[kTiles][4] = {};
@@ -110,8 +130,8 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
 #pragma unroll
     for (int wd = 0; wd < 4; ++wd) {
       uint32_t a_lo[4], a_hi[4];
-      weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], st.c_lo, a_lo);
-      weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], st.c_hi, a_hi);
+      weight_pairs<T, kBits, !kScaleAfter>(words_lo[wd], c_lo, a_lo);
+      weight_pairs<T, kBits, !kScaleAfter>(words_hi[wd], c_hi, a_hi);
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
         if constexpr (kBits == 4) {
@@ -131,7 +151,7 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
     }
     if constexpr (kScaleAfter) {
       // Every lane of the step read the same group: its rows' scales.
-      const float s_lo = to_float(st.c_lo.scale.x), s_hi = to_float(st.c_hi.scale.x);
+      const float s_lo = to_float(st.c_lo.scale), s_hi = to_float(st.c_hi.scale);
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
         acc[t][0] = fmaf(part[t][0], s_lo, acc[t][0]);
@@ -146,15 +166,40 @@ __device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q,
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[t][i] = 0.f;
   }
-  Step stages[kStages];
-  for (int s0 = step_begin; s0 < step_end; s0 += kStages) {
+  // Steps whose every lane chunk lies in K.
+  const int full_end = min(step_end, K / kStepWeights);
+  int s0 = step_begin;
+  for (; s0 + kStages <= full_end; s0 += kStages) {
+    Step stages[kStages];
 #pragma unroll
-    for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i);
+    for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i, std::false_type{});
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) multiply(stages[i]);
+  }
+  for (; s0 < step_end; s0 += kStages) {
+    Step stages[kStages];
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) load(stages[i], s0 + i, std::true_type{});
 #pragma unroll
     for (int i = 0; i < kStages; ++i) {
       if (s0 + i >= step_end) break;
       multiply(stages[i]);
     }
+  }
+}
+
+template <class T, int kBits, bool kScaleAfter, int kTiles = 1>
+__device__ __forceinline__ void warp_weight_only_rows(const WeightOnlyParams& q, int64_t expert, int64_t row_lo,
+                                                      int64_t row_hi, const T* const (&vec)[kTiles], int K,
+                                                      int step_begin, int step_end, float (&acc)[kTiles][4]) {
+  // NOTE: a branch on the zero-point pointer inside the step cost ~10 instructions a step
+  // (pointer selects and predicates, SASS); once an item, nothing.
+  if (q.zero) {
+    warp_weight_only_rows_of<T, kBits, kScaleAfter, ZeroPoints::kYes>(q, expert, row_lo, row_hi, vec, K, step_begin,
+                                                                      step_end, acc);
+  } else {
+    warp_weight_only_rows_of<T, kBits, kScaleAfter, ZeroPoints::kNo>(q, expert, row_lo, row_hi, vec, K, step_begin,
+                                                                     step_end, acc);
   }
 }
 
@@ -172,7 +217,8 @@ __device__ __forceinline__ void weight_only_item_passes(const WeightOnlyParams& 
   const int end = t.group_begin[d + 1];
   for (int pass = t.group_begin[d]; pass < end; pass += kMmaVecs) {
     const int n = min(kMmaVecs, end - pass);
-    const T* const vec[1] = {g < n ? a + int64_t(row_of(t.sorted_slot[pass + g])) * a_stride : nullptr};
+    // Lanes past the pass's slots multiply its first slot's vector (their columns are not read).
+    const T* const vec[1] = {a + int64_t(row_of(t.sorted_slot[pass + (g < n ? g : 0)])) * a_stride};
     float acc[kMmaTiles][4];
     warp_weight_only_rows<T, kBits, kScaleAfter>(q, expert, row_lo, row_hi, vec, K, teams.step_begin(),
                                                  teams.step_end(steps), acc);

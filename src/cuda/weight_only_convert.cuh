@@ -51,16 +51,11 @@ struct GroupConstants {
   float zero;
 };
 
-// The base the conversions add (exact with 8 / 11 significant bits): 4-bit 128 (bf16)
-// or 1024 (fp16); 8-bit fp16 1024.
-template <class T>
-constexpr float kConversionBase = std::is_same_v<T, __half> ? 1024.f : 128.f;
-
-// A row's scale and zero point for one group, as loaded: split from group_constants so
-// that a caller can issue the loads early (the sm90 consumers, a step ahead). `zero` is
-// the loaded byte (packed: both nibbles of the row pair) or the symmetric zero point;
-// ZeroPointField picks the row's bits only when the constants are made, so that nothing
-// waits for the load where it is issued.
+// A row's scale and zero point for one group, as loaded: split from the constants so
+// that a caller can issue the loads early (the decode kernels, a round of steps ahead;
+// the sm90 consumers, a step ahead). `zero` is the loaded byte (packed: both nibbles of
+// the row pair) or the symmetric zero point; ZeroPointField picks the row's bits only
+// when the constants are made, so that nothing waits for the load where it is issued.
 template <class T>
 struct GroupCodes {
   T scale;
@@ -74,36 +69,78 @@ struct ZeroPointField {
   int mask = 255;
 };
 
-__device__ __forceinline__ ZeroPointField zero_point_field(const WeightOnlyParams& q, int64_t row) {
-  return q.zero && q.zero_packed ? ZeroPointField{4 * int(row & 1), 15} : ZeroPointField{0, 255};
-}
-
-template <class T, int kBits>
-__device__ __forceinline__ GroupCodes<T> load_group_codes(const WeightOnlyParams& q, int64_t expert, int64_t row,
-                                                          int64_t group) {
-  GroupCodes<T> codes;
-  codes.scale = static_cast<const T*>(q.scale)[expert * q.scale_stride_expert + row * q.scale_stride_n +
-                                               group * q.scale_stride_k];
-  codes.zero = kBits == 4 ? 8 : 128;
-  if (q.zero) {
-    codes.zero = q.zero[expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n +
-                        group * q.zero_stride_k];
-  }
-  return codes;
-}
-
+// The 16-bit pattern of the base the conversions add (exact with 8 / 11 significant
+// bits): 4-bit 128 (bf16, 0x4300) or 1024 (fp16, 0x6400); 8-bit fp16 1024. base + z for
+// an integer 0 <= z < 2^7 (bf16: one unit a mantissa step) or < 2^10 (fp16) is that
+// pattern plus z, exactly: two integer instructions a pair, not a trip through fp32.
 template <class T>
+constexpr uint32_t kConversionBaseBits = std::is_same_v<T, __half> ? 0x6400u : 0x4300u;
+
+// A group's constants from its codes. 8-bit bf16 keeps the zero point for fp32 (128 + z
+// past 255 has no exact bf16); the others take the offset pair base + zero.
+template <class T, int kBits>
 __device__ __forceinline__ GroupConstants<T> make_group_constants(const GroupCodes<T>& codes, ZeroPointField field) {
   const int zero = (codes.zero >> field.shift) & field.mask;
-  const T offset = from_float<T>(kConversionBase<T> + float(zero));
-  return GroupConstants<T>{Pair<T>(codes.scale, codes.scale), Pair<T>(offset, offset), float(zero)};
+  GroupConstants<T> c;
+  c.scale = Pair<T>(codes.scale, codes.scale);
+  if constexpr (kBits == 8 && !std::is_same_v<T, __half>) {
+    c.zero = float(zero);
+  } else {
+    c.offset = as_pair<T>((kConversionBaseBits<T> + uint32_t(zero)) * 0x10001u);
+  }
+  return c;
 }
 
+// Whether a caller knows that the rows have zero points (kYes), have none (kNo), or
+// leaves it to a branch on the row's zero-point pointer (kMaybe).
+enum class ZeroPoints { kMaybe, kNo, kYes };
+
+// One weight row's scale and zero-point rows (of one expert), set once per row so that
+// a group's codes cost a 32-bit offset and a load. NOTE: computed per step
+// (`expert * stride + row * stride + group * stride` in 64 bits), with the loads behind
+// the step's branch, this index math was ~90 of a decode step's 235 instructions (SASS
+// of the w4 GEMM1, H100 build) and 170 of the sm90 tiles' 834 (docs/PERF_NOTES.md,
+// issue 30 steps 2 and 4).
 template <class T, int kBits>
-__device__ __forceinline__ GroupConstants<T> group_constants(const WeightOnlyParams& q, int64_t expert, int64_t row,
-                                                             int64_t group) {
-  return make_group_constants<T>(load_group_codes<T, kBits>(q, expert, row, group), zero_point_field(q, row));
-}
+struct WeightRowCodes {
+  const uint8_t* scale_row = nullptr;  // bytes: a group's offset is a 32-bit add
+  const uint8_t* zero_row = nullptr;   // null: the scheme's symmetric zero point
+  // Between groups, in bytes: non-negative, and below 2^31 over a row (the API checks).
+  uint32_t scale_stride = 0, zero_stride = 0;
+  ZeroPointField zero_field;
+
+  __device__ __forceinline__ void start(const WeightOnlyParams& q, int64_t expert, int64_t row) {
+    scale_row = static_cast<const uint8_t*>(q.scale) +
+                (expert * q.scale_stride_expert + row * q.scale_stride_n) * int64_t(sizeof(T));
+    scale_stride = uint32_t(q.scale_stride_k) * uint32_t(sizeof(T));
+    zero_row = nullptr;
+    zero_field = ZeroPointField{};
+    if (q.zero) {
+      zero_row = q.zero + expert * q.zero_stride_expert + (q.zero_packed ? row >> 1 : row) * q.zero_stride_n;
+      zero_stride = uint32_t(q.zero_stride_k);
+      // packed zero points hold row 2i in the low nibble and 2i + 1 in the high one
+      if (q.zero_packed) zero_field = ZeroPointField{4 * int(row & 1), 15};
+    }
+  }
+  // The codes of group `group` (in bounds: callers clamp it).
+  template <ZeroPoints kZero = ZeroPoints::kMaybe>
+  __device__ __forceinline__ GroupCodes<T> load(int group) const {
+    GroupCodes<T> codes;
+    codes.scale = *reinterpret_cast<const T*>(scale_row + uint32_t(group) * scale_stride);
+    constexpr int kSymmetric = kBits == 4 ? 8 : 128;
+    if constexpr (kZero == ZeroPoints::kYes) {
+      codes.zero = zero_row[uint32_t(group) * zero_stride];
+    } else if constexpr (kZero == ZeroPoints::kNo) {
+      codes.zero = kSymmetric;
+    } else {
+      codes.zero = zero_row ? int(zero_row[uint32_t(group) * zero_stride]) : kSymmetric;
+    }
+    return codes;
+  }
+  __device__ __forceinline__ GroupConstants<T> constants(const GroupCodes<T>& codes) const {
+    return make_group_constants<T, kBits>(codes, zero_field);
+  }
+};
 
 // Four weight pairs of one 32-bit word, as MMA operand registers, in the order the
 // vector's pairs of vector_pairs() take:

@@ -385,6 +385,11 @@ TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
     EXPECT_THAT(message, HasSubstr("multiples of 32"));
     small.io.out.download();
     EXPECT_EQ(small.io.out.count_written(), 0);
+    // The kernels step through a row's groups with 32-bit offsets.
+    expect_error("scale K stride", [&](FusedExpertsArgs& a) {
+      (void)a;
+      layer.quant.w13_scale.strides[2] = int64_t(1) << 30;
+    }, "stride along K / group_size");
   }
   // A scheme of the wrong kind: a group size the kernels do not take.
   EXPECT_THAT(error_message([] { make_weight_only_scheme(QuantMethod::kW4A16, 48); }), HasSubstr("group_size"));
