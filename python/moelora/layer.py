@@ -124,6 +124,11 @@ class FusedMoE(torch.nn.Module):
         # x carries extra columns after the model's own (the transformers integration's
         # bias column); load_adapter zero-pads them.
         self.adapter_hidden_size = hidden_size
+        # The rows of the adapters' intermediate dimension this layer holds: all of them, or
+        # (tensor parallelism, moelora.distributed) a shard [start, start + intermediate_size)
+        # of the full adapter_intermediate_size that load_adapter reads and slices.
+        self.adapter_intermediate_size = intermediate_size
+        self.adapter_intermediate_start = 0
 
     @torch.no_grad()
     def _init_like_linear(self):
@@ -513,7 +518,7 @@ class FusedMoE(torch.nn.Module):
         self._check_slot("load_adapter", slot)
         tensors, config = read_adapter(source)
         layout = _ExpertShape(num_experts=self.num_experts, hidden_size=self.adapter_hidden_size,
-                              intermediate_size=self.intermediate_size, max_rank=self.max_lora_rank,
+                              intermediate_size=self.adapter_intermediate_size, max_rank=self.max_lora_rank,
                               interleaved_gate_up=self.activation == "swiglu_oai")
         parsed = parse_expert_lora(tensors, config, layout, prefix=prefix, scale=scale,
                                    expert_param_layout=expert_param_layout)
@@ -533,6 +538,12 @@ class FusedMoE(torch.nn.Module):
                 if pair is None:
                     continue
                 a, b = pair
+                # Tensor parallelism: gate/up's B rows and down's A columns of this shard.
+                shard = slice(self.adapter_intermediate_start, self.adapter_intermediate_start + I)
+                if role == "down":
+                    a = a[:, shard]
+                else:
+                    b = b[shard]
                 # Zero-padded: a rank below r, and (adapter_hidden_size < H) the extra
                 # input columns of gate/up's A and output rows of down's B.
                 dst_a[local, :a.shape[0], :a.shape[1]] = a

@@ -1,0 +1,149 @@
+"""The MoE layer over N ranks (issue 32): checks ParallelFusedMoE against the one-process
+layer on the same weights and times it (per-layer time, the share in collectives, the
+one-rank time for the scaling). Run under torchrun, one process a GPU (NCCL) or on the
+CPU (gloo):
+
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --model deepseek-v3 \\
+        --tokens 16,256,4096 --ep 2 --json out.json
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --model tiny --device cpu
+
+Each rank makes only its experts' weights (expert e's from seed + e), so no rank holds
+the whole layer except rank 0 for the check and the one-rank time (--no-check skips
+both). With --dispatch all_to_all, M is the global batch: each rank brings M / N tokens.
+Rows (JSON, rank 0): {"op": "fused_experts_ep", "world_size", "ep", "tp", "dispatch",
+"model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import moelora
+from moelora import distributed as md
+
+# num_experts, top_k, hidden, intermediate (the issue's: DeepSeek-V3 with all 256 experts).
+MODELS = {
+    "qwen3-235b-a22b": (128, 8, 4096, 1536),
+    "deepseek-v3": (256, 8, 7168, 2048),
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "tiny": (8, 2, 128, 128),
+}
+
+
+def expert_weights(seed, expert, H, I, dtype, device):
+    """Expert `expert`'s w13 [2I, H] and w2 [H, I], the same on every rank."""
+    g = torch.Generator(device=device).manual_seed(seed + expert)
+    w13 = (torch.rand(2 * I, H, generator=g, device=device) - 0.5) * (2 * H ** -0.5)
+    w2 = (torch.rand(H, I, generator=g, device=device) - 0.5) * (2 * I ** -0.5)
+    return w13.to(dtype), w2.to(dtype)
+
+
+def stacked(experts, seed, H, I, dtype, device):
+    pairs = [expert_weights(seed, e, H, I, dtype, device) for e in experts]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+def median_us(fn, iters, sync):
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    parser.add_argument("--tokens", default="16,256,4096")
+    parser.add_argument("--ep", type=int, default=0, help="EP size (default: world size / tp)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--dispatch", default="all_reduce", choices=md.DISPATCHES)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and moelora.cuda_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = getattr(torch, args.dtype)
+    E, top_k, H, I = MODELS[args.model]
+    tp = args.tp
+    ep = args.ep or world // tp
+    ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
+
+    layer = md.ParallelFusedMoE(E, top_k, H, I, ep_size=ep, ep_rank=ep_rank, tp_size=tp, tp_rank=tp_rank,
+                                ep_group=ep_group, tp_group=tp_group, dispatch=args.dispatch, dtype=dtype,
+                                device=device)
+    first, count = md.expert_partition(E, ep, ep_rank)
+    layer.load_weights(*stacked(range(first, first + count), args.seed, H, I, dtype, device))
+    whole = None
+    if rank == 0 and not args.no_check:
+        whole = moelora.FusedMoE(E, top_k, H, I, dtype=dtype, device=device)
+        whole.load_weights(*stacked(range(E), args.seed, H, I, dtype, device))
+
+    rows = []
+    for M in (int(t) for t in args.tokens.split(",")):
+        per_rank = M // ep if args.dispatch == "all_to_all" else M
+        g = torch.Generator(device=device).manual_seed(args.seed + 1000 + M)
+        x_all = (torch.rand(M, H, generator=g, device=device) - 0.5).to(dtype)
+        logits_all = torch.randn(M, E, generator=g, device=device)
+        own = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank) if args.dispatch == "all_to_all" else slice(0, M)
+        x, logits = x_all[own], logits_all[own]
+        out = layer(x, logits)
+        time_us = median_us(lambda: layer(x, logits), args.iters, sync)
+        layer.time_comm = True
+        comm = []
+        for _ in range(max(3, args.iters // 4)):
+            layer(x, logits)
+            comm.append((layer.comm_times.dispatch + layer.comm_times.combine) * 1e6)
+        layer.time_comm = False
+        comm_us = statistics.median(comm)
+        times = torch.tensor([time_us, comm_us], dtype=torch.float64, device=device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's
+        row = dict(op="fused_experts_ep", world_size=world, ep=ep, tp=tp, dispatch=args.dispatch, model=args.model,
+                   M=M, dtype=args.dtype, device=device.type, time_us=round(float(times[0]), 2),
+                   comm_us=round(float(times[1]), 2))
+        if whole is not None:
+            ref = whole(x, logits)
+            row["rel_err"] = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+            row["one_gpu_us"] = round(median_us(lambda: whole(x_all, logits_all), args.iters, sync), 2)
+            row["speedup"] = round(row["one_gpu_us"] / row["time_us"], 3)
+        rows.append(row)
+        if rank == 0:
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    ok = True
+    if rank == 0:
+        bound = 1e-5 if dtype == torch.float32 else 1e-2
+        bad = [r for r in rows if r.get("rel_err", 0.0) > bound]
+        ok = not bad
+        print(f"verdict: {'PASS' if ok else 'FAIL'} ({len(rows)} rows, rel_err bound {bound:g})", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    flag = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(flag)
+    dist.destroy_process_group()
+    sys.exit(int(flag.item() > 0))
+
+
+if __name__ == "__main__":
+    main()

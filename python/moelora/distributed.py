@@ -1,0 +1,299 @@
+"""The MoE layer over several processes through torch.distributed (issue 32): expert
+parallelism (EP: each rank holds a range of the experts) and tensor parallelism (TP: each
+rank holds a shard of every expert's intermediate dimension), alone or together.
+
+Ranks form an ep_size x tp_size grid; ep_group / tp_group are the process groups of a
+rank's row and column (None: the default group, when the other size is 1; new_grid()
+builds both from the default group). Every rank runs the same moelora.FusedMoE on its
+experts and its shard, so every dtype, quantization scheme and LoRA feature of the layer
+works unchanged; what differs is which weights it holds and how outputs combine:
+
+- TP: w13's gate and up rows [start, start + I / tp_size) and w2's columns of the same
+  range. The experts' outputs are partial sums over I: an all-reduce over tp_group.
+  Adapters split the same way: gate/up lora_B by rows, down lora_A by columns (its
+  shrink gives a partial sum, which the same all-reduce completes), gate/up lora_A and
+  down lora_B whole on every rank. No collective of its own for the adapters.
+- EP, dispatch="all_reduce": every rank takes the same tokens (replicated input, as
+  after a TP attention block), computes the slots routed to its experts (expert_map:
+  the others add zero) and an all-reduce over ep_group sums the ranks' outputs. One
+  collective, no host synchronisation: CUDA-graph capturable.
+- EP, dispatch="all_to_all": each rank brings its own tokens (data-parallel input),
+  routes them, and sends each (token, expert) slot to the rank that holds the expert
+  (all_to_all_single of the rows, ids, weights and adapter ids); each rank computes only
+  the slots it received, and a second all_to_all_single brings the weighted products
+  back, summed per token in fp32. The split sizes are exchanged first, a host
+  synchronisation: not capturable in a CUDA graph.
+
+Experts are split in contiguous ranges, the first num_experts % ep_size ranks holding
+one more (expert_partition). The intermediate size must split evenly into shards that
+the scheme can cut: whole 4-bit bytes, weight-only groups, 128-wide fp8/int8 blocks.
+"""
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .layer import FusedMoE
+
+DISPATCHES = ("all_reduce", "all_to_all")
+
+
+def expert_partition(num_experts, ep_size, ep_rank):
+    """(first, count): the contiguous range of global experts rank ep_rank holds; the
+    first num_experts % ep_size ranks hold one more."""
+    if not 1 <= ep_size <= num_experts:
+        raise ValueError(f"moelora.distributed: ep_size expected a value in [1, {num_experts}] (num_experts), "
+                         f"got {ep_size}")
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"moelora.distributed: ep_rank expected a value in [0, {ep_size}), got {ep_rank}")
+    base, extra = divmod(num_experts, ep_size)
+    first = ep_rank * base + min(ep_rank, extra)
+    return first, base + (1 if ep_rank < extra else 0)
+
+
+def expert_map(num_experts, ep_size, ep_rank):
+    """int32 [num_experts]: the local index of each global expert on rank ep_rank, -1 for
+    the experts other ranks hold."""
+    first, count = expert_partition(num_experts, ep_size, ep_rank)
+    mapping = torch.full((num_experts,), -1, dtype=torch.int32)
+    mapping[first:first + count] = torch.arange(count, dtype=torch.int32)
+    return mapping
+
+
+def expert_owner(num_experts, ep_size):
+    """int64 [num_experts]: the EP rank that holds each global expert."""
+    owner = torch.empty(num_experts, dtype=torch.int64)
+    for rank in range(ep_size):
+        first, count = expert_partition(num_experts, ep_size, rank)
+        owner[first:first + count] = rank
+    return owner
+
+
+def _shard_unit(quant):
+    """The intermediate sizes a shard must be a multiple of under `quant` (a name or a
+    QuantScheme, None: bf16/fp16): whole bytes of 4-bit weights, whole weight-only groups,
+    whole 128-wide blocks of the blockwise 8-bit schemes."""
+    if quant is None:
+        return 1
+    from . import ops
+    q = ops.quant_scheme(quant)
+    if q.weight_only:
+        return max(q.group_size, 2 if q.weight_bits == 4 else 1)
+    return q.block_k if q.weight_scales.name == "block" else 1
+
+
+def intermediate_shard(intermediate_size, tp_size, tp_rank, unit=1):
+    """(start, size) of rank tp_rank's shard of the intermediate dimension."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"moelora.distributed: tp_rank expected a value in [0, {tp_size}) (tp_size), got {tp_rank}")
+    size, rest = divmod(intermediate_size, tp_size)
+    if rest or size % unit:
+        raise ValueError(f"moelora.distributed: intermediate_size {intermediate_size} expected to split into "
+                         f"{tp_size} equal shards of a multiple of {unit} (the scheme's unit), got shards of "
+                         f"{intermediate_size / tp_size:g}")
+    return tp_rank * size, size
+
+
+def new_grid(ep_size, tp_size):
+    """(ep_group, tp_group, ep_rank, tp_rank) of this process in an ep_size x tp_size grid
+    of the default group's ranks (rank = ep_rank * tp_size + tp_rank). Every process must
+    call it (new_group is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep_size * tp_size != world:
+        raise ValueError(f"moelora.distributed: ep_size x tp_size expected the world size {world}, "
+                         f"got {ep_size} x {tp_size}")
+    ep_group = tp_group = None
+    for t in range(tp_size):  # rows of equal tp_rank: the EP groups
+        group = dist.new_group([e * tp_size + t for e in range(ep_size)])
+        if rank % tp_size == t:
+            ep_group = group
+    for e in range(ep_size):  # columns of equal ep_rank: the TP groups
+        group = dist.new_group([e * tp_size + t for t in range(tp_size)])
+        if rank // tp_size == e:
+            tp_group = group
+    return ep_group, tp_group, rank // tp_size, rank % tp_size
+
+
+@dataclasses.dataclass
+class CommTimes:
+    """Wall time of the last forward's collectives (seconds, after a device sync each):
+    set when ParallelFusedMoE.time_comm is on (benchmarks), else left at zero."""
+    dispatch: float = 0.0
+    combine: float = 0.0
+
+
+class ParallelFusedMoE(torch.nn.Module):
+    """moelora.FusedMoE over an EP x TP grid of ranks (module docstring).
+
+    Arguments are FusedMoE's (num_experts, top_k, hidden_size, intermediate_size: the
+    whole layer's) plus ep_size / ep_rank / ep_group, tp_size / tp_rank / tp_group and
+    dispatch ("all_reduce" or "all_to_all"). The local layer is `self.local` (its
+    expert_map, weights [E_local, 2 I_shard, H] / [E_local, H, I_shard], adapter slots).
+    """
+
+    def __init__(self, num_experts, top_k, hidden_size, intermediate_size, *, ep_size=1, ep_rank=0,
+                 tp_size=1, tp_rank=0, ep_group=None, tp_group=None, dispatch="all_reduce", **layer_kwargs):
+        super().__init__()
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"moelora.distributed: dispatch expected one of {DISPATCHES}, got {dispatch!r}")
+        if "expert_map" in layer_kwargs:
+            raise ValueError("moelora.distributed: expert_map expected None (ParallelFusedMoE makes it from "
+                             "ep_size and ep_rank)")
+        for name, group, size in (("ep_group", ep_group, ep_size), ("tp_group", tp_group, tp_size)):
+            if size > 1 and dist.is_initialized() and dist.get_world_size(group) != size:
+                raise ValueError(f"moelora.distributed: {name} expected {size} ranks, got "
+                                 f"{dist.get_world_size(group)}")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.ep_size, self.ep_rank, self.ep_group = ep_size, ep_rank, ep_group
+        self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_rank, tp_group
+        self.dispatch = dispatch
+        self.first_expert, _ = expert_partition(num_experts, ep_size, ep_rank)
+        start, size = intermediate_shard(intermediate_size, tp_size, tp_rank, _shard_unit(layer_kwargs.get("quant")))
+        self.shard_start = start
+        mapping = expert_map(num_experts, ep_size, ep_rank) if ep_size > 1 else None
+        self.local = FusedMoE(num_experts, top_k, hidden_size, size, expert_map=mapping, **layer_kwargs)
+        self.local.adapter_intermediate_size = intermediate_size
+        self.local.adapter_intermediate_start = start
+        self.register_buffer("expert_owner", expert_owner(num_experts, ep_size), persistent=False)
+        self.time_comm = False
+        self.comm_times = CommTimes()
+
+    # ---- weights ------------------------------------------------------------------------
+
+    def _shard(self, w13, w2):
+        """This rank's experts and intermediate shard of the whole layer's float weights
+        w13 [E or E_local, 2I, H] / w2 [E or E_local, H, I]."""
+        E_local = self.local.num_local_experts
+        if w13.shape[0] == self.num_experts and E_local != self.num_experts:
+            w13 = w13[self.first_expert:self.first_expert + E_local]
+            w2 = w2[self.first_expert:self.first_expert + E_local]
+        I, start, size = self.intermediate_size, self.shard_start, self.local.intermediate_size
+        if size == I:
+            return w13, w2
+        if self.local.activation == "swiglu_oai":  # interleaved gate/up rows: (2j, 2j + 1)
+            rows = w13[:, 2 * start:2 * (start + size)]
+        else:
+            rows = torch.cat([w13[:, start:start + size], w13[:, I + start:I + start + size]], dim=1)
+        return rows, w2[:, :, start:start + size]
+
+    @torch.no_grad()
+    def load_weights(self, w13, w2):
+        """The whole layer's float weights w13 [E, 2I, H] and w2 [E, H, I] (or only this
+        rank's experts, [E_local, ...]): this rank's experts and shard go to the local
+        layer, quantized there under a quantized scheme."""
+        w13, w2 = torch.as_tensor(w13), torch.as_tensor(w2)
+        E_local, H, I = self.local.num_local_experts, self.hidden_size, self.intermediate_size
+        for name, value, rows, cols in (("w13", w13, 2 * I, H), ("w2", w2, H, I)):
+            if value.dim() != 3 or value.shape[0] not in (self.num_experts, E_local) or \
+                    tuple(value.shape[1:]) != (rows, cols) or not value.is_floating_point():
+                raise ValueError(f"ParallelFusedMoE.load_weights: {name} expected float [{self.num_experts} or "
+                                 f"{E_local}, {rows}, {cols}], got {value.dtype} {list(value.shape)}")
+        self.local.load_weights(*self._shard(w13, w2))
+
+    @torch.no_grad()
+    def load_experts(self, source, prefix):
+        """This rank's experts and shard from a model checkpoint (FusedMoE.load_experts'
+        sources and namings): only this rank's experts are read."""
+        reader = checkpoint.CheckpointReader(source)
+        count = self.local.num_local_experts
+        experts = checkpoint.read_experts(reader, prefix, list(range(self.first_expert, self.first_expert + count)),
+                                          self.num_experts, self.hidden_size, self.intermediate_size)
+        if experts.w13_bias is not None:
+            raise ValueError(f"ParallelFusedMoE.load_experts: '{prefix}.experts.' holds expert biases (gpt-oss), "
+                             f"which the layer has no place for")
+        if experts.interleaved != (self.local.activation == "swiglu_oai"):
+            raise ValueError(f"ParallelFusedMoE.load_experts: '{prefix}.experts.' holds "
+                             f"{'interleaved' if experts.interleaved else 'halved'} gate/up rows, activation "
+                             f"{self.local.activation!r} expects the other")
+        self.local.load_weights(*self._shard(experts.w13, experts.w2))
+
+    def load_adapter(self, slot, source, **kwargs):
+        """FusedMoE.load_adapter on this rank's experts and shard of the whole adapter."""
+        return self.local.load_adapter(slot, source, **kwargs)
+
+    def unload_adapter(self, slot):
+        self.local.unload_adapter(slot)
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def _all_reduce(self, out, group, size):
+        if size > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    def _timed(self, field, fn):
+        if not self.time_comm:
+            return fn()
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        setattr(self.comm_times, field, getattr(self.comm_times, field) + time.perf_counter() - start)
+        return result
+
+    def forward(self, hidden_states, router_logits, token_lora_ids=None):
+        """hidden_states [*, H], router_logits [*, num_experts] -> [*, H]: replicated over
+        the grid with dispatch "all_reduce"; this rank's own tokens with "all_to_all"."""
+        topk_weights, topk_ids = self.local.route(router_logits.reshape(-1, self.num_experts))
+        return self.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
+
+    def forward_routed(self, hidden_states, topk_weights, topk_ids, token_lora_ids=None):
+        self.comm_times = CommTimes()
+        if self.dispatch == "all_reduce" or self.ep_size == 1:
+            out = self.local.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
+            out = self._timed("combine", lambda: self._all_reduce(out, self.tp_group, self.tp_size))
+            return self._timed("combine", lambda: self._all_reduce(out, self.ep_group, self.ep_size))
+        return self._forward_all_to_all(hidden_states, topk_weights, topk_ids, token_lora_ids)
+
+    def _forward_all_to_all(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
+        leading, H = hidden_states.shape[:-1], self.hidden_size
+        x = hidden_states.reshape(-1, H)
+        M, k = topk_ids.shape
+        if x.shape[0] != M:
+            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got {M}")
+        ids = topk_ids.reshape(-1).long()
+        if M and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [0, {self.num_experts}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        # Slots in the order of the ranks that hold their experts (stable: token order within).
+        dest = self.expert_owner.to(ids.device)[ids]
+        order = torch.argsort(dest, stable=True)
+        slot_token = torch.arange(M, device=ids.device).repeat_interleave(k)[order]
+        send_counts = torch.bincount(dest, minlength=self.ep_size)
+        lora = None
+        if token_lora_ids is not None:
+            lora = token_lora_ids.reshape(-1).to(torch.int32).repeat_interleave(k)[order]
+
+        def exchange_counts():
+            recv = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv, send_counts, group=self.ep_group)
+            return recv
+        recv_counts = self._timed("dispatch", exchange_counts)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # the host sync
+        received = sum(recv_splits)
+
+        def all_to_all(values, splits_out, splits_in, rows):
+            out = values.new_empty((rows,) + tuple(values.shape[1:]))
+            dist.all_to_all_single(out, values.contiguous(), splits_out, splits_in, group=self.ep_group)
+            return out
+
+        def dispatch():
+            got = [all_to_all(x[slot_token], recv_splits, send_splits, received),
+                   all_to_all(ids[order].to(torch.int32), recv_splits, send_splits, received),
+                   all_to_all(topk_weights.reshape(-1).float()[order], recv_splits, send_splits, received)]
+            got.append(None if lora is None else all_to_all(lora, recv_splits, send_splits, received))
+            return got
+        x_in, ids_in, weights_in, lora_in = self._timed("dispatch", dispatch)
+        # Each received slot is one (token, expert) pair: a top-1 call of the local layer,
+        # its routed weight applied there.
+        products = self.local.forward_routed(x_in, weights_in.reshape(-1, 1), ids_in.reshape(-1, 1), lora_in)
+        products = self._timed("combine", lambda: self._all_reduce(products, self.tp_group, self.tp_size))
+        back = self._timed("combine", lambda: all_to_all(products, send_splits, recv_splits, M * k))
+        out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+        out.index_add_(0, slot_token, back.float())
+        return out.to(hidden_states.dtype).reshape(*leading, H)
