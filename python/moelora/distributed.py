@@ -82,7 +82,7 @@ def _shard_unit(quant):
     q = ops.quant_scheme(quant)
     if q.weight_only:
         return max(q.group_size, 2 if q.weight_bits == 4 else 1)
-    return q.block_k if q.weight_scales.name == "block" else 1
+    return max(q.block_n, q.block_k) if q.weight_scales.name == "block" else 1
 
 
 def intermediate_shard(intermediate_size, tp_size, tp_rank, unit=1):
@@ -210,6 +210,53 @@ class ParallelFusedMoE(torch.nn.Module):
                              f"{'interleaved' if experts.interleaved else 'halved'} gate/up rows, activation "
                              f"{self.local.activation!r} expects the other")
         self.local.load_weights(*self._shard(experts.w13, experts.w2))
+
+    def _shard_rows(self, t, per_row):
+        """w13-like tensor t [E, 2I / per_row, ...]: this shard's gate and up rows (per_row:
+        weight rows a row of t holds, 1, or the block scales' block_n)."""
+        I, start, size = self.intermediate_size // per_row, self.shard_start // per_row, \
+            self.local.intermediate_size // per_row
+        if self.local.activation == "swiglu_oai":
+            return t[:, 2 * start:2 * (start + size)]
+        return torch.cat([t[:, start:start + size], t[:, I + start:I + start + size]], dim=1)
+
+    def _shard_columns(self, t, per_column):
+        """w2-like tensor t [E, H, I / per_column]: this shard's columns."""
+        start, size = self.shard_start // per_column, self.local.intermediate_size // per_column
+        return t[:, :, start:start + size]
+
+    @torch.no_grad()
+    def load_quantized_experts(self, source, prefix, quant_config=None):
+        """FusedMoE.load_quantized_experts' checkpoints (DeepSeek-V3 fp8 blocks, per-tensor /
+        per-channel 8-bit, GPTQ / AWQ weight-only): this rank's experts are read, then cut
+        to its shard (the scheme's unit keeps packed bytes, groups and blocks whole)."""
+        from . import quant_checkpoint
+        q, local = self.local.quant_scheme, self.local
+        if q is None:
+            raise ValueError("ParallelFusedMoE.load_quantized_experts: the layer has no quantization scheme")
+        tensors = checkpoint.CheckpointReader(source)
+        experts = list(range(self.first_expert, self.first_expert + local.num_local_experts))
+        H, I = self.hidden_size, self.intermediate_size
+        if q.weight_only:
+            w13, w2, s13, s2, z13, z2 = quant_checkpoint.read_weight_only_experts(tensors, prefix, q, experts, H, I,
+                                                                                  quant_config)
+            pack, group = 8 // q.weight_bits, q.group_size or I
+            w13, w2 = self._shard_rows(w13, 1), self._shard_columns(w2, pack)
+            s13 = self._shard_rows(s13, 1)
+            s2 = self._shard_columns(s2, group) if s2.dim() == 3 else s2
+            if z13 is not None:
+                z13 = self._shard_rows(z13, 1)
+                z2 = self._shard_columns(z2, group) if z2.dim() == 3 else z2
+            dtype = local._weight_only_scale_dtype
+            local.load_weights(w13, w2, s13.to(dtype), s2.to(dtype), w13_zero=z13, w2_zero=z2)
+            return
+        w13, w2, s13, s2, a13, a2 = quant_checkpoint.read_quantized_experts(tensors, prefix, q, experts, H, I)
+        w13, w2 = self._shard_rows(w13, 1), self._shard_columns(w2, 1)
+        if s13.dim() == 3:  # blocks [E, N / block_n, K / block_k]
+            s13, s2 = self._shard_rows(s13, q.block_n), self._shard_columns(s2, q.block_k)
+        elif s13.dim() == 2:  # channels [E, N]: w2's rows (H) are whole
+            s13 = self._shard_rows(s13, 1)
+        local.load_weights(w13, w2, s13, s2, a13, a2)
 
     def load_adapter(self, slot, source, **kwargs):
         """FusedMoE.load_adapter on this rank's experts and shard of the whole adapter."""

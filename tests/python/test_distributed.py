@@ -49,11 +49,33 @@ def _problem(num_experts, tokens, seed, dtype, no_route_to=()):
     return w13, w2, x, logits, adapter, lora_ids
 
 
-def _layer(cls, num_experts, dtype, lora, quant, **kwargs):
+def _layer(cls, num_experts, dtype, lora, quant, hidden=H, intermediate=I, **kwargs):
     extra = dict(max_loras=ADAPTERS, max_lora_rank=RANK) if lora else {}
     if quant:
         extra["quant"] = moelora.quant_scheme(**quant)  # built here: a QuantScheme does not pickle
-    return cls(num_experts, TOP_K, H, I, dtype=dtype, **extra, **kwargs)
+    return cls(num_experts, TOP_K, hidden, intermediate, dtype=dtype, **extra, **kwargs)
+
+
+def _checkpoint(kind, num_experts, hidden, intermediate, seed):
+    """A MoE block's quantized experts as a checkpoint holds them (the same on every rank):
+    GPTQ 4-bit groups of 32 with zero points, or DeepSeek-V3's fp8 128 x 128 blocks."""
+    from moelora import weight_only
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for e in range(num_experts):
+        for proj, shape in (("gate_proj", (intermediate, hidden)), ("up_proj", (intermediate, hidden)),
+                            ("down_proj", (hidden, intermediate))):
+            w = (torch.rand(shape, generator=g) - 0.5) * 0.2
+            key = f"model.layers.0.mlp.experts.{e}.{proj}"
+            if kind == "gptq":
+                q, scale, zero = weight_only.quantize_weight_only(w, 4, 32, True, scale_dtype=torch.bfloat16)
+                for name, value in weight_only.to_gptq(q, scale, zero, 4, 32).items():
+                    tensors[f"{key}.{name}"] = value.contiguous()
+            else:
+                q, scale = moelora.quantize_weights(w[None].to(torch.bfloat16), "fp8_block")
+                tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q[0], scale[0]
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": False}
+    return tensors, config if kind == "gptq" else None
 
 
 def _rel_err(out, ref):
@@ -71,9 +93,9 @@ def _check_case(case, rank, world):
     ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
     layer = _layer(md.ParallelFusedMoE, E, dtype, lora, quant, ep_size=ep, ep_rank=ep_rank, tp_size=tp,
                    tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group, dispatch=dispatch)
-    layer.load_weights(w13, w2)
     whole = _layer(moelora.FusedMoE, E, dtype, lora, quant)
-    whole.load_weights(w13, w2)
+    for target in (layer, whole):
+        target.load_weights(w13, w2)
     if lora:
         for slot in range(ADAPTERS):
             layer.load_adapter(slot, adapter, scale=0.5 + slot)
@@ -94,6 +116,26 @@ def _check_case(case, rank, world):
     assert err <= bound, f"{case['name']} rank {rank}: rel_err {err:.3g} > {bound}"
 
 
+def _check_checkpoint_case(case, rank, world):
+    """Quantized experts read from a checkpoint by each rank (its experts, cut to its shard)
+    against the one-process layer reading the whole checkpoint."""
+    ep, tp, E, kind = case["ep"], case["tp"], case["experts"], case["checkpoint"]
+    hidden, intermediate = 128, 256  # fp8 blocks of 128: two TP shards of one block column each
+    quant = dict(name="w4a16", group_size=32, zero_points=True) if kind == "gptq" else dict(name="fp8_block")
+    tensors, config = _checkpoint(kind, E, hidden, intermediate, case["seed"])
+    ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
+    layer = _layer(md.ParallelFusedMoE, E, BF16, False, quant, hidden, intermediate, ep_size=ep, ep_rank=ep_rank,
+                   tp_size=tp, tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group)
+    whole = _layer(moelora.FusedMoE, E, BF16, False, quant, hidden, intermediate)
+    for target in (layer, whole):
+        target.load_quantized_experts(tensors, "model.layers.0.mlp", quant_config=config)
+    g = torch.Generator().manual_seed(case["seed"] + 1)
+    x = (torch.rand(10, hidden, generator=g) - 0.5).to(BF16)
+    logits = torch.randn(10, E, generator=g)
+    err = _rel_err(layer(x, logits), whole(x, logits))
+    assert err <= 1e-2, f"{case['name']} rank {rank}: rel_err {err:.3g}"
+
+
 def _worker(rank, world, port, cases, failures):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -101,7 +143,7 @@ def _worker(rank, world, port, cases, failures):
     try:
         for case in cases:
             try:
-                _check_case(case, rank, world)
+                (_check_checkpoint_case if "checkpoint" in case else _check_case)(case, rank, world)
             except Exception:  # noqa: BLE001 (reported to the parent with the case's name)
                 failures.put(f"{case['name']} rank {rank}:\n{traceback.format_exc()}")
             dist.barrier()
@@ -147,6 +189,8 @@ def test_four_processes():
               seed=13, no_route_to=(6,)),
         _case("ep4 all_reduce bf16", 4, 1, dtype=BF16, seed=14),
         _case("tp4", 1, 4, seed=15),
+        _case("ep2 x tp2 GPTQ 4-bit g32 zero points checkpoint", 2, 2, checkpoint="gptq", seed=16),
+        _case("ep2 x tp2 fp8 block checkpoint", 2, 2, checkpoint="fp8_block", seed=17),
     ])
 
 
