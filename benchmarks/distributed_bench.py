@@ -44,9 +44,16 @@ def expert_weights(seed, expert, H, I, dtype, device):
     return w13.to(dtype), w2.to(dtype)
 
 
-def stacked(experts, seed, H, I, dtype, device):
-    pairs = [expert_weights(seed, e, H, I, dtype, device) for e in experts]
-    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+@torch.no_grad()
+def fill(w13, w2, experts, seed, H, I, shard_of=None):
+    """The layer's w13 / w2 parameters [E_local, ...] filled expert by expert (DeepSeek-V3's
+    256 experts are 22.5 GB in bf16: no stacked copy beside them); shard_of: the parallel
+    layer's cut of one expert."""
+    for local, e in enumerate(experts):
+        a, b = expert_weights(seed, e, H, I, w13.dtype, w13.device)
+        a, b = (a[None], b[None]) if shard_of is None else shard_of(a[None], b[None])
+        w13[local].copy_(a[0])
+        w2[local].copy_(b[0])
 
 
 def median_us(fn, iters, sync):
@@ -94,11 +101,11 @@ def main():
                                 ep_group=ep_group, tp_group=tp_group, dispatch=args.dispatch, dtype=dtype,
                                 device=device)
     first, count = md.expert_partition(E, ep, ep_rank)
-    layer.load_weights(*stacked(range(first, first + count), args.seed, H, I, dtype, device))
+    fill(layer.local.w13, layer.local.w2, range(first, first + count), args.seed, H, I, layer.shard_of)
     whole = None
     if rank == 0 and not args.no_check:
         whole = moelora.FusedMoE(E, top_k, H, I, dtype=dtype, device=device)
-        whole.load_weights(*stacked(range(E), args.seed, H, I, dtype, device))
+        fill(whole.w13, whole.w2, range(E), args.seed, H, I)
 
     rows = []
     for M in (int(t) for t in args.tokens.split(",")):

@@ -164,9 +164,10 @@ class ParallelFusedMoE(torch.nn.Module):
 
     # ---- weights ------------------------------------------------------------------------
 
-    def _shard(self, w13, w2):
+    def shard_of(self, w13, w2):
         """This rank's experts and intermediate shard of the whole layer's float weights
-        w13 [E or E_local, 2I, H] / w2 [E or E_local, H, I]."""
+        w13 [E or E_local, 2I, H] / w2 [E or E_local, H, I] (views; one expert's as
+        [1, 2I, H] / [1, H, I], e.g. to fill a large layer expert by expert)."""
         E_local = self.local.num_local_experts
         if w13.shape[0] == self.num_experts and E_local != self.num_experts:
             w13 = w13[self.first_expert:self.first_expert + E_local]
@@ -192,7 +193,7 @@ class ParallelFusedMoE(torch.nn.Module):
                     tuple(value.shape[1:]) != (rows, cols) or not value.is_floating_point():
                 raise ValueError(f"ParallelFusedMoE.load_weights: {name} expected float [{self.num_experts} or "
                                  f"{E_local}, {rows}, {cols}], got {value.dtype} {list(value.shape)}")
-        self.local.load_weights(*self._shard(w13, w2))
+        self.local.load_weights(*self.shard_of(w13, w2))
 
     @torch.no_grad()
     def load_experts(self, source, prefix):
@@ -209,7 +210,7 @@ class ParallelFusedMoE(torch.nn.Module):
             raise ValueError(f"ParallelFusedMoE.load_experts: '{prefix}.experts.' holds "
                              f"{'interleaved' if experts.interleaved else 'halved'} gate/up rows, activation "
                              f"{self.local.activation!r} expects the other")
-        self.local.load_weights(*self._shard(experts.w13, experts.w2))
+        self.local.load_weights(*self.shard_of(experts.w13, experts.w2))
 
     def _shard_rows(self, t, per_row):
         """w13-like tensor t [E, 2I / per_row, ...]: this shard's gate and up rows (per_row:
