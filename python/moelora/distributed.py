@@ -172,14 +172,9 @@ class ParallelFusedMoE(torch.nn.Module):
         if w13.shape[0] == self.num_experts and E_local != self.num_experts:
             w13 = w13[self.first_expert:self.first_expert + E_local]
             w2 = w2[self.first_expert:self.first_expert + E_local]
-        I, start, size = self.intermediate_size, self.shard_start, self.local.intermediate_size
-        if size == I:
+        if self.local.intermediate_size == self.intermediate_size:
             return w13, w2
-        if self.local.activation == "swiglu_oai":  # interleaved gate/up rows: (2j, 2j + 1)
-            rows = w13[:, 2 * start:2 * (start + size)]
-        else:
-            rows = torch.cat([w13[:, start:start + size], w13[:, I + start:I + start + size]], dim=1)
-        return rows, w2[:, :, start:start + size]
+        return self._shard_rows(w13, 1), self._shard_columns(w2, 1)
 
     @torch.no_grad()
     def load_weights(self, w13, w2):
@@ -217,7 +212,7 @@ class ParallelFusedMoE(torch.nn.Module):
         weight rows a row of t holds, 1, or the block scales' block_n)."""
         I, start, size = self.intermediate_size // per_row, self.shard_start // per_row, \
             self.local.intermediate_size // per_row
-        if self.local.activation == "swiglu_oai":
+        if self.local.activation == "swiglu_oai":  # interleaved gate/up rows: (2j, 2j + 1)
             return t[:, 2 * start:2 * (start + size)]
         return torch.cat([t[:, start:start + size], t[:, I + start:I + start + size]], dim=1)
 

@@ -91,9 +91,10 @@ def _check_case(case, rank, world):
     w13, w2, x, logits, adapter, lora_ids = _problem(E, tokens * (ep if dispatch == "all_to_all" else 1),
                                                      case["seed"], dtype, case.get("no_route_to", ()))
     ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
+    act = {"activation": case["activation"]} if "activation" in case else {}
     layer = _layer(md.ParallelFusedMoE, E, dtype, lora, quant, ep_size=ep, ep_rank=ep_rank, tp_size=tp,
-                   tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group, dispatch=dispatch)
-    whole = _layer(moelora.FusedMoE, E, dtype, lora, quant)
+                   tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group, dispatch=dispatch, **act)
+    whole = _layer(moelora.FusedMoE, E, dtype, lora, quant, **act)
     for target in (layer, whole):
         target.load_weights(w13, w2)
     if lora:
@@ -178,6 +179,7 @@ def test_two_processes():
         _case("tp2 lora bf16", 1, 2, dtype=BF16, lora=True, seed=5),
         _case("ep2 all_to_all, rank 1 without tokens", 2, 1, "all_to_all", seed=6, empty_rank=1),
         _case("tp2 w4a16 g32 bf16", 1, 2, dtype=BF16, quant=dict(name="w4a16", group_size=32), seed=7),
+        _case("tp2 swiglu_oai (interleaved gate/up) lora", 1, 2, lora=True, activation="swiglu_oai", seed=8),
     ])
 
 
