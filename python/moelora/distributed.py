@@ -23,6 +23,8 @@ works unchanged; what differs is which weights it holds and how outputs combine:
   the slots it received, and a second all_to_all_single brings the weighted products
   back, summed per token in fp32. The split sizes are exchanged first, a host
   synchronisation: not capturable in a CUDA graph.
+The all-reduce paths are functional collectives: torch.compile(fullgraph=True) traces
+the layer's forward without a graph break.
 
 Experts are split in contiguous ranges, the first num_experts % ep_size ranks holding
 one more (expert_partition). The intermediate size must split evenly into shards that
@@ -34,6 +36,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from . import checkpoint
 from .layer import FusedMoE
@@ -264,8 +267,9 @@ class ParallelFusedMoE(torch.nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def _all_reduce(self, out, group, size):
+        # Functional collectives: torch.compile traces them without a graph break.
         if size > 1:
-            dist.all_reduce(out, group=group)
+            out = funcol.all_reduce(out, "sum", group if group is not None else dist.group.WORLD)
         return out
 
     def _timed(self, field, fn):

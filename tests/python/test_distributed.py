@@ -107,7 +107,9 @@ def _check_case(case, rank, world):
             own = slice(0, 0)
         x, logits, lora_ids = x[own], logits[own], lora_ids[own]
     ids = lora_ids if lora else None
-    out = layer(x, logits, ids)
+    # torch.compile traces the all-reduce paths whole (the eager backend: no C++ build here).
+    run = torch.compile(layer, fullgraph=True, backend="eager") if case.get("compile") else layer
+    out = run(x, logits, ids)
     ref = whole(x, logits, ids)
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
     if x.shape[0] == 0:
@@ -173,6 +175,7 @@ def _case(name, ep, tp, dispatch="all_reduce", experts=8, dtype=F32, lora=False,
 def test_two_processes():
     _run(2, [
         _case("ep2 all_reduce", 2, 1),
+        _case("ep2 all_reduce under torch.compile(fullgraph=True)", 2, 1, lora=True, compile=True, seed=9),
         _case("ep2 all_to_all", 2, 1, "all_to_all", seed=2),
         _case("tp2", 1, 2, seed=3),
         _case("ep2 uneven (7 experts) all_to_all lora", 2, 1, "all_to_all", experts=7, lora=True, seed=4),
@@ -186,6 +189,7 @@ def test_two_processes():
 def test_four_processes():
     _run(4, [
         _case("ep2 x tp2 all_reduce lora", 2, 2, lora=True, seed=11),
+        _case("ep2 x tp2 all_reduce under torch.compile(fullgraph=True)", 2, 2, compile=True, seed=18),
         _case("ep2 x tp2 all_to_all lora", 2, 2, "all_to_all", lora=True, seed=12),
         _case("ep4 uneven (7 experts) all_to_all, rank 3 routed nothing", 4, 1, "all_to_all", experts=7,
               seed=13, no_route_to=(6,)),
