@@ -37,6 +37,14 @@ null (bf16) or {"scheme", "group": 128 | null, "zero_point": false}; --ours/--re
 rows on (model, M, scheme), and --report writes the Triton time as the row's peer_us with
 peer naming this script (DESIGN.md, "GPU reports").
 
+--lora-rank R [--adapters A --lora-share S] (issue 31): a second row per cell, the layer with
+LoRA adapters through our own kernels of vLLM's fused_moe_lora contract (a shrink and an
+expand after each GEMM: triton_moe_lora_peer_kernels.py), its peer time the two GEMMs plus
+the four LoRA kernels, each searched over per-slot (vLLM's small-batch path) and
+(adapter, expert)-aligned configs; rows carry lora {rank, adapters, share} as
+moelora_bench's LoRA rows and match them. The (adapter, expert) alignment is plain torch
+and not timed, like the base alignment.
+
 Timing mirrors benchmarks/moelora_bench.cpp: per GEMM, one CUDA graph holds the launches
 for 4 input rotations (different x and routings, so L2 holds no weights from the launch
 before), it is replayed --iters times, each replay timed with CUDA events; the median
@@ -84,6 +92,11 @@ def parse_args(argv=None):
     p.add_argument("--commit", default="unknown", help="with --report: sha of the code measured")
     p.add_argument("--machine", default="{}", help="with --report: JSON overriding gpu, driver, cuda, triton, "
                    "torch (for --load on another machine than the one that measured)")
+    p.add_argument("--lora-rank", type=int, default=0, help="also time the layer with LoRA at this rank (bf16): "
+                   "a row per cell with lora {rank, adapters, share}, its peer time the two GEMMs plus the four "
+                   "LoRA kernels (triton_moe_lora_peer_kernels.py)")
+    p.add_argument("--adapters", type=int, default=4, help="with --lora-rank: adapters in the batch")
+    p.add_argument("--lora-share", type=float, default=1.0, help="with --lora-rank: fraction of tokens with one")
     p.add_argument("--selftest", action="store_true", help="tiny shapes, correctness only")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
@@ -110,6 +123,14 @@ from triton_moe_peer_kernels import (  # noqa: E402  (after the interpreter choi
     gemm_launcher,
     silu_mul,
     rel_err,
+)
+from triton_moe_lora_peer_kernels import (  # noqa: E402
+    lcfg,
+    lora_launchers,
+    lora_reference_delta,
+    lora_rel_err,
+    make_adapters,
+    make_routing,
 )
 
 # name: (E, top_k, H, I, activation) -- same as kModels in benchmarks/moelora_bench.cpp.
@@ -234,8 +255,87 @@ def bench_cell(name, M, w13, w2, args, scheme="bf16"):
         err = max(err, rel_err(x0, w13, w2, ids0, wts0, cfg1, cfg2, scheme))
         if not err <= 2e-2:
             sys.exit(f"FAILED: {name} {scheme} M={M} rel_err {err:.3e} > 2e-2 ({cfg1} / {cfg2})")
-    return dict(model=name, M=M, quant=quant_field(scheme), gemm1_us=us1, gemm2_us=us2, two_gemm_us=us1 + us2,
-                gemm1_config=cfg1, gemm2_config=cfg2, rel_err=err)
+    row = dict(model=name, M=M, quant=quant_field(scheme), lora=None, gemm1_us=us1, gemm2_us=us2,
+               two_gemm_us=us1 + us2, gemm1_config=cfg1, gemm2_config=cfg2, rel_err=err)
+    if not args.lora_rank:
+        return [row]
+    if scheme != "bf16":
+        sys.exit("--lora-rank: bf16 experts only")
+    return [row, bench_lora_cell(name, M, w13, w2, rots, acts, c1, c2, row, args)]
+
+
+# LoRA kernel menus (mode, BLOCK_SIZE_M, BLOCK_SIZE_K of the shrink / BLOCK_SIZE_N of the
+# expand): per slot (vLLM's small-batch path) and aligned by (adapter, expert).
+LORA_SHRINK_MENU = [lcfg("per_slot", 16, 64), lcfg("per_slot", 16, 128), lcfg("aligned", 16, 64),
+                    lcfg("aligned", 32, 64), lcfg("aligned", 64, 64), lcfg("aligned", 64, 128, 8, 3)]
+LORA_EXPAND_MENU = [lcfg("per_slot", 16, 64), lcfg("per_slot", 16, 128), lcfg("aligned", 16, 128),
+                    lcfg("aligned", 32, 128), lcfg("aligned", 64, 128), lcfg("aligned", 64, 256, 8, 3)]
+
+
+def lora_quick(M, E, top_k, args):
+    """The --quick pick: per slot below one slot an (adapter, expert) group, else aligned
+    blocks sized to the groups' fill."""
+    per_group = M * top_k * args.lora_share / (E * args.adapters)
+    bm = 16 if per_group <= 16 else 32 if per_group <= 64 else 64
+    mode = "per_slot" if per_group < 1 else "aligned"
+    return lcfg(mode, 16 if mode == "per_slot" else bm, 64), lcfg(mode, 16 if mode == "per_slot" else bm, 128)
+
+
+def bench_lora_cell(name, M, w13, w2, rots, acts, c1, c2, base, args):
+    """The LoRA row of a cell: the base GEMMs' times plus the four LoRA kernels (GEMM1's
+    shrink and expand on gate/up, GEMM2's on the activation, routed weight applied), each
+    tuned over its menu; checked against the float32 reference first."""
+    E, top_k, H, I, _ = MODELS[name]
+    dev = w13.device
+    rank, L = args.lora_rank, args.adapters
+    adapters = [make_adapters(L, E, H, I, rank, M, args.lora_share, 2000 + 17 * r + M, dev) for r in range(len(rots))]
+    quick = lora_quick(M, E, top_k, args)
+    x0, ids0, wts0 = rots[0]
+    err = lora_rel_err(x0, w13, w2, ids0, wts0, adapters[0], base["gemm1_config"], base["gemm2_config"], quick * 2)
+    if not err <= 2e-2:
+        sys.exit(f"FAILED: {name} M={M} LoRA rank {rank}: rel_err {err:.3e} > 2e-2 ({quick})")
+    routings = [make_routing(ids, a["token_lora"], a["scale"], E) for (_, ids, _), a in zip(rots, adapters)]
+    inter1 = [torch.empty(2, M * top_k, rank, dtype=torch.bfloat16, device=dev) for _ in rots]
+    inter2 = [torch.empty(1, M * top_k, rank, dtype=torch.bfloat16, device=dev) for _ in rots]
+    flat_w = [w.reshape(-1).contiguous() for _, _, w in rots]
+
+    def launches(gemm, which, shrink_cfg, expand_cfg):
+        out = []
+        for r, ((x, _, _), a) in enumerate(zip(rots, adapters)):
+            if gemm == 1:
+                pair = lora_launchers(x, a["a13"], a["b13"], c1[r], inter1[r], routings[r], top_k, top_k, shrink_cfg,
+                                      expand_cfg)
+            else:
+                pair = lora_launchers(acts[r], a["a2"], a["b2"], c2[r], inter2[r], routings[r], top_k, 1, shrink_cfg,
+                                      expand_cfg, flat_w[r])
+            out.append(pair[which])
+        return out
+
+    chosen, times = [], {}
+    for gemm in (1, 2):
+        for which, menu in ((0, LORA_SHRINK_MENU), (1, LORA_EXPAND_MENU)):
+            menu = [quick[which]] if args.quick else menu
+            # The expand reads the shrink's output: the shrink of the pick runs first.
+            pick = chosen[-1] if which == 1 else None
+
+            def make(c, gemm=gemm, which=which, pick=pick):
+                if which == 0:
+                    return launches(gemm, 0, c, quick[1])
+                for f in launches(gemm, 0, pick, quick[1]):
+                    f()
+                return launches(gemm, 1, pick, c)
+            c, us = tune(f"lora{gemm} {'shrink' if which == 0 else 'expand'}", menu, make, args.iters)
+            chosen.append(c)
+            times[f"lora{gemm}_{'shrink' if which == 0 else 'expand'}_us"] = us
+    if not args.quick and tuple(chosen) != quick * 2:
+        err = max(err, lora_rel_err(x0, w13, w2, ids0, wts0, adapters[0], base["gemm1_config"],
+                                    base["gemm2_config"], chosen))
+        if not err <= 2e-2:
+            sys.exit(f"FAILED: {name} M={M} LoRA rank {rank}: rel_err {err:.3e} > 2e-2 ({chosen})")
+    lora_us = sum(times.values())
+    return dict(base, lora={"rank": rank, "adapters": L, "share": args.lora_share}, two_gemm_us=base["two_gemm_us"]
+                + lora_us, base_two_gemm_us=base["two_gemm_us"], lora_us=lora_us, lora_configs=chosen,
+                rel_err=err, **times)
 
 
 def geomean(values):
@@ -246,20 +346,28 @@ def short(c):
     return "{BLOCK_SIZE_M}x{BLOCK_SIZE_N}x{BLOCK_SIZE_K} g{GROUP_SIZE_M} w{num_warps} s{num_stages}".format(**c)
 
 
+def kind_of(row):
+    """The scheme, with "+lora" for LoRA rows: the geomeans are kept apart."""
+    return scheme_of(row) + ("+lora" if row.get("lora") else "")
+
+
 PEER = "triton-fused-moe (benchmarks/triton_fused_moe_compare.py: our Triton kernel of vLLM's fused_moe contract)"
 
 
 def cell_key(row):
-    """Rows of ours and of this script are matched on (model, M, quantization scheme)."""
-    return row["model"], int(row["M"]), scheme_of(row)
+    """Rows of ours and of this script are matched on (model, M, quantization scheme, LoRA
+    rank, adapters and share; None for the base layer)."""
+    lora = row.get("lora")
+    lora = None if not lora else (int(lora["rank"]), int(lora["adapters"]), float(lora["share"]))
+    return row["model"], int(row["M"]), scheme_of(row), lora
 
 
 def load_ours(ours_path):
-    """moelora_bench --json rows of the plain layer (no LoRA: the peer has none)."""
+    """moelora_bench --json rows of the layer, base and LoRA (--lora-rank)."""
     with open(ours_path) as f:
         data = json.load(f)
     rows = data["rows"] if isinstance(data, dict) else data
-    return data, [r for r in rows if r.get("op", "fused_experts") == "fused_experts" and not r.get("lora")]
+    return data, [r for r in rows if r.get("op", "fused_experts") == "fused_experts"]
 
 
 def report(rows, ours_path):
@@ -274,7 +382,7 @@ def report(rows, ours_path):
         o = ours.get(cell_key(r))
         su = r["two_gemm_us"] / o if o else None
         if su:
-            ratios.setdefault(scheme_of(r), []).append(su)
+            ratios.setdefault(kind_of(r), []).append(su)
         print(f"{r['model']:<16} {scheme_of(r):<11} {r['M']:>5} {r['gemm1_us']:>9.1f} {r['gemm2_us']:>9.1f} "
               f"{r['two_gemm_us']:>9.1f} {(f'{o:.1f}' if o else '-'):>9} {(f'x{su:.2f}' if su else '-'):>8}  "
               f"{r['rel_err']:.1e}  {short(r['gemm1_config'])} | {short(r['gemm2_config'])}")
@@ -308,7 +416,10 @@ def write_report(rows, ours_path, path, commit):
                    roofline_speedup_vs_triton=t["two_gemm_us"] / o["floor_us"])
         speedups.append(row["speedup_vs_triton"])
         bounds.append(row["roofline_speedup_vs_triton"])
-        by_scheme.setdefault(scheme_of(o), []).append(row["speedup_vs_triton"])
+        if t.get("lora"):
+            row.update(triton_lora_us=t["lora_us"], triton_base_two_gemm_us=t["base_two_gemm_us"],
+                       triton_lora_configs=t["lora_configs"])
+        by_scheme.setdefault(kind_of(o), []).append(row["speedup_vs_triton"])
         merged.append(row)
     machine = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "unknown",
                "cuda": torch.version.cuda, "triton": triton.__version__, "torch": torch.__version__}
@@ -428,7 +539,61 @@ def selftest(dev, scheme="bf16"):
                       f"rel_err {err:.2e}")
                 if not err <= 2e-2:
                     sys.exit("selftest FAILED")
+    if not fp8:
+        worst = max(worst, selftest_lora(dev))
     print(f"selftest {scheme} passed (worst rel_err {worst:.2e})")
+
+
+def selftest_lora(dev):
+    """The LoRA kernels in both modes (per slot, aligned by adapter and expert) against the
+    float32 reference, with tokens of no adapter, a rank below the padded 16 and ragged N;
+    the alignment's slots and blocks checked exactly."""
+    worst = 0.0
+    for E, top_k, H, I, M, L, rank, share in ((3, 2, 64, 48, 9, 2, 8, 0.7), (4, 2, 80, 48, 21, 3, 16, 1.0)):
+        w13 = (0.05 * torch.randn(E, 2 * I, H, device=dev)).to(torch.bfloat16)
+        w2 = (0.05 * torch.randn(E, H, I, device=dev)).to(torch.bfloat16)
+        x, ids, wts = make_inputs(M, E, top_k, H, 9, dev)
+        adapters = make_adapters(L, E, H, I, rank, M, share, 3, dev)
+        routing = make_routing(ids, adapters["token_lora"], adapters["scale"], E)
+        s, b_exp, b_lora, ntpp = routing["aligned"](16)
+        lora_of = adapters["token_lora"].long().repeat_interleave(top_k)
+        real = s[s < M * top_k].long()
+        assert sorted(real.tolist()) == (lora_of >= 0).nonzero().squeeze(1).tolist(), "LoRA alignment lost a slot"
+        blk = (s < M * top_k).nonzero().squeeze(1) // 16
+        assert torch.equal(b_exp[blk].long(), ids.reshape(-1)[real].long()) and \
+            torch.equal(b_lora[blk].long(), lora_of[real]), "LoRA alignment: slot in a wrong block"
+        # Each GEMM's shrink + expand alone into fp32 C and fp32 inter: exact products, so
+        # only summation order differs (the GPU rounds inter to bf16 before the expand's dot).
+        slots = M * top_k
+        token_of, expert_of = torch.arange(slots, device=dev) // top_k, ids.reshape(-1).long()
+        act = (0.5 * torch.randn(slots, I, device=dev)).to(torch.bfloat16)
+        tol = 1e-5 if INTERPRET else 1e-2
+        for mode, bm in (("per_slot", 16), ("aligned", 16), ("aligned", 32)):
+            for inp, a, b, rows_per_token, topk_w, width, rows in (
+                    (x, "a13", "b13", top_k, None, 2 * I, token_of),
+                    (act, "a2", "b2", 1, wts.reshape(-1).contiguous(), H, torch.arange(slots, device=dev))):
+                c = torch.zeros(slots, width, device=dev)
+                inter = torch.empty(adapters[a].shape[0], slots, rank, device=dev)
+                for launch in lora_launchers(inp, adapters[a], adapters[b], c, inter, routing, top_k, rows_per_token,
+                                             lcfg(mode, bm, 32), lcfg(mode, bm, 32), topk_w):
+                    launch()
+                ref = lora_reference_delta(inp, adapters[a], adapters[b], adapters["scale"], rows, lora_of,
+                                           expert_of)
+                if topk_w is not None:
+                    ref = ref * topk_w[:, None]
+                e = ((c - ref).norm() / ref.norm()).item()
+                print(f"selftest lora kernels alone ({a}, {mode} bm={bm}), fp32 C: rel_err {e:.1e}")
+                if not e <= tol:
+                    sys.exit("selftest FAILED (LoRA kernel indexing)")
+        base = cfg(16, 32, 32, 1, 4, 2)
+        for mode, bm in (("per_slot", 16), ("aligned", 16), ("aligned", 32)):
+            cfgs = (lcfg(mode, bm, 32), lcfg(mode, bm, 32), lcfg(mode, bm, 64), lcfg(mode, bm, 16))
+            err = lora_rel_err(x, w13, w2, ids, wts, adapters, base, base, cfgs)
+            worst = max(worst, err)
+            print(f"selftest lora E={E} M={M} adapters={L} rank={rank} share={share} {mode} bm={bm}: rel_err {err:.2e}")
+            if not err <= 2e-2:
+                sys.exit("selftest FAILED (LoRA)")
+    return worst
 
 
 def main(args):
@@ -470,11 +635,12 @@ def main(args):
             # fp8: the same bf16 weights quantized (128x128 blocks or per output channel).
             qw13, qw2 = quant_weights(w13, sch), quant_weights(w2, sch)
             for M in tokens:
-                row = bench_cell(name, M, qw13, qw2, args, sch)
-                rows.append(row)
-                print(f"{name:<16} {sch:<11} M={M:<5} gemm1 {row['gemm1_us']:8.1f} us  "
-                      f"gemm2 {row['gemm2_us']:8.1f} us  two-GEMM {row['two_gemm_us']:8.1f} us  rel_err {row['rel_err']:.1e}  "
-                      f"[{short(row['gemm1_config'])} | {short(row['gemm2_config'])}]", flush=True)
+                for row in bench_cell(name, M, qw13, qw2, args, sch):
+                    rows.append(row)
+                    label = f"+lora r={row['lora']['rank']}" if row["lora"] else sch
+                    print(f"{name:<16} {label:<11} M={M:<5} gemm1 {row['gemm1_us']:8.1f} us  gemm2 "
+                          f"{row['gemm2_us']:8.1f} us  peer {row['two_gemm_us']:8.1f} us  rel_err {row['rel_err']:.1e}  "
+                          f"[{short(row['gemm1_config'])} | {short(row['gemm2_config'])}]", flush=True)
                 if args.json:  # rewritten per cell so a cut-off run keeps what it measured
                     with open(args.json, "w") as f:
                         json.dump(rows, f, indent=1)

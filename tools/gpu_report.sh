@@ -28,6 +28,11 @@
 #                    QUANT_LORA_RANKS (e.g. "16") adds LoRA rows to the fp8_block cells.
 #                    Another grid of its own: with the layer bench, split the run
 #                    (BENCH_MODELS=none QUANT_SCHEMES=none) to fit 10 minutes.
+#   BF16_PEER=1      also time the same-run Triton peer of the bf16 layer (benchmarks/
+#                    triton_fused_moe_compare.py over BENCH_MODELS/BENCH_TOKENS, config
+#                    searched per cell; PEER_QUICK=1: one heuristic config), and with
+#                    LORA_RANKS the LoRA layer at the first rank (its four LoRA kernels):
+#                    peer_us in the bench's base and LoRA rows.
 #   QUANT_PEER=1     also time the same-run Triton fp8 peer (benchmarks/
 #                    triton_fused_moe_compare.py --quick, fp8_block and fp8_channel over
 #                    QUANT_MODELS/QUANT_TOKENS; about 45 s for the whole grid on an H100):
@@ -105,14 +110,26 @@ if [ "${QUANT_SCHEMES:-}" != none ]; then
   # It writes the rows that ran even when some failed (and says which, exit 1).
   [ -f "$OUT_DIR/quant.json" ] && BENCH_JSONS+=("$OUT_DIR/quant.json")
 fi
-PEER_ARGS=()
+PEER_FILES=()
+if [ "${BF16_PEER:-0}" = 1 ] && [ "${BENCH_MODELS:-all}" != none ]; then
+  step triton_bf16_peer
+  PEER_LORA=()
+  [ -n "${LORA_RANKS:-}" ] && PEER_LORA+=(--lora-rank "${LORA_RANKS%%,*}" --adapters "${LORA_ADAPTERS:-4}" \
+    --lora-share "${LORA_SHARE:-1.0}")
+  MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 benchmarks/triton_fused_moe_compare.py \
+    --model "${BENCH_MODELS:-all}" --scheme bf16 --tokens "${BENCH_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
+    ${PEER_QUICK:+--quick} ${PEER_LORA[@]+"${PEER_LORA[@]}"} --json "$OUT_DIR/peer_bf16.json" 2>&1 | tee -a "$LOG"
+  [ -f "$OUT_DIR/peer_bf16.json" ] && PEER_FILES+=("$OUT_DIR/peer_bf16.json")
+fi
 if [ "${QUANT_PEER:-0}" = 1 ]; then
   step triton_fp8_peer
   MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 benchmarks/triton_fused_moe_compare.py \
     --model "${QUANT_MODELS:-all}" --scheme fp8_block,fp8_channel --quick \
     --tokens "${QUANT_TOKENS:-1,2,4,8,16,32,64,256,1024,4096,8192}" --json "$OUT_DIR/peer.json" 2>&1 | tee -a "$LOG"
-  [ -f "$OUT_DIR/peer.json" ] && PEER_ARGS+=(--peer "$OUT_DIR/peer.json")
+  [ -f "$OUT_DIR/peer.json" ] && PEER_FILES+=("$OUT_DIR/peer.json")
 fi
+PEER_ARGS=()
+[ ${#PEER_FILES[@]} -gt 0 ] && PEER_ARGS+=(--peer "${PEER_FILES[@]}")
 if [ "${SKIP_MLA:-0}" != 1 ]; then
   step sparse_mla_bench
   "$BUILD_DIR/sparse_mla_bench" --device cuda --ceilings --json "$OUT_DIR/sparse_mla.json" 2>&1 | tee -a "$LOG"

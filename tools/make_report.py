@@ -40,6 +40,14 @@ def query(cmd):
         return "unknown"
 
 
+def peer_key(row):
+    """Rows of the bench and of the Triton peer match on (model, M, scheme, LoRA rank,
+    adapters and share); bf16 and the base layer: scheme "bf16", LoRA None."""
+    lora = row.get("lora")
+    lora = None if not lora else (int(lora["rank"]), int(lora["adapters"]), float(lora["share"]))
+    return row["model"], int(row["M"]), (row.get("quant") or {}).get("scheme", "bf16"), lora
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
@@ -48,8 +56,8 @@ def main():
     ap.add_argument("--bench", required=True, nargs="+")
     ap.add_argument("--sanitizer-logs", nargs="*", default=[])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--peer", help="triton_fused_moe_compare.py --json rows (8-bit schemes): their two-GEMM time "
-                                   "goes into the matching quant rows as peer_us")
+    ap.add_argument("--peer", nargs="+", help="triton_fused_moe_compare.py --json rows (bf16, 8-bit schemes, LoRA): "
+                                              "their time goes into the matching rows as peer_us")
     # A report assembled off the GPU machine from files it wrote: say what ran there.
     ap.add_argument("--gpu")
     ap.add_argument("--driver")
@@ -72,13 +80,16 @@ def main():
         else:
             bench["rows"] += part["rows"]
     if args.peer:
-        with open(args.peer) as f:
-            peer = {(r["model"], r["M"], r["quant"]["scheme"]): r["two_gemm_us"] for r in json.load(f)}
+        peer = {}
+        for path in args.peer:
+            with open(path) as f:
+                peer.update({peer_key(r): r for r in json.load(f)})
         for r in bench["rows"]:
-            q = r.get("quant")
-            if q and r.get("lora") is None and (r["model"], r["M"], q["scheme"]) in peer:
-                r["peer_us"] = round(peer[(r["model"], r["M"], q["scheme"])], 3)
-                r["peer"] = "triton fused_moe_kernel fp8 (vLLM contract), two GEMMs only, quick heuristic configs"
+            p = peer.get(peer_key(r)) if r.get("op", "fused_experts") == "fused_experts" else None
+            if p:
+                r["peer_us"] = round(p["two_gemm_us"], 3)
+                r["peer"] = ("triton fused_moe_kernel (vLLM contract, benchmarks/triton_fused_moe_compare.py): the two "
+                             "GEMMs" + (" and the four LoRA kernels (shrink, expand a GEMM)" if r.get("lora") else ""))
     # 8-bit rows next to the bf16 layer's row of the same cell (moelora_bench and quant_bench
     # share weights' seeds and routings): the issue's "fp8 time <= 0.62x bf16" check.
     bf16_us = {(r["model"], r["M"]): r["time_us"] for r in bench["rows"]
