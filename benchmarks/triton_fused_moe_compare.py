@@ -383,7 +383,7 @@ def report(rows, ours_path):
         su = r["two_gemm_us"] / o if o else None
         if su:
             ratios.setdefault(kind_of(r), []).append(su)
-        print(f"{r['model']:<16} {scheme_of(r):<11} {r['M']:>5} {r['gemm1_us']:>9.1f} {r['gemm2_us']:>9.1f} "
+        print(f"{r['model']:<16} {kind_of(r):<11} {r['M']:>5} {r['gemm1_us']:>9.1f} {r['gemm2_us']:>9.1f} "
               f"{r['two_gemm_us']:>9.1f} {(f'{o:.1f}' if o else '-'):>9} {(f'x{su:.2f}' if su else '-'):>8}  "
               f"{r['rel_err']:.1e}  {short(r['gemm1_config'])} | {short(r['gemm2_config'])}")
     if ours_path:
