@@ -267,9 +267,11 @@ class ParallelFusedMoE(torch.nn.Module):
     # ---- forward ------------------------------------------------------------------------
 
     def _all_reduce(self, out, group, size):
-        # Functional collectives: torch.compile traces them without a graph break.
+        # Functional collectives: torch.compile traces them without a graph break. Waited on
+        # here, so eager calls complete as dist.all_reduce's would (a compiled graph may
+        # still move the wait later).
         if size > 1:
-            out = funcol.all_reduce(out, "sum", group if group is not None else dist.group.WORLD)
+            out = funcol.wait_tensor(funcol.all_reduce(out, "sum", group if group is not None else dist.group.WORLD))
         return out
 
     def _timed(self, field, fn):
