@@ -10,6 +10,10 @@
 #   SKIP_MLA=1       skip the sparse MLA decode bench (sparse_mla_bench, the grid)
 #                    and its kv-row gather ceiling (kv_gather_ceiling, a text table)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
+#   SANITIZE_SWEEP=1 the whole CUDA suite under memcheck, racecheck, initcheck and synccheck
+#                    (tools/sanitizer_sweep.py: batches within SWEEP_BUDGET seconds, default
+#                    540, continuing SWEEP_STATE, default reports/gpu/sanitizer_state.json;
+#                    commit $OUT/sanitizer_state.json back there to continue next call)
 #   SKIP_TESTS=1     build and benchmark only; TEST_RESULTS=DIR then takes ctest.xml,
 #                    pytest.xml and sanitizer_*.log from an earlier SKIP_BENCH=1 run
 #   SKIP_BENCH=1     build and test only (the device allows 10 minutes a command)
@@ -62,6 +66,15 @@ MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 -m pytest tes
   --junitxml="$OUT_DIR/pytest.xml" >>"$LOG" 2>&1
 tail -3 "$LOG"
 
+if [ "${SANITIZE_SWEEP:-0}" = 1 ]; then
+  # The whole CUDA suite under the four tools, resumable: SWEEP_STATE (default the
+  # committed reports/gpu/sanitizer_state.json) is continued for SWEEP_BUDGET seconds.
+  step "compute-sanitizer sweep"
+  SWEEP_ARGS=()
+  [ -f "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}" ] && SWEEP_ARGS+=(--state "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}")
+  python3 tools/sanitizer_sweep.py --binary "$BUILD_DIR/moelora_tests" --budget "${SWEEP_BUDGET:-540}" \
+    --out "$OUT_DIR/sanitizer_state.json" --log-dir "$OUT_DIR" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"} 2>&1 | tail -40 | tee -a "$LOG"
+fi
 if [ -n "${SANITIZE_FILTER:-}" ]; then
   for tool in memcheck racecheck; do
     step "compute-sanitizer $tool"
@@ -141,4 +154,6 @@ fi
 step report
 python3 tools/make_report.py --commit "${MOELORA_COMMIT:-unknown}" --ctest "$OUT_DIR/ctest.xml" \
   --pytest "$OUT_DIR/pytest.xml" --bench "${BENCH_JSONS[@]}" \
-  --sanitizer-logs "$OUT_DIR"/sanitizer_*.log ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} --out "$OUT_DIR/report.json"
+  --sanitizer-logs "$OUT_DIR"/sanitizer_*.log ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} \
+  $( [ -f "$OUT_DIR/sanitizer_state.json" ] && echo --sanitizer-state "$OUT_DIR/sanitizer_state.json" ) \
+  --out "$OUT_DIR/report.json"

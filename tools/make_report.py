@@ -16,6 +16,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 
@@ -55,6 +56,8 @@ def main():
     ap.add_argument("--pytest")
     ap.add_argument("--bench", required=True, nargs="+")
     ap.add_argument("--sanitizer-logs", nargs="*", default=[])
+    ap.add_argument("--sanitizer-state", help="tools/sanitizer_sweep.py's state: each tool's summary over the "
+                                              "whole CUDA suite goes into the report's sanitizer.sweep")
     ap.add_argument("--out", required=True)
     ap.add_argument("--peer", nargs="+", help="triton_fused_moe_compare.py --json rows (bf16, 8-bit schemes, LoRA): "
                                               "their time goes into the matching rows as peer_us")
@@ -108,6 +111,11 @@ def main():
                 text = f.read()
             summary = [line for line in text.splitlines() if "ERROR SUMMARY" in line or "RACECHECK SUMMARY" in line]
             sanitizer[os.path.basename(log)] = summary[-1] if summary else "no summary (see log)"
+    if args.sanitizer_state:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import sanitizer_sweep
+        with open(args.sanitizer_state) as f:
+            sanitizer["sweep"] = sanitizer_sweep.summarize(json.load(f))
     report = {
         "commit": args.commit,
         "date": datetime.date.today().isoformat(),

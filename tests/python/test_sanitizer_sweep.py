@@ -1,0 +1,83 @@
+"""tools/sanitizer_sweep.py (issue 33 item 3) without a GPU: its parsing of
+compute-sanitizer's output, the known false positives, and a resumed sweep over a fake
+test binary and a fake sanitizer."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import sanitizer_sweep  # noqa: E402
+
+MEMCHECK = """========= COMPUTE-SANITIZER
+[ RUN      ] Suite.First/CUDA
+========= Invalid __global__ read of size 4 bytes
+=========     at kernel_a+0x10
+=========     Address 0x7f is out of bounds
+=========
+[       OK ] Suite.First/CUDA (1 ms)
+[ RUN      ] Suite.Second/CUDA
+========= Error: Race reported between Write access at wgmma_kernel+0x1 and Read access at wgmma_kernel+0x2
+=========
+[       OK ] Suite.Second/CUDA (1 ms)
+[  PASSED  ] 2 tests.
+========= ERROR SUMMARY: 2 errors
+"""
+
+
+def test_findings_name_their_case_and_known_ones_keep_their_reason():
+    found = sanitizer_sweep.findings_of(MEMCHECK)
+    assert [case for case, _ in found] == ["Suite.First/CUDA", "Suite.Second/CUDA"]
+    assert "out of bounds" in found[0][1] and "wgmma" in found[1][1]
+    assert sanitizer_sweep.summary_line(MEMCHECK) == "ERROR SUMMARY: 2 errors"
+    state = {"cases": 2, "tools": {"racecheck": {"done": ["a", "b"], "failed_batches": 0, "summaries": [],
+                                                 "findings": [{"case": "a", "known": "mbarrier order", "text": ""},
+                                                              {"case": "b", "known": None, "text": ""}]}}}
+    assert sanitizer_sweep.summarize(state)["racecheck"] == {"cases": 2, "done": 2, "errors": 1,
+                                                             "known": {"mbarrier order": 1}, "failed_batches": 0}
+
+
+def _script(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_sweep_resumes_where_the_budget_stopped(tmp_path):
+    # A gtest-like binary: 5 CUDA cases and a CPU one; each run takes ~1 s.
+    binary = _script(tmp_path / "tests", """#!/usr/bin/env python3
+import sys, time
+cases = ["Layers/T.Case/CUDA_%d" % i for i in range(5)] + ["Layers/T.Case/CPU_0"]
+if "--gtest_list_tests" in sys.argv:
+    print("Layers/T.\\n" + "\\n".join("  " + c.split(".", 1)[1] for c in cases))
+    sys.exit(0)
+chosen = sys.argv[-1].split("=", 1)[1].split(":")
+for c in chosen:
+    print("[ RUN      ] " + c); print("[       OK ] " + c)
+time.sleep(1)
+print("[  PASSED  ] %d tests." % len(chosen))
+""")
+    sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
+while [ "${1#--}" != "$1" ]; do shift 2; done
+"$@"
+echo "========= ERROR SUMMARY: 0 errors"
+""")
+    known = tmp_path / "known.json"
+    known.write_text("[]")
+    state = tmp_path / "state.json"
+    common = [sys.executable, os.path.join(ROOT, "tools", "sanitizer_sweep.py"), "--binary", binary, "--sanitizer",
+              sanitizer, "--tools", "memcheck", "--batch", "2", "--known", str(known), "--log-dir", str(tmp_path)]
+    # A budget of 30.6 s leaves room for one batch (~1 s) before the 30 s reserve stops the sweep.
+    first = subprocess.run(common + ["--budget", "30.6", "--out", str(state)], capture_output=True, text=True)
+    assert first.returncode == 0, first.stdout + first.stderr
+    done = json.loads(state.read_text())["tools"]["memcheck"]["done"]
+    assert done == ["Layers/T.Case/CUDA_0", "Layers/T.Case/CUDA_1"], done
+    second = subprocess.run(common + ["--budget", "100", "--state", str(state), "--out", str(state)],
+                            capture_output=True, text=True)
+    assert second.returncode == 0, second.stdout + second.stderr
+    summary = sanitizer_sweep.summarize(json.loads(state.read_text()))["memcheck"]
+    assert summary == {"cases": 5, "done": 5, "errors": 0, "known": {}, "failed_batches": 0}
