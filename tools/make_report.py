@@ -52,7 +52,8 @@ def peer_key(row):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--commit", required=True)
-    ap.add_argument("--ctest")
+    ap.add_argument("--ctest", nargs="+", help="ctest --output-junit files (several: a suite run in parts, "
+                                               "ctest -I ranges over device calls)")
     ap.add_argument("--pytest")
     ap.add_argument("--bench", required=True, nargs="+")
     ap.add_argument("--sanitizer-logs", nargs="*", default=[])
@@ -102,7 +103,7 @@ def main():
         if r.get("quant") and r.get("lora") is None and (r["model"], r["M"]) in bf16_us:
             r["bf16_us"] = bf16_us[(r["model"], r["M"])]
             r["vs_bf16"] = round(r["time_us"] / r["bf16_us"], 4)
-    c_pass, c_fail, c_skip = junit_counts(args.ctest)
+    c_pass, c_fail, c_skip = (sum(counts) for counts in zip((0, 0, 0), *map(junit_counts, args.ctest or [])))
     p_pass, p_fail, p_skip = junit_counts(args.pytest)
     sanitizer = {}
     for log in args.sanitizer_logs:
