@@ -21,8 +21,8 @@ works unchanged; what differs is which weights it holds and how outputs combine:
   routes them, and sends each (token, expert) slot to the rank that holds the expert
   (all_to_all_single of the rows, ids, weights and adapter ids); each rank computes only
   the slots it received, and a second all_to_all_single brings the weighted products
-  back, summed per token in fp32. The split sizes are exchanged first, a host
-  synchronisation: not capturable in a CUDA graph.
+  back, summed per token in fp32 (slots routed to -1 are not sent). The split sizes are
+  exchanged first, a host synchronisation: not capturable in a CUDA graph.
 The all-reduce paths are functional collectives: torch.compile(fullgraph=True) traces
 the layer's forward without a graph break.
 
@@ -306,17 +306,14 @@ class ParallelFusedMoE(torch.nn.Module):
         if x.shape[0] != M:
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got {M}")
         ids = topk_ids.reshape(-1).long()
-        if M and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
-            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [0, {self.num_experts}), got "
+        if M and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
+            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [-1, {self.num_experts}), got "
                              f"[{int(ids.min())}, {int(ids.max())}]")
-        # Slots in the order of the ranks that hold their experts (stable: token order within).
-        dest = self.expert_owner.to(ids.device)[ids]
+        # Slots in the order of the ranks that hold their experts (stable: token order
+        # within); dropped slots (-1) last, in a bucket past the ranks that is never sent.
+        dest = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(min=0)], self.ep_size)
         order = torch.argsort(dest, stable=True)
-        slot_token = torch.arange(M, device=ids.device).repeat_interleave(k)[order]
-        send_counts = torch.bincount(dest, minlength=self.ep_size)
-        lora = None
-        if token_lora_ids is not None:
-            lora = token_lora_ids.reshape(-1).to(torch.int32).repeat_interleave(k)[order]
+        send_counts = torch.bincount(dest, minlength=self.ep_size + 1)[:self.ep_size]
 
         def exchange_counts():
             recv = torch.empty_like(send_counts)
@@ -325,6 +322,11 @@ class ParallelFusedMoE(torch.nn.Module):
         recv_counts = self._timed("dispatch", exchange_counts)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # the host sync
         received = sum(recv_splits)
+        order = order[:sum(send_splits)]
+        slot_token = torch.arange(M, device=ids.device).repeat_interleave(k)[order]
+        lora = None
+        if token_lora_ids is not None:
+            lora = token_lora_ids.reshape(-1).to(torch.int32).repeat_interleave(k)[order]
 
         def all_to_all(values, splits_out, splits_in, rows):
             out = values.new_empty((rows,) + tuple(values.shape[1:]))
@@ -342,7 +344,7 @@ class ParallelFusedMoE(torch.nn.Module):
         # its routed weight applied there.
         products = self.local.forward_routed(x_in, weights_in.reshape(-1, 1), ids_in.reshape(-1, 1), lora_in)
         products = self._timed("combine", lambda: self._all_reduce(products, self.tp_group, self.tp_size))
-        back = self._timed("combine", lambda: all_to_all(products, send_splits, recv_splits, M * k))
+        back = self._timed("combine", lambda: all_to_all(products, send_splits, recv_splits, order.numel()))
         out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
         out.index_add_(0, slot_token, back.float())
         return out.to(hidden_states.dtype).reshape(*leading, H)

@@ -107,10 +107,15 @@ def _check_case(case, rank, world):
             own = slice(0, 0)
         x, logits, lora_ids = x[own], logits[own], lora_ids[own]
     ids = lora_ids if lora else None
-    # torch.compile traces the all-reduce paths whole (the eager backend: no C++ build here).
-    run = torch.compile(layer, fullgraph=True, backend="eager") if case.get("compile") else layer
-    out = run(x, logits, ids)
-    ref = whole(x, logits, ids)
+    if case.get("dropped"):  # every third slot routed to -1 (dropped), through forward_routed
+        weights, topk = whole.route(logits)
+        topk.view(-1)[::3] = -1
+        out, ref = layer.forward_routed(x, weights, topk, ids), whole.forward_routed(x, weights, topk, ids)
+    else:
+        # torch.compile traces the all-reduce paths whole (the eager backend: no C++ build here).
+        run = torch.compile(layer, fullgraph=True, backend="eager") if case.get("compile") else layer
+        out = run(x, logits, ids)
+        ref = whole(x, logits, ids)
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
     if x.shape[0] == 0:
         return
@@ -181,6 +186,9 @@ def test_two_processes():
         _case("ep2 uneven (7 experts) all_to_all lora", 2, 1, "all_to_all", experts=7, lora=True, seed=4),
         _case("tp2 lora bf16", 1, 2, dtype=BF16, lora=True, seed=5),
         _case("ep2 all_to_all, rank 1 without tokens", 2, 1, "all_to_all", seed=6, empty_rank=1),
+        _case("ep2 all_to_all with dropped slots (-1) and adapters", 2, 1, "all_to_all", lora=True, seed=10,
+              dropped=True),
+        _case("ep2 all_reduce with dropped slots (-1)", 2, 1, seed=19, dropped=True),
         _case("tp2 w4a16 g32 bf16", 1, 2, dtype=BF16, quant=dict(name="w4a16", group_size=32), seed=7),
         _case("tp2 swiglu_oai (interleaved gate/up) lora", 1, 2, lora=True, activation="swiglu_oai", seed=8),
     ])
