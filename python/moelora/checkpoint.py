@@ -176,29 +176,46 @@ def _fused_rows(reader, key, local_experts, shape):
     return reader.read_rows(key, local_experts)
 
 
-def read_experts(reader, prefix, local_experts, num_experts, hidden_size, intermediate_size):
+def _get_rows(reader, key, shape, rows):
+    """Rows `rows` of tensor `key` of shape `shape`, reading only their bytes from a file."""
+    if key not in reader:
+        raise _error(f"key '{key}' is missing")
+    if reader.shape(key) != list(shape):
+        raise _error(f"key '{key}' expected shape {list(shape)}, got {reader.shape(key)}")
+    return reader.read_rows(key, rows)
+
+
+def read_experts(reader, prefix, local_experts, num_experts, hidden_size, intermediate_size, shard=None):
     """Experts(w13, w2, w13_bias, w2_bias, interleaved) of the global experts `local_experts`
-    (in local order) of the block under `prefix`, in the checkpoint's dtype (CPU)."""
+    (in local order) of the block under `prefix`, in the checkpoint's dtype (CPU).
+    shard (start, stop): only the intermediate rows [start, stop) (tensor parallelism):
+    gate/up rows and down columns; per-expert tensors read only those gate/up rows."""
     H, I, E = hidden_size, intermediate_size, num_experts
+    start, stop = shard if shard is not None else (0, I)
     base = f"{prefix}.experts"
     for gate, up, down in _PER_EXPERT:
         if f"{base}.0.{gate}.weight" not in reader:
             continue
         w13, w2 = [], []
         for e in local_experts:
-            w13.append(torch.cat([_get(reader, f"{base}.{e}.{gate}.weight", (I, H)),
-                                  _get(reader, f"{base}.{e}.{up}.weight", (I, H))], dim=0))
-            w2.append(_get(reader, f"{base}.{e}.{down}.weight", (H, I)))
-        return Experts(torch.stack(w13), torch.stack(w2), None, None, False)
+            halves = [_get_rows(reader, f"{base}.{e}.{name}.weight", (I, H), range(start, stop)) if shard
+                      else _get(reader, f"{base}.{e}.{name}.weight", (I, H)) for name in (gate, up)]
+            w13.append(torch.cat(halves, dim=0))
+            w2.append(_get(reader, f"{base}.{e}.{down}.weight", (H, I))[:, start:stop])
+        return Experts(torch.stack(w13), torch.stack(w2).contiguous(), None, None, False)
     if f"{base}.gate_up_proj" in reader:
         if f"{base}.gate_up_proj_bias" in reader:  # gpt-oss: [E, H, 2I] interleaved, biases
             w13 = _fused_rows(reader, f"{base}.gate_up_proj", local_experts, (E, H, 2 * I)).transpose(1, 2)
             w2 = _fused_rows(reader, f"{base}.down_proj", local_experts, (E, I, H)).transpose(1, 2)
             b13 = _fused_rows(reader, f"{base}.gate_up_proj_bias", local_experts, (E, 2 * I))
             b2 = _fused_rows(reader, f"{base}.down_proj_bias", local_experts, (E, H))
-            return Experts(w13.contiguous(), w2.contiguous(), b13, b2, True)
+            return Experts(w13[:, 2 * start:2 * stop].contiguous(), w2[:, :, start:stop].contiguous(),
+                           b13[:, 2 * start:2 * stop], b2, True)
         w13 = _fused_rows(reader, f"{base}.gate_up_proj", local_experts, (E, 2 * I, H))
         w2 = _fused_rows(reader, f"{base}.down_proj", local_experts, (E, H, I))
+        if shard:
+            w13 = torch.cat([w13[:, start:stop], w13[:, I + start:I + stop]], dim=1)
+            w2 = w2[:, :, start:stop].contiguous()
         return Experts(w13, w2, None, None, False)
     raise _error(f"no expert weights under '{base}.' (expected <e>.gate_proj/up_proj/down_proj.weight, "
                  f"<e>.w1/w3/w2.weight, or the fused gate_up_proj / down_proj)")

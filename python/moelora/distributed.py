@@ -196,11 +196,14 @@ class ParallelFusedMoE(torch.nn.Module):
     @torch.no_grad()
     def load_experts(self, source, prefix):
         """This rank's experts and shard from a model checkpoint (FusedMoE.load_experts'
-        sources and namings): only this rank's experts are read."""
+        sources and namings): only this rank's experts are read, and of per-expert
+        gate/up tensors only this shard's rows."""
         reader = checkpoint.CheckpointReader(source)
         count = self.local.num_local_experts
+        shard = (self.shard_start, self.shard_start + self.local.intermediate_size)
         experts = checkpoint.read_experts(reader, prefix, list(range(self.first_expert, self.first_expert + count)),
-                                          self.num_experts, self.hidden_size, self.intermediate_size)
+                                          self.num_experts, self.hidden_size, self.intermediate_size,
+                                          shard if self.tp_size > 1 else None)
         if experts.w13_bias is not None:
             raise ValueError(f"ParallelFusedMoE.load_experts: '{prefix}.experts.' holds expert biases (gpt-oss), "
                              f"which the layer has no place for")
@@ -208,7 +211,7 @@ class ParallelFusedMoE(torch.nn.Module):
             raise ValueError(f"ParallelFusedMoE.load_experts: '{prefix}.experts.' holds "
                              f"{'interleaved' if experts.interleaved else 'halved'} gate/up rows, activation "
                              f"{self.local.activation!r} expects the other")
-        self.local.load_weights(*self.shard_of(experts.w13, experts.w2))
+        self.local.load_weights(experts.w13, experts.w2)
 
     def _shard_rows(self, t, per_row):
         """w13-like tensor t [E, 2I / per_row, ...]: this shard's gate and up rows (per_row:

@@ -6,6 +6,7 @@ weights. The same code runs over NCCL on GPUs (examples/distributed_moe.py)."""
 
 import os
 import socket
+import tempfile
 import traceback
 
 import pytest
@@ -124,19 +125,45 @@ def _check_case(case, rank, world):
     assert err <= bound, f"{case['name']} rank {rank}: rel_err {err:.3g} > {bound}"
 
 
+def _float_checkpoint(kind, num_experts, hidden, intermediate, seed, rank):
+    """bf16 experts as a checkpoint holds them: per expert in a .safetensors file of this
+    rank's own (read by rows), or fused gate_up_proj / down_proj tensors in a dict."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = ((torch.rand(num_experts, 2 * intermediate, hidden, generator=g) - 0.5) * 0.2).to(BF16)
+    w2 = ((torch.rand(num_experts, hidden, intermediate, generator=g) - 0.5) * 0.2).to(BF16)
+    prefix = "model.layers.0.mlp.experts"
+    if kind == "float_fused":
+        return {f"{prefix}.gate_up_proj": w13, f"{prefix}.down_proj": w2}
+    from safetensors.torch import save_file
+    tensors = {}
+    for e in range(num_experts):
+        tensors[f"{prefix}.{e}.gate_proj.weight"] = w13[e, :intermediate].contiguous()
+        tensors[f"{prefix}.{e}.up_proj.weight"] = w13[e, intermediate:].contiguous()
+        tensors[f"{prefix}.{e}.down_proj.weight"] = w2[e].contiguous()
+    path = os.path.join(tempfile.mkdtemp(prefix=f"moelora-rank{rank}-"), "model.safetensors")
+    save_file(tensors, path)
+    return path
+
+
 def _check_checkpoint_case(case, rank, world):
     """Quantized experts read from a checkpoint by each rank (its experts, cut to its shard)
     against the one-process layer reading the whole checkpoint."""
     ep, tp, E, kind = case["ep"], case["tp"], case["experts"], case["checkpoint"]
     hidden, intermediate = 128, 256  # fp8 blocks of 128: two TP shards of one block column each
-    quant = dict(name="w4a16", group_size=32, zero_points=True) if kind == "gptq" else dict(name="fp8_block")
-    tensors, config = _checkpoint(kind, E, hidden, intermediate, case["seed"])
     ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
+    if kind.startswith("float"):
+        quant, source = None, _float_checkpoint(kind, E, hidden, intermediate, case["seed"], rank)
+    else:
+        quant = dict(name="w4a16", group_size=32, zero_points=True) if kind == "gptq" else dict(name="fp8_block")
+        tensors, config = _checkpoint(kind, E, hidden, intermediate, case["seed"])
     layer = _layer(md.ParallelFusedMoE, E, BF16, False, quant, hidden, intermediate, ep_size=ep, ep_rank=ep_rank,
                    tp_size=tp, tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group)
     whole = _layer(moelora.FusedMoE, E, BF16, False, quant, hidden, intermediate)
     for target in (layer, whole):
-        target.load_quantized_experts(tensors, "model.layers.0.mlp", quant_config=config)
+        if quant is None:
+            target.load_experts(source, "model.layers.0.mlp")
+        else:
+            target.load_quantized_experts(tensors, "model.layers.0.mlp", quant_config=config)
     g = torch.Generator().manual_seed(case["seed"] + 1)
     x = (torch.rand(10, hidden, generator=g) - 0.5).to(BF16)
     logits = torch.randn(10, E, generator=g)
@@ -205,6 +232,8 @@ def test_four_processes():
         _case("tp4", 1, 4, seed=15),
         _case("ep2 x tp2 GPTQ 4-bit g32 zero points checkpoint", 2, 2, checkpoint="gptq", seed=16),
         _case("ep2 x tp2 fp8 block checkpoint", 2, 2, checkpoint="fp8_block", seed=17),
+        _case("ep2 x tp2 bf16 per-expert safetensors (shard rows read)", 2, 2, checkpoint="float_file", seed=20),
+        _case("ep1 x tp4 bf16 fused gate_up_proj checkpoint", 1, 4, checkpoint="float_fused", seed=21),
     ])
 
 
