@@ -168,16 +168,9 @@ def _get(reader, key, shape):
     return value
 
 
-def _fused_rows(reader, key, local_experts, shape):
-    if key not in reader:
-        raise _error(f"key '{key}' is missing")
-    if reader.shape(key) != list(shape):
-        raise _error(f"key '{key}' expected shape {list(shape)}, got {reader.shape(key)}")
-    return reader.read_rows(key, local_experts)
-
-
-def _get_rows(reader, key, shape, rows):
-    """Rows `rows` of tensor `key` of shape `shape`, reading only their bytes from a file."""
+def _read_rows(reader, key, rows, shape):
+    """Rows `rows` (dim 0) of tensor `key` of shape `shape`: a fused tensor's local experts,
+    or a shard of an expert's rows; only their bytes are read from a file."""
     if key not in reader:
         raise _error(f"key '{key}' is missing")
     if reader.shape(key) != list(shape):
@@ -198,21 +191,21 @@ def read_experts(reader, prefix, local_experts, num_experts, hidden_size, interm
             continue
         w13, w2 = [], []
         for e in local_experts:
-            halves = [_get_rows(reader, f"{base}.{e}.{name}.weight", (I, H), range(start, stop)) if shard
+            halves = [_read_rows(reader, f"{base}.{e}.{name}.weight", range(start, stop), (I, H)) if shard
                       else _get(reader, f"{base}.{e}.{name}.weight", (I, H)) for name in (gate, up)]
             w13.append(torch.cat(halves, dim=0))
             w2.append(_get(reader, f"{base}.{e}.{down}.weight", (H, I))[:, start:stop])
         return Experts(torch.stack(w13), torch.stack(w2).contiguous(), None, None, False)
     if f"{base}.gate_up_proj" in reader:
         if f"{base}.gate_up_proj_bias" in reader:  # gpt-oss: [E, H, 2I] interleaved, biases
-            w13 = _fused_rows(reader, f"{base}.gate_up_proj", local_experts, (E, H, 2 * I)).transpose(1, 2)
-            w2 = _fused_rows(reader, f"{base}.down_proj", local_experts, (E, I, H)).transpose(1, 2)
-            b13 = _fused_rows(reader, f"{base}.gate_up_proj_bias", local_experts, (E, 2 * I))
-            b2 = _fused_rows(reader, f"{base}.down_proj_bias", local_experts, (E, H))
+            w13 = _read_rows(reader, f"{base}.gate_up_proj", local_experts, (E, H, 2 * I)).transpose(1, 2)
+            w2 = _read_rows(reader, f"{base}.down_proj", local_experts, (E, I, H)).transpose(1, 2)
+            b13 = _read_rows(reader, f"{base}.gate_up_proj_bias", local_experts, (E, 2 * I))
+            b2 = _read_rows(reader, f"{base}.down_proj_bias", local_experts, (E, H))
             return Experts(w13[:, 2 * start:2 * stop].contiguous(), w2[:, :, start:stop].contiguous(),
                            b13[:, 2 * start:2 * stop], b2, True)
-        w13 = _fused_rows(reader, f"{base}.gate_up_proj", local_experts, (E, 2 * I, H))
-        w2 = _fused_rows(reader, f"{base}.down_proj", local_experts, (E, H, I))
+        w13 = _read_rows(reader, f"{base}.gate_up_proj", local_experts, (E, 2 * I, H))
+        w2 = _read_rows(reader, f"{base}.down_proj", local_experts, (E, H, I))
         if shard:
             w13 = torch.cat([w13[:, start:stop], w13[:, I + start:I + stop]], dim=1)
             w2 = w2[:, :, start:stop].contiguous()

@@ -123,7 +123,7 @@ def new_grid(ep_size, tp_size):
 @dataclasses.dataclass
 class CommTimes:
     """Wall time of the last forward's collectives (seconds, after a device sync each):
-    set when ParallelFusedMoE.time_comm is on (benchmarks), else left at zero."""
+    measured while ParallelFusedMoE.time_comm is on (benchmarks), else left as it was."""
     dispatch: float = 0.0
     combine: float = 0.0
 
@@ -295,7 +295,8 @@ class ParallelFusedMoE(torch.nn.Module):
         return self.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
 
     def forward_routed(self, hidden_states, topk_weights, topk_ids, token_lora_ids=None):
-        self.comm_times = CommTimes()
+        if self.time_comm:
+            self.comm_times = CommTimes()
         if self.dispatch == "all_reduce" or self.ep_size == 1:
             out = self.local.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
             out = self._timed("combine", lambda: self._all_reduce(out, self.tp_group, self.tp_size))
@@ -309,12 +310,11 @@ class ParallelFusedMoE(torch.nn.Module):
         if x.shape[0] != M:
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got {M}")
         ids = topk_ids.reshape(-1).long()
-        if M and (int(ids.min()) < -1 or int(ids.max()) >= self.num_experts):
-            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [-1, {self.num_experts}), got "
-                             f"[{int(ids.min())}, {int(ids.max())}]")
         # Slots in the order of the ranks that hold their experts (stable: token order
         # within); dropped slots (-1) last, in a bucket past the ranks that is never sent.
-        dest = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(min=0)], self.ep_size)
+        # Ids out of range are clamped for the lookup and refused below, with the counts.
+        dest = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(0, self.num_experts - 1)],
+                           self.ep_size)
         order = torch.argsort(dest, stable=True)
         send_counts = torch.bincount(dest, minlength=self.ep_size + 1)[:self.ep_size]
 
@@ -323,13 +323,16 @@ class ParallelFusedMoE(torch.nn.Module):
             dist.all_to_all_single(recv, send_counts, group=self.ep_group)
             return recv
         recv_counts = self._timed("dispatch", exchange_counts)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()  # the host sync
+        bounds = torch.stack([ids.min(), ids.max()]) if M else send_counts.new_tensor([0, 0])
+        host = torch.cat([send_counts, recv_counts, bounds.to(send_counts.dtype)]).tolist()  # the one host sync
+        send_splits, recv_splits = host[:self.ep_size], host[self.ep_size:2 * self.ep_size]
+        if host[-2] < -1 or host[-1] >= self.num_experts:
+            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [-1, {self.num_experts}), got "
+                             f"[{host[-2]}, {host[-1]}]")
         received = sum(recv_splits)
         order = order[:sum(send_splits)]
-        slot_token = torch.arange(M, device=ids.device).repeat_interleave(k)[order]
-        lora = None
-        if token_lora_ids is not None:
-            lora = token_lora_ids.reshape(-1).to(torch.int32).repeat_interleave(k)[order]
+        slot_token = order // k  # slot = token * top_k + j
+        lora = None if token_lora_ids is None else token_lora_ids.reshape(-1).to(torch.int32)[slot_token]
 
         def all_to_all(values, splits_out, splits_in, rows):
             out = values.new_empty((rows,) + tuple(values.shape[1:]))

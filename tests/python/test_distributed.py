@@ -108,6 +108,15 @@ def _check_case(case, rank, world):
             own = slice(0, 0)
         x, logits, lora_ids = x[own], logits[own], lora_ids[own]
     ids = lora_ids if lora else None
+    if case.get("bad_id"):  # every rank routes one slot past the experts: each refuses it, none hangs
+        weights, topk = whole.route(logits)
+        topk[0, 0] = E
+        try:
+            layer.forward_routed(x, weights, topk, ids)
+        except ValueError as error:
+            assert f"topk_ids expected values in [-1, {E})" in str(error), str(error)
+            return
+        raise AssertionError(f"{case['name']} rank {rank}: no error")
     if case.get("dropped"):  # every third slot routed to -1 (dropped), through forward_routed
         weights, topk = whole.route(logits)
         topk.view(-1)[::3] = -1
@@ -216,6 +225,7 @@ def test_two_processes():
         _case("ep2 all_to_all with dropped slots (-1) and adapters", 2, 1, "all_to_all", lora=True, seed=10,
               dropped=True),
         _case("ep2 all_reduce with dropped slots (-1)", 2, 1, seed=19, dropped=True),
+        _case("ep2 all_to_all refuses an id past the experts", 2, 1, "all_to_all", seed=22, bad_id=True),
         _case("tp2 w4a16 g32 bf16", 1, 2, dtype=BF16, quant=dict(name="w4a16", group_size=32), seed=7),
         _case("tp2 swiglu_oai (interleaved gate/up) lora", 1, 2, lora=True, activation="swiglu_oai", seed=8),
     ])
