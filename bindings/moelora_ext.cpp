@@ -337,6 +337,9 @@ NB_MODULE(_moelora, m) {
   m.attr("MAX_NUM_EXPERTS") = moelora::kMaxNumExperts;
   m.attr("MAX_LORA_RANK") = moelora::kMaxLoraRank;
   m.attr("MAX_LORA_ADAPTERS") = moelora::kMaxLoraAdapters;
+  m.attr("ROUTING_BAD_EXPERT_ID") = moelora::kRoutingBadExpertId;
+  m.attr("ROUTING_BAD_ADAPTER_ID") = moelora::kRoutingBadAdapterId;
+  m.attr("ROUTING_BAD_EXPERT_MAP") = moelora::kRoutingBadExpertMap;
 
   m.def("version", []() { return std::string(moelora::version()); });
   m.def("cuda_available", &moelora::cuda_available,
@@ -585,7 +588,8 @@ NB_MODULE(_moelora, m) {
          const std::optional<TensorView>& adapter_scale, const std::optional<moelora::QuantScheme>& quant,
          const std::optional<TensorView>& w13_scale, const std::optional<TensorView>& w2_scale,
          const std::optional<TensorView>& a13_scale, const std::optional<TensorView>& a2_scale,
-         const std::optional<TensorView>& w13_zero, const std::optional<TensorView>& w2_zero, uintptr_t stream) {
+         const std::optional<TensorView>& w13_zero, const std::optional<TensorView>& w2_zero,
+         const std::optional<TensorView>& routing_status, uintptr_t stream) {
         moelora::FusedExpertsArgs args;
         args.hidden_states = hidden_states;
         args.w13 = w13;
@@ -595,6 +599,7 @@ NB_MODULE(_moelora, m) {
         args.out = out;
         args.workspace = workspace;
         args.expert_map = optional_ptr(expert_map);
+        args.routing_status = optional_ptr(routing_status);
         // LoRA: all of token_lora_ids and the four stacks, or none of them.
         const bool any_lora = token_lora_ids || w13_lora_a || w13_lora_b || w2_lora_a || w2_lora_b;
         moelora::FusedExpertsLora lora;
@@ -640,5 +645,5 @@ NB_MODULE(_moelora, m) {
       "adapter_enabled"_a.none() = nb::none(), "adapter_scale"_a.none() = nb::none(),
       "quant"_a.none() = nb::none(), "w13_scale"_a.none() = nb::none(), "w2_scale"_a.none() = nb::none(),
       "a13_scale"_a.none() = nb::none(), "a2_scale"_a.none() = nb::none(), "w13_zero"_a.none() = nb::none(),
-      "w2_zero"_a.none() = nb::none(), "stream"_a = 0);
+      "w2_zero"_a.none() = nb::none(), "routing_status"_a.none() = nb::none(), "stream"_a = 0);
 }

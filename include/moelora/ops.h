@@ -393,6 +393,14 @@ struct FusedExpertsQuant {
   const TensorView* w2_zero = nullptr;
 };
 
+// Routing status (issue 33): bits fused_experts' CUDA kernels OR into an optional int32
+// word when they meet ids they cannot use, instead of dropping those slots silently (the
+// CPU backend raises moelora::Error for the same ids; the word is never read back by the
+// op, so passing it costs no synchronisation and works inside a CUDA graph).
+constexpr int32_t kRoutingBadExpertId = 1;   // a topk_ids value outside [-1, num_experts)
+constexpr int32_t kRoutingBadAdapterId = 2;  // a token_lora_ids value outside [-1, max_loras)
+constexpr int32_t kRoutingBadExpertMap = 4;  // an expert_map value outside [-1, num_local_experts)
+
 struct FusedExpertsArgs {
   TensorView hidden_states;
   TensorView w13;
@@ -404,6 +412,9 @@ struct FusedExpertsArgs {
   const TensorView* expert_map = nullptr;
   const FusedExpertsLora* lora = nullptr;  // null: no adapters
   const FusedExpertsQuant* quant = nullptr;  // null: w13/w2 in hidden_states' dtype
+  // int32 [1] on hidden_states' device, or null: the kRouting* bits are OR'ed into it
+  // (the caller zeroes it; nothing else of it is read or written).
+  const TensorView* routing_status = nullptr;
 };
 void fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options = {},
                    Stream stream = nullptr);

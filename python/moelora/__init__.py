@@ -69,6 +69,9 @@ fused_moe_lora_workspace_size = _ext.fused_moe_lora_workspace_size
 fused_experts_workspace_size = _ext.fused_experts_workspace_size
 MAX_LORA_RANK = _ext.MAX_LORA_RANK
 MAX_LORA_ADAPTERS = _ext.MAX_LORA_ADAPTERS
+ROUTING_BAD_EXPERT_ID = _ext.ROUTING_BAD_EXPERT_ID
+ROUTING_BAD_ADAPTER_ID = _ext.ROUTING_BAD_ADAPTER_ID
+ROUTING_BAD_EXPERT_MAP = _ext.ROUTING_BAD_EXPERT_MAP
 fused_experts_block_size = _ext.fused_experts_block_size
 __version__ = _ext.version()
 
@@ -125,6 +128,9 @@ __all__ = [
     "HAS_TORCH",
     "MAX_LORA_ADAPTERS",
     "MAX_LORA_RANK",
+    "ROUTING_BAD_ADAPTER_ID",
+    "ROUTING_BAD_EXPERT_ID",
+    "ROUTING_BAD_EXPERT_MAP",
     "MoeLora",
     "MoeQuant",
     "QUANT_DTYPES",

@@ -68,7 +68,7 @@ class FusedMoE(torch.nn.Module):
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size, activation="silu",
                  renormalize=True, routed_scaling_factor=1.0, expert_map=None, chunk_size=65536,
                  swiglu_alpha=1.702, swiglu_limit=7.0, dtype=None, device=None, max_loras=0, max_lora_rank=0,
-                 quant=None, experts=None):
+                 quant=None, experts=None, track_routing=False):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"FusedMoE: activation expected one of {_ACTIVATIONS}, got {activation!r}")
@@ -124,6 +124,10 @@ class FusedMoE(torch.nn.Module):
         # x carries extra columns after the model's own (the transformers integration's
         # bias column); load_adapter zero-pads them.
         self.adapter_hidden_size = hidden_size
+        # track_routing: an int32 word the CUDA kernels OR the kRouting* bits into (ids they
+        # cannot use); read with routing_errors(). None: not passed (no cost).
+        self.register_buffer("routing_status", torch.zeros(1, dtype=torch.int32, device=device)
+                             if track_routing else None)
         # The rows of the adapters' intermediate dimension this layer holds: all of them, or
         # (tensor parallelism, moelora.distributed) a shard [start, start + intermediate_size)
         # of the full adapter_intermediate_size that load_adapter reads and slices.
@@ -441,12 +445,17 @@ class FusedMoE(torch.nn.Module):
         options = dict(activation=self.activation, routed_scaling_factor=self.routed_scaling_factor,
                        expert_map=self.expert_map, chunk_size=self.chunk_size, swiglu_alpha=self.swiglu_alpha,
                        swiglu_limit=self.swiglu_limit)
+        # track_routing: the ops' "_tracked" twins OR what they meet into the word.
+        suffix = ""
+        if self.routing_status is not None:
+            suffix, options["routing_status"] = "_tracked", self.routing_status
         x = hidden_states.reshape(-1, self.hidden_size)
         if token_lora_ids is None and self.quant_scheme is not None:
-            out = torch.ops.moelora.fused_experts_quant(x, self.w13, self.w2, topk_weights.float(), topk_ids,
-                                                        **self._quant_args(), **options)
+            out = getattr(torch.ops.moelora, "fused_experts_quant" + suffix)(
+                x, self.w13, self.w2, topk_weights.float(), topk_ids, **self._quant_args(), **options)
         elif token_lora_ids is None:
-            out = torch.ops.moelora.fused_experts(x, self.w13, self.w2, topk_weights.float(), topk_ids, **options)
+            out = getattr(torch.ops.moelora, "fused_experts" + suffix)(x, self.w13, self.w2, topk_weights.float(),
+                                                                       topk_ids, **options)
         else:
             if self.max_loras == 0:
                 raise ValueError("FusedMoE.forward: token_lora_ids expected None for a layer without adapter "
@@ -457,11 +466,26 @@ class FusedMoE(torch.nn.Module):
             lora_ids = token_lora_ids.reshape(-1)
             if lora_ids.dtype != torch.int32:
                 lora_ids = lora_ids.to(torch.int32)
-            out = torch.ops.moelora.fused_experts_lora(
+            out = getattr(torch.ops.moelora, "fused_experts_lora" + suffix)(
                 x, self.w13, self.w2, topk_weights.float(), topk_ids, lora_ids, list(self.w13_lora_a.unbind(0)),
                 list(self.w13_lora_b.unbind(0)), self.w2_lora_a, self.w2_lora_b, self.adapter_enabled,
                 self.adapter_scale, **options, **self._quant_args())
         return out.reshape(*leading, self.hidden_size)
+
+    def routing_errors(self, reset=True):
+        """What the kernels met since the word was last reset (track_routing=True): a list
+        of "expert id out of range", "adapter id out of range", "expert_map value out of
+        range" (empty: none). Reads the word on the host (a synchronisation: call it when a
+        batch is done, not inside a captured graph); reset zeroes it."""
+        if self.routing_status is None:
+            raise ValueError("FusedMoE.routing_errors: the layer does not track its routing (track_routing=False)")
+        word = int(self.routing_status.item())
+        if reset:
+            self.routing_status.zero_()
+        names = ((_ops._ext.ROUTING_BAD_EXPERT_ID, "expert id out of range"),
+                 (_ops._ext.ROUTING_BAD_ADAPTER_ID, "adapter id out of range"),
+                 (_ops._ext.ROUTING_BAD_EXPERT_MAP, "expert_map value out of range"))
+        return [name for bit, name in names if word & bit]
 
     # ---- multi-LoRA adapter slots ----------------------------------------------------
 

@@ -673,7 +673,7 @@ def _activation_enum(activation):
 def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", inplace=False,
                   no_combine=False, apply_router_weight_on_input=False, routed_scaling_factor=1.0,
                   expert_map=None, chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, out=None,
-                  block_size=0, lora=None, quant=None):
+                  block_size=0, lora=None, quant=None, routing_status=None):
     """The whole MoE layer: align -> GEMM1 -> activation -> GEMM2 -> reduce.
 
     hidden_states [M, H]; w13 [E_local, 2I, H] (gate rows then up rows; interleaved for
@@ -685,6 +685,13 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     block_size 0 lets the library choose. lora: a MoeLora (multi-LoRA adapters), or None.
     quant: a MoeQuant (w13 / w2 hold fp8 or int8 experts, or packed 4/8-bit weight-only
     ones; include/moelora/ops.h FusedExpertsQuant gives the arithmetic), or None.
+    routing_status: an int32 [1] tensor on hidden_states' device, or None: on CUDA the
+    kernels OR moelora.ROUTING_BAD_EXPERT_ID (a topk id outside [-1, E_global)),
+    ROUTING_BAD_ADAPTER_ID (a token_lora_ids value outside [-1, max_loras)) and
+    ROUTING_BAD_EXPERT_MAP (an expert_map value outside [-1, E_local)) into it where they
+    meet one, instead of dropping those slots silently; the caller zeroes it and reads it
+    when it likes (no synchronisation here, so it works inside a CUDA graph). The CPU
+    backend raises for the same ids.
     """
     op = "fused_experts"
     activation = _activation_enum(activation)
@@ -764,5 +771,5 @@ def fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="si
     with guard:
         _ext.fused_experts(x_view, w13_view, w2_view, weights_view, ids_view, out_view,
                            _view(op, "workspace", workspace), map_view, stream=stream, **options, **lora_args,
-                           **quant_args)
+                           **quant_args, routing_status=_optional_view(op, "routing_status", routing_status))
     return out

@@ -132,12 +132,13 @@ def _moe_sum_reduce(input, routed_scaling_factor=1.0):
 # build them from theirs and run the same layer call.
 def _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
                    apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                   chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, lora=None, quant=None):
+                   chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, routing_status=None,
+                   lora=None, quant=None):
     return _ops.fused_experts(
         hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, no_combine=no_combine,
         apply_router_weight_on_input=apply_router_weight_on_input,
         routed_scaling_factor=routed_scaling_factor, expert_map=expert_map, chunk_size=chunk_size,
-        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora, quant=quant)
+        swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, lora=lora, quant=quant, routing_status=routing_status)
 
 
 def _inplace_fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
@@ -187,12 +188,12 @@ def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lo
                         apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                         chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
                         w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
-                        quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None):
+                        quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None, routing_status=None):
     lora = _ops.MoeLora(token_lora_ids, list(w13_lora_a), list(w13_lora_b), w2_lora_a, w2_lora_b,
                         adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
-                          lora=lora, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                          routing_status, lora=lora, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
                                                       quant_block_k, group_size, w13_zero, w2_zero))
 
 
@@ -200,10 +201,10 @@ def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, 
                          a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
                          apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                          chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, group_size=128,
-                         w13_zero=None, w2_zero=None):
+                         w13_zero=None, w2_zero=None, routing_status=None):
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
-                          quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                          routing_status, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
                                            quant_block_k, group_size, w13_zero, w2_zero))
 
 
@@ -248,7 +249,8 @@ def _moe_sum_reduce_fake(input, routed_scaling_factor=1.0):
 
 def _fused_experts_fake(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu",
                         apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
-                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False):
+                        chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False,
+                        routing_status=None):
     if no_combine:
         return hidden_states.new_empty((hidden_states.shape[0], topk_ids.shape[1], hidden_states.shape[1]))
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
@@ -286,7 +288,7 @@ def _fused_experts_lora_fake(hidden_states, w13, w2, topk_weights, topk_ids, tok
                              apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                              chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False, quant=None,
                              w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, quant_block_n=128,
-                             quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None):
+                             quant_block_k=128, group_size=128, w13_zero=None, w2_zero=None, routing_status=None):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 
@@ -294,7 +296,7 @@ def _fused_experts_quant_fake(hidden_states, w13, w2, topk_weights, topk_ids, qu
                               a13_scale=None, a2_scale=None, quant_block_n=128, quant_block_k=128, activation="silu",
                               apply_router_weight_on_input=False, routed_scaling_factor=1.0, expert_map=None,
                               chunk_size=65536, swiglu_alpha=1.702, swiglu_limit=7.0, no_combine=False,
-                              group_size=128, w13_zero=None, w2_zero=None):
+                              group_size=128, w13_zero=None, w2_zero=None, routing_status=None):
     return _layer_out_fake(hidden_states, topk_ids, no_combine)
 
 
@@ -350,6 +352,16 @@ _IMPLEMENTATIONS = {
     "scaled_int8_quant": (_scaled_int8_quant, _scaled_int8_quant_fake),
     "sparse_mla_decode": (_sparse_mla_decode, _sparse_mla_decode_fake),
 }
+
+# The layer ops that read routing ids have a "<op>_tracked" twin that takes the routing status
+# word (issue 33; moelora.fused_experts(routing_status=)) as a required keyword argument the op
+# mutates. Not an optional argument of the ops themselves: torch 2.11's inductor mis-lowers an
+# op returning one Tensor whose optional mutable argument is None (it indexes the output:
+# "getitem is not an OpOverload"), and the untracked call is the common one.
+for _name in ("fused_experts", "fused_experts_lora", "fused_experts_quant"):
+    _SCHEMAS[f"{_name}_tracked"] = (_SCHEMAS[_name].replace(f"{_name}(", f"{_name}_tracked(", 1)
+                                    .replace(") -> Tensor", ", *, Tensor(a!) routing_status) -> Tensor"))
+    _IMPLEMENTATIONS[f"{_name}_tracked"] = _IMPLEMENTATIONS[_name]
 
 for _name, _schema in _SCHEMAS.items():
     _impl, _fake = _IMPLEMENTATIONS[_name]

@@ -151,7 +151,13 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     append_lora_reads(args.lora->w13, "w13_lora_a", "w13_lora_b", read);
     append_lora_reads(args.lora->w2, "w2_lora_a", "w2_lora_b", read);
   }
-  check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}}, read);
+  if (args.routing_status) {
+    ArgCheck(op, "routing_status", *args.routing_status).rank(1).dtype(DType::kInt32).on(device, "hidden_states")
+        .dim(0, 1, "one status word");
+    lora_adapters.routing_status = static_cast<int32_t*>(args.routing_status->data);
+  }
+  check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}, {args.routing_status, "routing_status"}},
+                        read);
   if (on_cuda(x)) require_cuda_backend(op);
   return ValidatedCall{shape, lora13, lora2, lora_adapters, layout, quant};
 }
@@ -164,6 +170,19 @@ void quantize_rows(const TensorView& input, const TensorView& out, const TensorV
   run_quantize(quantize_params(QuantizeArgs{input, out, scales, plan.quant_block_rows, plan.quant_block_cols,
                                             static_scales}),
                device, stream);
+}
+
+// fused_experts' routing status word (FusedExpertsArgs::routing_status), or null.
+int32_t* routing_status_word(const FusedExpertsArgs& args) {
+  return args.routing_status ? static_cast<int32_t*>(args.routing_status->data) : nullptr;
+}
+
+// An alignment of fused_experts' ids: its kernels also report bad ids and expert_map
+// values into the routing status word.
+AlignParams routed(AlignParams p, const FusedExpertsArgs& args) {
+  p.routing_status = routing_status_word(args);
+  p.num_local_experts = args.w13.shape[0];
+  return p;
 }
 
 #ifdef MOELORA_WITH_CUDA
@@ -209,6 +228,7 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
       .activation = kind,
       .alpha = options.swiglu_alpha,
       .limit = options.swiglu_limit,
+      .routing_status = routing_status_word(args),
   };
 }
 
@@ -226,8 +246,9 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
   const int64_t entries = plan.capacity.max_num_tokens_padded;
   const auto* sorted = static_cast<const int32_t*>(plan.sorted_token_ids.data);
   const auto* ntpp = static_cast<const int32_t*>(plan.num_tokens_post_padded.data);
-  AlignParams align = align_params(plan.topk_ids, plan.block_size, g.num_groups, args.expert_map, plan.sorted_token_ids,
-                                   plan.expert_ids, plan.num_tokens_post_padded);
+  AlignParams align = routed(align_params(plan.topk_ids, plan.block_size, g.num_groups, args.expert_map,
+                                          plan.sorted_token_ids, plan.expert_ids, plan.num_tokens_post_padded),
+                             args);
   align.group_entry_offsets = g.group_entry_offsets;
   align.group_sizes = g.group_sizes;
   run_align(align, device, stream);
@@ -484,8 +505,8 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       // into cache2 by slot, GEMM2's weighted rows into gemm2_out (cache3, or `out` when
       // direct), then the top-k sum. With adapters, each GEMM's delta per slot first, as
       // the decode path takes them (GEMM2's in gemm2_out itself, which it reads in place).
-      run_align(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), device,
-                stream);
+      run_align(routed(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), args),
+                device, stream);
       WeightOnlyAlignedParams aligned{
           .moe = small_batch_params(args, options, x_chunk, ids, weights, cache2.data, plan.out, E_global, kind),
           .sorted_token_ids = static_cast<const int32_t*>(sorted_chunk.data),
@@ -512,7 +533,8 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       continue;
     }
 #endif
-    AlignParams align = align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp);
+    AlignParams align =
+        routed(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), args);
     align.tile_counters = tile_counters;
     align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
     if (args.lora) {

@@ -40,6 +40,10 @@ struct AlignParams {
   const int32_t* token_lora_ids = nullptr;  // [num_tokens]
   int64_t token_lora_ids_stride = 1;
   const int32_t* adapter_enabled = nullptr;  // [max_loras]; null = all enabled
+  // fused_experts' routing status (kRouting* bits, ops.h), or null; num_local_experts:
+  // expert_map's value range (the experts the GEMMs hold).
+  int32_t* routing_status = nullptr;
+  int64_t num_local_experts = 0;
   int32_t* block_lora_ids = nullptr;         // [max_num_blocks]
   // Segmented (CUDA, fused_experts' fused LoRA path; max_loras > 0, block_lora_ids null):
   // the same (expert, adapter) groups in the same order, padded only where an expert ends,
@@ -64,6 +68,7 @@ struct LoraAdapterParams {
   const int32_t* adapter_enabled;  // [max_loras]; null = all enabled
   const float* adapter_scale;      // [max_loras]; null = 1
   int64_t max_loras;
+  int32_t* routing_status = nullptr;  // fused_experts' status word (kRouting* bits), or null
 };
 
 // One output slice of a LoRA stack: lora_a [L, E, rank, K], lora_b [L, E, N_slice, rank],
@@ -317,6 +322,7 @@ struct SmallBatchMoeParams {
   // (w13, w2 and their strides unused); x and act stay in `dtype`.
   WeightOnlyParams w13q{};
   WeightOnlyParams w2q{};
+  int32_t* routing_status = nullptr;  // fused_experts' status word (kRouting* bits), or null
 };
 
 // fused_experts' weight-only experts on chunks past the small-batch kernels (issue 30,

@@ -64,9 +64,15 @@ __device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, 
   if (!contiguous) offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
   const int64_t e = kInt64Ids ? static_cast<const int64_t*>(p.topk_ids)[offset]
                               : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
-  if (e < 0 || e >= p.num_experts) return num_groups - 1;
+  if (e < 0 || e >= p.num_experts) {
+    // -1: a slot the router dropped; anything else is a routing bug the caller may ask to
+    // hear of (the CPU backend raises).
+    if (p.routing_status && e != -1) atomicOr(p.routing_status, kRoutingBadExpertId);
+    return num_groups - 1;
+  }
   if constexpr (kAdapters) {
     const int lora = p.token_lora_ids[token * p.token_lora_ids_stride];
+    if (p.routing_status && (lora < -1 || lora >= p.max_loras)) atomicOr(p.routing_status, kRoutingBadAdapterId);
     const bool active =
         lora >= 0 && lora < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[lora] != 0);
     return int(e) * int(p.max_loras + 1) + (active ? lora + 1 : 0);
@@ -236,6 +242,9 @@ __global__ void __launch_bounds__(kAlignThreads)
         const int e = g / groups_per_expert;
         expert = p.expert_map ? p.expert_map[e] : e;
         lora = g - e * groups_per_expert - 1;
+        if (p.routing_status && lora == -1 && (expert < -1 || expert >= p.num_local_experts)) {
+          atomicOr(p.routing_status, kRoutingBadExpertMap);  // once an expert (its adapter-less group)
+        }
       }
       // Segmented, groups of one expert share blocks: the same expert id, and each
       // group's adapter bit in the blocks its slots reach.

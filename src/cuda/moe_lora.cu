@@ -76,6 +76,10 @@ __device__ __forceinline__ Tile slot_tile(const LoraDeltaParams& p, int64_t slot
   const int64_t e = load_topk_id(p, slot);
   t.expert = e >= 0 && e < p.num_global_experts ? (p.expert_map ? p.expert_map[e] : int(e)) : -1;
   t.lora = p.adapters.token_lora_ids[(slot / p.top_k) * p.adapters.token_lora_ids_stride];
+  if (int32_t* status = p.adapters.routing_status) {  // fused_experts' word: the ids it cannot use
+    if (e < -1 || e >= p.num_global_experts) atomicOr(status, kRoutingBadExpertId);
+    if (t.lora < -1 || t.lora >= p.adapters.max_loras) atomicOr(status, kRoutingBadAdapterId);
+  }
   t.active = tile_active(p, t);
   return t;
 }

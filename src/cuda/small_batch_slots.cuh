@@ -37,8 +37,17 @@ __device__ inline void build_slot_tables(const SmallBatchMoeParams& p, SlotTable
     const int64_t id = p.topk_ids_int64 ? static_cast<const int64_t*>(p.topk_ids)[offset]
                                         : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
     int64_t e = -1;
-    if (id >= 0 && id < p.num_experts) e = p.expert_map ? int64_t(p.expert_map[id]) : id;
+    if (id >= 0 && id < p.num_experts) {
+      e = p.expert_map ? int64_t(p.expert_map[id]) : id;
+    } else if (p.routing_status && id != -1) {
+      atomicOr(p.routing_status, kRoutingBadExpertId);  // -1 is a dropped slot, the rest a routing bug
+    }
     t.expert[s] = e >= 0 && e < p.num_local_experts ? int32_t(e) : -1;
+  }
+  // The whole expert_map, as the alignment and the CPU backend check it (only when asked).
+  for (int g = s; p.routing_status && p.expert_map && g < p.num_experts; g += int(blockDim.x)) {
+    const int32_t local = p.expert_map[g];
+    if (local < -1 || local >= p.num_local_experts) atomicOr(p.routing_status, kRoutingBadExpertMap);
   }
   __syncthreads();
   int first = kMaxSlots, earlier = 0;  // earlier: slots before s on the same expert

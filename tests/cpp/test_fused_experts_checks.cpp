@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#ifdef MOELORA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include "common/params.h"
 #include "fused_experts_testing.h"
 #include "test_util.h"
@@ -281,6 +285,135 @@ TEST(FusedExpertsEmpty, EmptyViewsWithZeroStridesAreAccepted) {
   args.out = empty(nullptr, DType::kFloat32, {0, top_k, H});
   EXPECT_NO_THROW(fused_experts(args, no_combine));
 }
+
+// ---- the routing status word (issue 33) ---------------------------------------------
+
+// A status word of the wrong dtype, size or rank, or one over an output, is refused by name
+// before anything is written.
+TEST_P(FusedExpertsBackendTest, RoutingStatusArgumentIsChecked) {
+  LayerCase c;
+  c.backend = backend();
+  std::mt19937 rng(811);
+  LayerProblem problem(c, rng);
+  Buffer words_f32(backend(), DType::kFloat32, 2), words(backend(), DType::kInt32, 2);
+  TensorView over_out = problem.out_view;
+  over_out.dtype = DType::kInt32;
+  over_out.rank = 1;
+  over_out.shape[0] = 1;
+  over_out.strides[0] = 1;
+  const std::vector<std::pair<std::string, TensorView>> bad = {
+      {"float32", words_f32.view({1})}, {"two words", words.view({2})}, {"rank 2", words.view({1, 1})},
+      {"over out", over_out}};
+  for (const auto& [what, view] : bad) {
+    FusedExpertsArgs args = problem.args;
+    args.routing_status = &view;
+    problem.out.poison();
+    problem.out.upload();
+    EXPECT_THAT(error_message([&] { fused_experts(args, c.options); }), HasSubstr("'routing_status'")) << what;
+    problem.out.download();
+    EXPECT_EQ(problem.out.count_written(), 0) << what;
+  }
+}
+
+#ifdef MOELORA_WITH_CUDA
+// On CUDA an id the kernels cannot use drops its slot, as -1 does, and sets a bit of the
+// status word when one is passed: on the small-batch kernels (M = 4) and the aligned path
+// (M = 300); bits are OR'ed into what the word held; valid routing (with -1) sets none.
+class FusedExpertsRoutingStatus : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(FusedExpertsRoutingStatus, BadIdsSetBitsAndDropTheirSlots) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  LayerCase c;
+  c.backend = Backend::kCUDA;
+  c.M = GetParam();
+  c.num_global = 12;
+  c.num_local = 8;
+  c.expert_map = true;
+  c.dropped_share = 0.1;
+  std::mt19937 rng(823);
+  LayerProblem problem(c, rng);
+  Buffer word(Backend::kCUDA, DType::kInt32, 1);
+  const TensorView word_view = word.view({1});
+  FusedExpertsArgs args = problem.args;
+  args.routing_status = &word_view;
+  TestStream stream(Backend::kCUDA);
+  auto run = [&](int32_t held) {
+    word.set(0, held);
+    word.upload();
+    problem.out.poison();
+    problem.out.upload();
+    fused_experts(args, c.options, stream.handle());
+    stream.sync();
+    word.download();
+    problem.out.download();
+    return int32_t(word.get(0));
+  };
+  const std::vector<double> expected_valid = problem.reference(c);
+  EXPECT_EQ(run(0), 0) << "valid routing";
+  EXPECT_LE(ref::rel_error(problem.out.read(problem.out_view), expected_valid), ref::tolerance(c.dtype));
+
+  // Two slots with ids past every expert and below -1: dropped, as the reference's -1.
+  const int64_t bad_past = 3 * problem.ids_row_stride + 1, bad_below = 1 * problem.ids_row_stride;
+  problem.ids[size_t(3 * c.top_k + 1)] = -1;
+  problem.ids[size_t(1 * c.top_k)] = -1;
+  const std::vector<double> expected_dropped = problem.reference(c);
+  problem.topk_ids.set(bad_past, double(c.num_global + 3));
+  problem.topk_ids.set(bad_below, -7);
+  problem.topk_ids.upload();
+  EXPECT_EQ(run(0), kRoutingBadExpertId);
+  EXPECT_LE(ref::rel_error(problem.out.read(problem.out_view), expected_dropped), ref::tolerance(c.dtype));
+  EXPECT_EQ(run(64), 64 | kRoutingBadExpertId) << "bits are OR'ed";
+  problem.topk_ids.set(bad_past, -1);
+  problem.topk_ids.set(bad_below, -1);
+  problem.topk_ids.upload();
+  EXPECT_EQ(run(0), 0) << "the same slots dropped with -1";
+
+  // An expert_map value past the local experts, on a global expert that is not local.
+  int64_t remote = 0;
+  while (problem.map[size_t(remote)] >= 0) ++remote;
+  problem.expert_map.set(remote, double(c.num_local + 5));
+  problem.expert_map.upload();
+  EXPECT_EQ(run(0) & kRoutingBadExpertMap, kRoutingBadExpertMap);
+}
+INSTANTIATE_TEST_SUITE_P(Tokens, FusedExpertsRoutingStatus, ::testing::Values(4, 300));
+
+// The word set from a captured CUDA graph: replays with bad and then valid ids.
+TEST(FusedExpertsRoutingStatusGraph, ReplaysReportEachRouting) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  for (int64_t M : {4, 300}) {
+    LayerCase c;
+    c.backend = Backend::kCUDA;
+    c.M = M;
+    std::mt19937 rng(829);
+    LayerProblem problem(c, rng);
+    Buffer word(Backend::kCUDA, DType::kInt32, 1);
+    const TensorView word_view = word.view({1});
+    FusedExpertsArgs args = problem.args;
+    args.routing_status = &word_view;
+    TestStream stream(Backend::kCUDA);
+    cudaStream_t s = static_cast<cudaStream_t>(stream.handle());
+    fused_experts(args, c.options, stream.handle());  // warm-up outside the capture
+    stream.sync();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    MOELORA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(word_view.data, 0, sizeof(int32_t), s));
+    fused_experts(args, c.options, stream.handle());
+    MOELORA_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+    MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (bool bad : {true, false, true}) {
+      problem.topk_ids.set(2 * problem.ids_row_stride, bad ? double(c.num_global) : 0.0);
+      problem.topk_ids.upload();
+      MOELORA_CUDA_CHECK(cudaGraphLaunch(exec, s));
+      stream.sync();
+      word.download();
+      EXPECT_EQ(int32_t(word.get(0)), bad ? kRoutingBadExpertId : 0) << "M " << M << (bad ? " bad" : " valid");
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Backends, FusedExpertsBackendTest, ::testing::ValuesIn(all_backends()),
                          [](const auto& info) { return std::string(backend_name(info.param)); });

@@ -579,6 +579,37 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   cudaGraphDestroy(graph);
 }
 INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2));
+
+// An adapter id past the slots (or below -1) sets kRoutingBadAdapterId in the routing
+// status word (issue 33), on the small-batch path (M = 6) and the aligned one (M = 200);
+// valid ids (-1 included) set nothing.
+TEST(FusedExpertsLoraRoutingStatus, BadAdapterIdSetsItsBit) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  for (int64_t M : {6, 200}) {
+    LayerLoraCase c{.name = "status", .backend = Backend::kCUDA, .M = M, .E = 8, .L = 4, .rank = 16, .share = 0.5};
+    std::mt19937 rng(4243);
+    LoraLayer layer(c, rng);
+    Buffer word(Backend::kCUDA, DType::kInt32, 1);
+    const TensorView word_view = word.view({1});
+    FusedExpertsArgs args = layer.args();
+    args.routing_status = &word_view;
+    TestStream stream(Backend::kCUDA);
+    auto run = [&] {
+      word.set(0, 0);
+      word.upload();
+      fused_experts(args, c.options, stream.handle());
+      stream.sync();
+      word.download();
+      return int32_t(word.get(0));
+    };
+    EXPECT_EQ(run(), 0) << "M " << M << ": valid adapter ids";
+    for (int64_t bad : {c.L, c.L + 7, int64_t(-2)}) {
+      layer.lora_ids.set(3, double(bad));
+      layer.lora_ids.upload();
+      EXPECT_EQ(run(), kRoutingBadAdapterId) << "M " << M << ", adapter id " << bad;
+    }
+  }
+}
 #endif
 
 // ---- bad arguments --------------------------------------------------------------------
