@@ -11,8 +11,11 @@ Each rank makes only its experts' weights (expert e's from seed + e), so no rank
 the whole layer except rank 0 for the check and the one-rank time (--no-check skips
 both). With --dispatch all_to_all, M is the global batch: each rank brings M / N tokens.
 Rows (JSON, rank 0): {"op": "fused_experts_ep", "world_size", "ep", "tp", "dispatch",
-"model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}.
-"""
+"model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}; with --breakdown also
+"local_us_min"/"local_us_max" (each rank's own experts alone: their spread is the ranks'
+imbalance, which comm_us includes as waiting), "collective_us" (the bare all-reduce after a
+barrier: the transfer), "graph_us" and "one_gpu_graph_us" (CUDA-graph replays, as
+moelora_bench times the layer; all_reduce dispatch only)."""
 
 import argparse
 import json
@@ -68,6 +71,42 @@ def median_us(fn, iters, sync):
     return statistics.median(times)
 
 
+def graph_us(fn, iters):
+    """Median of CUDA-graph replays of fn (CUDA events), or None where fn cannot be captured
+    (all_to_all: its split sizes cross to the host). Without host launch costs, as
+    moelora_bench times the one-GPU layer."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as error:  # noqa: BLE001 - reported in the row, the run goes on
+        print(f"graph capture failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}", flush=True)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1e3)
+    return statistics.median(times)
+
+
+def spread(value, device):
+    """(min, max) of a per-rank float over the ranks."""
+    both = torch.tensor([value, -value], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return -float(both[1]), float(both[0])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
@@ -81,6 +120,8 @@ def main():
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also local_us_min/max, collective_us, graph_us, one_gpu_graph_us (where the time goes)")
     args = parser.parse_args()
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and moelora.cuda_available())
@@ -129,10 +170,37 @@ def main():
         row = dict(op="fused_experts_ep", world_size=world, ep=ep, tp=tp, dispatch=args.dispatch, model=args.model,
                    M=M, dtype=args.dtype, device=device.type, time_us=round(float(times[0]), 2),
                    comm_us=round(float(times[1]), 2))
+        # Where the time goes (--breakdown): each rank's own experts alone (their spread is the
+        # ranks' imbalance, which comm_us includes as waiting), the bare collective after a
+        # barrier (the transfer), and the layer as CUDA-graph replays (no host launch costs).
+        if args.breakdown:
+            weights, ids = layer.local.route(logits)
+            local = median_us(lambda: layer.local.forward_routed(x, weights, ids), args.iters, sync)
+            row["local_us_min"], row["local_us_max"] = (round(v, 2) for v in spread(local, device))
+            combined = torch.empty_like(out)
+
+            def bare_collective():
+                dist.barrier()
+                sync()
+                start = time.perf_counter()
+                dist.all_reduce(combined, group=ep_group)
+                sync()
+                return (time.perf_counter() - start) * 1e6
+            if args.dispatch == "all_reduce":
+                row["collective_us"] = round(spread(statistics.median(bare_collective() for _ in range(args.iters)),
+                                                    device)[1], 2)
+            if cuda:
+                replay = graph_us(lambda: layer(x, logits), args.iters) if args.dispatch == "all_reduce" else None
+                if replay is not None:
+                    row["graph_us"] = round(spread(replay, device)[1], 2)
         if whole is not None:
             ref = whole(x, logits)
             row["rel_err"] = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
             row["one_gpu_us"] = round(median_us(lambda: whole(x_all, logits_all), args.iters, sync), 2)
+            if args.breakdown and cuda:
+                one_graph = graph_us(lambda: whole(x_all, logits_all), args.iters)
+                if one_graph is not None:
+                    row["one_gpu_graph_us"] = round(one_graph, 2)
             row["speedup"] = round(row["one_gpu_us"] / row["time_us"], 3)
         rows.append(row)
         if rank == 0:

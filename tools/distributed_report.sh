@@ -3,7 +3,8 @@
 # backend, runs the distributed tests (gloo), then benchmarks/distributed_bench.py under
 # torchrun over NCCL for Qwen3-235B-A22B and DeepSeek-V3 (all 256 experts) at M = 16, 256,
 # 4096, EP over all GPUs, both dispatches; each run checks the ranks' output against the
-# one-GPU layer. Rows: ${OUT:-reports/gpu}/distributed.json (op "fused_experts_ep").
+# one-GPU layer, and --breakdown says where the time goes (each rank's experts alone, the
+# bare collective, CUDA-graph replays). Rows: ${OUT:-reports/gpu}/distributed.json (op "fused_experts_ep").
 #   NPROC     ranks (default: the GPUs nvidia-smi lists)
 #   MODELS    default "qwen3-235b-a22b deepseek-v3"; TOKENS default 16,256,4096
 #   DISPATCH  default "all_reduce all_to_all"
@@ -33,7 +34,7 @@ for model in ${MODELS:-qwen3-235b-a22b deepseek-v3}; do
     step "torchrun $N x $model $dispatch"
     json="$OUT_DIR/distributed_${model}_${dispatch}.json"
     python3 -m torch.distributed.run --nproc-per-node "$N" benchmarks/distributed_bench.py --model "$model" \
-      --tokens "${TOKENS:-16,256,4096}" --ep "$N" --dispatch "$dispatch" --json "$json" 2>&1 |
+      --tokens "${TOKENS:-16,256,4096}" --ep "$N" --dispatch "$dispatch" --breakdown --json "$json" 2>&1 |
       grep -E "op=|verdict|Error|error" | tee -a "$LOG"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     [ -f "$json" ] && JSONS+=("$json")

@@ -263,9 +263,10 @@ def test_partition_and_shards():
         md.ParallelFusedMoE(8, 2, H, I, expert_map=[0] * 8)
 
 
-def test_bench_launcher_under_torchrun(tmp_path):
+@pytest.mark.parametrize("dispatch,extra", [("all_to_all", []), ("all_reduce", ["--breakdown"])])
+def test_bench_launcher_under_torchrun(tmp_path, dispatch, extra):
     """benchmarks/distributed_bench.py as the README runs it (torchrun, 2 processes, gloo):
-    it checks against the one-process layer and writes its rows."""
+    it checks against the one-process layer and writes its rows (--breakdown: where the time goes)."""
     import json
     import subprocess
     import sys
@@ -273,10 +274,12 @@ def test_bench_launcher_under_torchrun(tmp_path):
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            os.path.join(root, "benchmarks", "distributed_bench.py"), "--model", "tiny", "--device", "cpu",
-           "--tokens", "8,32", "--iters", "2", "--dispatch", "all_to_all", "--json", str(out)]
+           "--tokens", "8,32", "--iters", "2", "--dispatch", dispatch, "--json", str(out), *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "verdict: PASS" in run.stdout
     rows = json.loads(out.read_text())
     assert [r["M"] for r in rows] == [8, 32]
     assert all(r["op"] == "fused_experts_ep" and r["world_size"] == 2 and r["rel_err"] <= 1e-2 for r in rows)
+    if extra:
+        assert all(0 < r["local_us_min"] <= r["local_us_max"] and r["collective_us"] > 0 for r in rows)
