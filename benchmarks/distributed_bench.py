@@ -30,6 +30,9 @@ import torch.distributed as dist
 import moelora
 from moelora import distributed as md
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import time_graph  # noqa: E402
+
 # num_experts, top_k, hidden, intermediate (the issue's: DeepSeek-V3 with all 256 experts).
 MODELS = {
     "qwen3-235b-a22b": (128, 8, 4096, 1536),
@@ -72,32 +75,14 @@ def median_us(fn, iters, sync):
 
 
 def graph_us(fn, iters):
-    """Median of CUDA-graph replays of fn (CUDA events), or None where fn cannot be captured
-    (all_to_all: its split sizes cross to the host). Without host launch costs, as
-    moelora_bench times the one-GPU layer."""
+    """Median of CUDA-graph replays of fn (graph_timing.time_graph, as moelora_bench times the
+    layer: no host launch costs), or None where fn cannot be captured."""
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm-up outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception as error:  # noqa: BLE001 - reported in the row, the run goes on
+        return time_graph([fn], iters)
+    except Exception as error:  # noqa: BLE001 - reported, the run goes on
         print(f"graph capture failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}", flush=True)
         torch.cuda.synchronize()
         return None
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
 
 
 def spread(value, device):
