@@ -193,8 +193,9 @@ def _fused_experts_lora(hidden_states, w13, w2, topk_weights, topk_ids, token_lo
                         adapter_enabled=adapter_enabled, adapter_scale=adapter_scale)
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
-                          routing_status, lora=lora, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
-                                                      quant_block_k, group_size, w13_zero, w2_zero))
+                          routing_status, lora=lora,
+                          quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                                           quant_block_k, group_size, w13_zero, w2_zero))
 
 
 def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, a13_scale=None,
@@ -204,7 +205,8 @@ def _fused_experts_quant(hidden_states, w13, w2, topk_weights, topk_ids, quant, 
                          w13_zero=None, w2_zero=None, routing_status=None):
     return _fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, activation, apply_router_weight_on_input,
                           routed_scaling_factor, expert_map, chunk_size, swiglu_alpha, swiglu_limit, no_combine,
-                          routing_status, quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
+                          routing_status,
+                          quant=_moe_quant(quant, w13_scale, w2_scale, a13_scale, a2_scale, quant_block_n,
                                            quant_block_k, group_size, w13_zero, w2_zero))
 
 
