@@ -18,11 +18,13 @@ works unchanged; what differs is which weights it holds and how outputs combine:
   the others add zero) and an all-reduce over ep_group sums the ranks' outputs. One
   collective, no host synchronisation: CUDA-graph capturable.
 - EP, dispatch="all_to_all": each rank brings its own tokens (data-parallel input),
-  routes them, and sends each (token, expert) slot to the rank that holds the expert
-  (all_to_all_single of the rows, ids, weights and adapter ids); each rank computes only
-  the slots it received, and a second all_to_all_single brings the weighted products
-  back, summed per token in fp32 (slots routed to -1 are not sent). The split sizes are
-  exchanged first, a host synchronisation: not capturable in a CUDA graph.
+  routes them, and sends each token once to every rank that holds one of its experts
+  (all_to_all_single of the rows, their top-k ids and weights, adapter ids): a row a
+  (token, rank) pair, not a row a slot, so top_k = 8 over 2 ranks moves ~4x fewer bytes.
+  Each rank runs its local experts on the tokens it received (expert_map drops the
+  others' slots) and a second all_to_all_single brings each token's partial sum back,
+  summed over the ranks in fp32 (tokens routed only to -1 are not sent). The split sizes
+  are exchanged first, a host synchronisation: not capturable in a CUDA graph.
 The all-reduce paths are functional collectives: torch.compile(fullgraph=True) traces
 the layer's forward without a graph break.
 
@@ -309,14 +311,19 @@ class ParallelFusedMoE(torch.nn.Module):
         M, k = topk_ids.shape
         if x.shape[0] != M:
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got {M}")
-        ids = topk_ids.reshape(-1).long()
-        # Slots in the order of the ranks that hold their experts (stable: token order
-        # within); dropped slots (-1) last, in a bucket past the ranks that is never sent.
-        # Ids out of range are clamped for the lookup and refused below, with the counts.
-        dest = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(0, self.num_experts - 1)],
-                           self.ep_size)
-        order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=self.ep_size + 1)[:self.ep_size]
+        ids = topk_ids.long()
+        # The (token, rank) pairs to send: rank r gets token m when one of m's slots is on
+        # one of r's experts; in rank order, token order within (a stable sort of the
+        # [ep, M] need mask puts its set entries first). Slots routed to -1 need no rank
+        # (column ep, never sent). Ids out of range are clamped for the lookup and refused
+        # below, with the counts.
+        owner = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(0, self.num_experts - 1)],
+                            self.ep_size)
+        need = torch.zeros(M, self.ep_size + 1, dtype=torch.bool, device=ids.device)
+        need.scatter_(1, owner, True)
+        need = need[:, :self.ep_size].t().reshape(-1)  # [ep * M]: entry r * M + m
+        order = torch.argsort((~need).to(torch.int8), stable=True)
+        send_counts = need.reshape(self.ep_size, M).sum(1)
 
         def exchange_counts():
             recv = torch.empty_like(send_counts)
@@ -330,9 +337,7 @@ class ParallelFusedMoE(torch.nn.Module):
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected values in [-1, {self.num_experts}), got "
                              f"[{host[-2]}, {host[-1]}]")
         received = sum(recv_splits)
-        order = order[:sum(send_splits)]
-        slot_token = order // k  # slot = token * top_k + j
-        lora = None if token_lora_ids is None else token_lora_ids.reshape(-1).to(torch.int32)[slot_token]
+        pair_token = order[:sum(send_splits)] % max(M, 1)
 
         def all_to_all(values, splits_out, splits_in, rows):
             out = values.new_empty((rows,) + tuple(values.shape[1:]))
@@ -340,17 +345,17 @@ class ParallelFusedMoE(torch.nn.Module):
             return out
 
         def dispatch():
-            got = [all_to_all(x[slot_token], recv_splits, send_splits, received),
-                   all_to_all(ids[order].to(torch.int32), recv_splits, send_splits, received),
-                   all_to_all(topk_weights.reshape(-1).float()[order], recv_splits, send_splits, received)]
-            got.append(None if lora is None else all_to_all(lora, recv_splits, send_splits, received))
-            return got
+            sent = [x[pair_token], topk_ids[pair_token].to(torch.int32), topk_weights[pair_token].float()]
+            if token_lora_ids is not None:
+                sent.append(token_lora_ids.reshape(-1).to(torch.int32)[pair_token])
+            got = [all_to_all(t, recv_splits, send_splits, received) for t in sent]
+            return got if token_lora_ids is not None else got + [None]
         x_in, ids_in, weights_in, lora_in = self._timed("dispatch", dispatch)
-        # Each received slot is one (token, expert) pair: a top-1 call of the local layer,
-        # its routed weight applied there.
-        products = self.local.forward_routed(x_in, weights_in.reshape(-1, 1), ids_in.reshape(-1, 1), lora_in)
-        products = self._timed("combine", lambda: self._all_reduce(products, self.tp_group, self.tp_size))
-        back = self._timed("combine", lambda: all_to_all(products, send_splits, recv_splits, order.numel()))
+        # The received tokens with all their top-k slots: the local layer's expert_map
+        # drops those on other ranks, so each row comes back as this rank's partial sum.
+        partial = self.local.forward_routed(x_in, weights_in, ids_in, lora_in)
+        partial = self._timed("combine", lambda: self._all_reduce(partial, self.tp_group, self.tp_size))
+        back = self._timed("combine", lambda: all_to_all(partial, send_splits, recv_splits, pair_token.numel()))
         out = torch.zeros(M, H, dtype=torch.float32, device=x.device)
-        out.index_add_(0, slot_token, back.float())
+        out.index_add_(0, pair_token, back.float())
         return out.to(hidden_states.dtype).reshape(*leading, H)
