@@ -15,7 +15,8 @@ Rows (JSON, rank 0): {"op": "fused_experts_ep", "world_size", "ep", "tp", "dispa
 "local_us_min"/"local_us_max" (each rank's own experts alone: their spread is the ranks'
 imbalance, which comm_us includes as waiting), "collective_us" (the bare all-reduce after a
 barrier: the transfer), "graph_us" and "one_gpu_graph_us" (CUDA-graph replays, as
-moelora_bench times the layer; all_reduce dispatch only)."""
+moelora_bench times the layer; all_reduce dispatch only), "dispatch_us"/"combine_us"
+(all_to_all: comm_us's two phases)."""
 
 import argparse
 import json
@@ -144,10 +145,11 @@ def main():
         out = layer(x, logits)
         time_us = median_us(lambda: layer(x, logits), args.iters, sync)
         layer.time_comm = True
-        comm = []
+        comm, phases = [], []
         for _ in range(max(3, args.iters // 4)):
             layer(x, logits)
             comm.append((layer.comm_times.dispatch + layer.comm_times.combine) * 1e6)
+            phases.append((layer.comm_times.dispatch * 1e6, layer.comm_times.combine * 1e6))
         layer.time_comm = False
         comm_us = statistics.median(comm)
         times = torch.tensor([time_us, comm_us], dtype=torch.float64, device=device)
@@ -159,6 +161,9 @@ def main():
         # ranks' imbalance, which comm_us includes as waiting), the bare collective after a
         # barrier (the transfer), and the layer as CUDA-graph replays (no host launch costs).
         if args.breakdown:
+            if args.dispatch == "all_to_all":  # the slower rank's of each phase
+                row["dispatch_us"] = round(spread(statistics.median(p[0] for p in phases), device)[1], 2)
+                row["combine_us"] = round(spread(statistics.median(p[1] for p in phases), device)[1], 2)
             weights, ids = layer.local.route(logits)
             local = median_us(lambda: layer.local.forward_routed(x, weights, ids), args.iters, sync)
             row["local_us_min"], row["local_us_max"] = (round(v, 2) for v in spread(local, device))
