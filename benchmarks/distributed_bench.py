@@ -11,12 +11,11 @@ Each rank makes only its experts' weights (expert e's from seed + e), so no rank
 the whole layer except rank 0 for the check and the one-rank time (--no-check skips
 both). With --dispatch all_to_all, M is the global batch: each rank brings M / N tokens.
 Rows (JSON, rank 0): {"op": "fused_experts_ep", "world_size", "ep", "tp", "dispatch",
-"model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}; with --breakdown also
-"local_us_min"/"local_us_max" (each rank's own experts alone: their spread is the ranks'
-imbalance, which comm_us includes as waiting), "collective_us" (the bare all-reduce after a
-barrier: the transfer), "graph_us" and "one_gpu_graph_us" (CUDA-graph replays, as
-moelora_bench times the layer; all_reduce dispatch only), "dispatch_us"/"combine_us"
-(all_to_all: comm_us's two phases)."""
+"model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}; with --breakdown also,
+all_reduce: "local_us_min"/"local_us_max" (each rank's own experts alone: their spread is the
+ranks' imbalance, which comm_us includes as waiting), "collective_us" (the bare all-reduce
+after a barrier: the transfer), "graph_us" and "one_gpu_graph_us" (CUDA-graph replays, as
+moelora_bench times the layer); all_to_all: "dispatch_us"/"combine_us" (comm_us's phases)."""
 
 import argparse
 import json
@@ -107,7 +106,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also local_us_min/max, collective_us, graph_us, one_gpu_graph_us (where the time goes)")
+                        help="where the time goes: local_us_min/max, collective_us, graph_us (all_reduce), dispatch_us, "
+                             "combine_us (all_to_all), one_gpu_graph_us")
     args = parser.parse_args()
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and moelora.cuda_available())
@@ -157,13 +157,14 @@ def main():
         row = dict(op="fused_experts_ep", world_size=world, ep=ep, tp=tp, dispatch=args.dispatch, model=args.model,
                    M=M, dtype=args.dtype, device=device.type, time_us=round(float(times[0]), 2),
                    comm_us=round(float(times[1]), 2))
-        # Where the time goes (--breakdown): each rank's own experts alone (their spread is the
-        # ranks' imbalance, which comm_us includes as waiting), the bare collective after a
-        # barrier (the transfer), and the layer as CUDA-graph replays (no host launch costs).
-        if args.breakdown:
-            if args.dispatch == "all_to_all":  # the slower rank's of each phase
-                row["dispatch_us"] = round(spread(statistics.median(p[0] for p in phases), device)[1], 2)
-                row["combine_us"] = round(spread(statistics.median(p[1] for p in phases), device)[1], 2)
+        # Where the time goes (--breakdown). all_reduce: each rank's own experts alone over the
+        # tokens (their spread is the ranks' imbalance, which comm_us includes as waiting), the
+        # bare collective after a barrier (the transfer), the layer as CUDA-graph replays (no
+        # host launch costs). all_to_all: its two phases (the slower rank's of each).
+        if args.breakdown and args.dispatch == "all_to_all":
+            row["dispatch_us"] = round(spread(statistics.median(p[0] for p in phases), device)[1], 2)
+            row["combine_us"] = round(spread(statistics.median(p[1] for p in phases), device)[1], 2)
+        elif args.breakdown:
             weights, ids = layer.local.route(logits)
             local = median_us(lambda: layer.local.forward_routed(x, weights, ids), args.iters, sync)
             row["local_us_min"], row["local_us_max"] = (round(v, 2) for v in spread(local, device))
@@ -176,13 +177,11 @@ def main():
                 dist.all_reduce(combined, group=ep_group)
                 sync()
                 return (time.perf_counter() - start) * 1e6
-            if args.dispatch == "all_reduce":
-                row["collective_us"] = round(spread(statistics.median(bare_collective() for _ in range(args.iters)),
-                                                    device)[1], 2)
-            if cuda:
-                replay = graph_us(lambda: layer(x, logits), args.iters) if args.dispatch == "all_reduce" else None
-                if replay is not None:
-                    row["graph_us"] = round(spread(replay, device)[1], 2)
+            row["collective_us"] = round(spread(statistics.median(bare_collective() for _ in range(args.iters)),
+                                                device)[1], 2)
+            replay = graph_us(lambda: layer(x, logits), args.iters) if cuda else None
+            if replay is not None:
+                row["graph_us"] = round(spread(replay, device)[1], 2)
         if whole is not None:
             ref = whole(x, logits)
             row["rel_err"] = float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))

@@ -281,6 +281,7 @@ def test_bench_launcher_under_torchrun(tmp_path, dispatch):
     rows = json.loads(out.read_text())
     assert [r["M"] for r in rows] == [8, 32]
     assert all(r["op"] == "fused_experts_ep" and r["world_size"] == 2 and r["rel_err"] <= 1e-2 for r in rows)
-    assert all(0 < r["local_us_min"] <= r["local_us_max"] for r in rows)
-    phases = ("collective_us",) if dispatch == "all_reduce" else ("dispatch_us", "combine_us")
-    assert all(r[name] > 0 for r in rows for name in phases)
+    if dispatch == "all_reduce":
+        assert all(0 < r["local_us_min"] <= r["local_us_max"] and r["collective_us"] > 0 for r in rows)
+    else:
+        assert all(r["dispatch_us"] > 0 and r["combine_us"] > 0 for r in rows)
