@@ -145,13 +145,12 @@ def main():
         out = layer(x, logits)
         time_us = median_us(lambda: layer(x, logits), args.iters, sync)
         layer.time_comm = True
-        comm, phases = [], []
+        phases = []  # (dispatch, combine) of each call, us
         for _ in range(max(3, args.iters // 4)):
             layer(x, logits)
-            comm.append((layer.comm_times.dispatch + layer.comm_times.combine) * 1e6)
             phases.append((layer.comm_times.dispatch * 1e6, layer.comm_times.combine * 1e6))
         layer.time_comm = False
-        comm_us = statistics.median(comm)
+        comm_us = statistics.median(d + c for d, c in phases)
         times = torch.tensor([time_us, comm_us], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's
         row = dict(op="fused_experts_ep", world_size=world, ep=ep, tp=tp, dispatch=args.dispatch, model=args.model,

@@ -81,13 +81,19 @@ class _SafetensorsFile:
                 f.seek(self.base + begin)
                 return torch.frombuffer(bytearray(f.read(end - begin)), dtype=dtype).reshape(shape)
             row_bytes = (end - begin) // shape[0]
-            parts = []
             for row in rows:
                 if not 0 <= row < shape[0]:
                     raise _error(f"row {row} of tensor '{name}' [{shape[0]}, ...] is out of range")
-                f.seek(self.base + begin + row * row_bytes)
-                parts.append(torch.frombuffer(bytearray(f.read(row_bytes)), dtype=dtype).reshape(shape[1:]))
-            return torch.stack(parts)
+            # One read a run of consecutive rows (a rank's experts, a shard's rows).
+            parts, first = [], 0
+            for i in range(1, len(rows) + 1):
+                if i < len(rows) and rows[i] == rows[i - 1] + 1:
+                    continue
+                f.seek(self.base + begin + rows[first] * row_bytes)
+                data = bytearray(f.read((i - first) * row_bytes))
+                parts.append(torch.frombuffer(data, dtype=dtype).reshape([i - first] + shape[1:]))
+                first = i
+            return torch.cat(parts)
 
 
 class CheckpointReader(collections.abc.Mapping):
@@ -191,9 +197,8 @@ def read_experts(reader, prefix, local_experts, num_experts, hidden_size, interm
             continue
         w13, w2 = [], []
         for e in local_experts:
-            halves = [_read_rows(reader, f"{base}.{e}.{name}.weight", range(start, stop), (I, H)) if shard
-                      else _get(reader, f"{base}.{e}.{name}.weight", (I, H)) for name in (gate, up)]
-            w13.append(torch.cat(halves, dim=0))
+            w13.append(torch.cat([_read_rows(reader, f"{base}.{e}.{name}.weight", range(start, stop), (I, H))
+                                  for name in (gate, up)], dim=0))
             w2.append(_get(reader, f"{base}.{e}.{down}.weight", (H, I))[:, start:stop])
         return Experts(torch.stack(w13), torch.stack(w2).contiguous(), None, None, False)
     if f"{base}.gate_up_proj" in reader:

@@ -163,7 +163,8 @@ class ParallelFusedMoE(torch.nn.Module):
         self.local = FusedMoE(num_experts, top_k, hidden_size, size, expert_map=mapping, **layer_kwargs)
         self.local.adapter_intermediate_size = intermediate_size
         self.local.adapter_intermediate_start = start
-        self.register_buffer("expert_owner", expert_owner(num_experts, ep_size), persistent=False)
+        self.register_buffer("expert_owner", expert_owner(num_experts, ep_size).to(layer_kwargs.get("device")),
+                             persistent=False)
         self.time_comm = False
         self.comm_times = CommTimes()
 
@@ -317,8 +318,7 @@ class ParallelFusedMoE(torch.nn.Module):
         # [ep, M] need mask puts its set entries first). Slots routed to -1 need no rank
         # (column ep, never sent). Ids out of range are clamped for the lookup and refused
         # below, with the counts.
-        owner = torch.where(ids >= 0, self.expert_owner.to(ids.device)[ids.clamp(0, self.num_experts - 1)],
-                            self.ep_size)
+        owner = torch.where(ids >= 0, self.expert_owner[ids.clamp(0, self.num_experts - 1)], self.ep_size)
         need = torch.zeros(M, self.ep_size + 1, dtype=torch.bool, device=ids.device)
         need.scatter_(1, owner, True)
         need = need[:, :self.ep_size].t().reshape(-1)  # [ep * M]: entry r * M + m

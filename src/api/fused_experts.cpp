@@ -31,6 +31,11 @@ struct ValidatedCall {
   FusedExpertsQuantParams quant;  // quantized experts: each GEMM's scheme and weight scales
 };
 
+// fused_experts' routing status word (FusedExpertsArgs::routing_status), or null.
+int32_t* routing_status_word(const FusedExpertsArgs& args) {
+  return args.routing_status ? static_cast<int32_t*>(args.routing_status->data) : nullptr;
+}
+
 // Checks every argument of fused_experts; throws moelora::Error naming the first bad one.
 ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedExpertsOptions& options) {
   const char* op = "fused_experts";
@@ -154,8 +159,8 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
   if (args.routing_status) {
     ArgCheck(op, "routing_status", *args.routing_status).rank(1).dtype(DType::kInt32).on(device, "hidden_states")
         .dim(0, 1, "one status word");
-    lora_adapters.routing_status = static_cast<int32_t*>(args.routing_status->data);
   }
+  lora_adapters.routing_status = routing_status_word(args);
   check_disjoint_writes(op, {{&args.out, "out"}, {&args.workspace, "workspace"}, {args.routing_status, "routing_status"}},
                         read);
   if (on_cuda(x)) require_cuda_backend(op);
@@ -170,11 +175,6 @@ void quantize_rows(const TensorView& input, const TensorView& out, const TensorV
   run_quantize(quantize_params(QuantizeArgs{input, out, scales, plan.quant_block_rows, plan.quant_block_cols,
                                             static_scales}),
                device, stream);
-}
-
-// fused_experts' routing status word (FusedExpertsArgs::routing_status), or null.
-int32_t* routing_status_word(const FusedExpertsArgs& args) {
-  return args.routing_status ? static_cast<int32_t*>(args.routing_status->data) : nullptr;
 }
 
 // An alignment of fused_experts' ids: its kernels also report bad ids and expert_map

@@ -321,6 +321,20 @@ TEST_P(FusedExpertsBackendTest, RoutingStatusArgumentIsChecked) {
 // (M = 300); bits are OR'ed into what the word held; valid routing (with -1) sets none.
 class FusedExpertsRoutingStatus : public ::testing::TestWithParam<int64_t> {};
 
+// A CUDA layer problem whose call passes a routing status word (not copyable: args points
+// at word_view, and problem.args at problem's buffers).
+struct WordedProblem {
+  WordedProblem(const LayerCase& c, std::mt19937& rng) : problem(c, rng), args(problem.args) {
+    args.routing_status = &word_view;
+  }
+  WordedProblem(const WordedProblem&) = delete;
+  WordedProblem& operator=(const WordedProblem&) = delete;
+  LayerProblem problem;
+  Buffer word{Backend::kCUDA, DType::kInt32, 1};
+  const TensorView word_view = word.view({1});
+  FusedExpertsArgs args;
+};
+
 TEST_P(FusedExpertsRoutingStatus, BadIdsSetBitsAndDropTheirSlots) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   LayerCase c;
@@ -331,11 +345,10 @@ TEST_P(FusedExpertsRoutingStatus, BadIdsSetBitsAndDropTheirSlots) {
   c.expert_map = true;
   c.dropped_share = 0.1;
   std::mt19937 rng(823);
-  LayerProblem problem(c, rng);
-  Buffer word(Backend::kCUDA, DType::kInt32, 1);
-  const TensorView word_view = word.view({1});
-  FusedExpertsArgs args = problem.args;
-  args.routing_status = &word_view;
+  WordedProblem worded(c, rng);
+  LayerProblem& problem = worded.problem;
+  Buffer& word = worded.word;
+  const FusedExpertsArgs& args = worded.args;
   TestStream stream(Backend::kCUDA);
   auto run = [&](int32_t held) {
     word.set(0, held);
@@ -385,11 +398,10 @@ TEST(FusedExpertsRoutingStatusGraph, ReplaysReportEachRouting) {
     c.backend = Backend::kCUDA;
     c.M = M;
     std::mt19937 rng(829);
-    LayerProblem problem(c, rng);
-    Buffer word(Backend::kCUDA, DType::kInt32, 1);
-    const TensorView word_view = word.view({1});
-    FusedExpertsArgs args = problem.args;
-    args.routing_status = &word_view;
+    WordedProblem worded(c, rng);
+    LayerProblem& problem = worded.problem;
+    Buffer& word = worded.word;
+    const FusedExpertsArgs& args = worded.args;
     TestStream stream(Backend::kCUDA);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle());
     fused_experts(args, c.options, stream.handle());  // warm-up outside the capture
@@ -397,7 +409,7 @@ TEST(FusedExpertsRoutingStatusGraph, ReplaysReportEachRouting) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     MOELORA_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    MOELORA_CUDA_CHECK(cudaMemsetAsync(word_view.data, 0, sizeof(int32_t), s));
+    MOELORA_CUDA_CHECK(cudaMemsetAsync(worded.word_view.data, 0, sizeof(int32_t), s));
     fused_experts(args, c.options, stream.handle());
     MOELORA_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
     MOELORA_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));

@@ -96,6 +96,10 @@ def test_fused_rows_are_read_alone(tmp_path):
     safetensors_torch.save_file(fused, str(tmp_path / "model.safetensors"))
     reader = checkpoint.CheckpointReader(tmp_path / "model.safetensors")
     assert torch.equal(reader.read_rows("blk.experts.down_proj", [3, 0]), fused["blk.experts.down_proj"][[3, 0]])
+    # Runs of consecutive rows are read at once: runs, repeats and descending rows mixed.
+    rows = [1, 2, 3, 3, 0, 4, 2, 3]
+    assert torch.equal(reader.read_rows("blk.experts.gate_up_proj", rows), fused["blk.experts.gate_up_proj"][rows])
+    assert torch.equal(reader.read_rows("blk.experts.gate_up_proj", range(E)), fused["blk.experts.gate_up_proj"])
     layer = moelora.FusedMoE(E, 2, H, I, dtype=torch.float32, expert_map=[-1, -1, 0, -1, 1])
     layer.load_experts(tmp_path / "model.safetensors", "blk")
     assert torch.equal(layer.w13, fused["blk.experts.gate_up_proj"][[2, 4]])
