@@ -136,6 +136,10 @@ void launch_weight_only(const SmallBatchMoeParams& p, cudaStream_t stream, int s
 // group, block), one warp an item, items ordered group-major so that the warps running
 // together share the group's weight rows across the blocks of an expert (L2 hits where an
 // expert has several blocks).
+// NOTE: measured against a CTA's 8 warps on one block and consecutive groups (the block's
+// 16 vectors read once from L2, then L1 hits): 1.07-1.16x slower on Mixtral w4a16 at
+// M = 32-64, no faster elsewhere (H200, issue 30 step 6). The vectors' L2 reads were not
+// the bound.
 constexpr int kAlignedBlock = 16;
 
 // The lane's vector of each tile: the rows of entries g and 8 + g of `block` (padding:
@@ -160,6 +164,32 @@ __device__ __forceinline__ int result_slot(const int (&slot)[2], int t, int c) {
   return __shfl_sync(0xffffffffu, slot[t], 4 * (2 * quad + c));
 }
 
+// A block's 16-row product over K: both n8 tiles, or only the first where entries 8-15
+// are all padding (an expert's last block with at most 8 slots: most blocks of the
+// small-expert models at M = 32-64). One tile converts the same weights for half the MMAs
+// and vector loads, and takes two steps a round instead of one (the second tile's
+// registers), so a warp has twice the weight bytes in flight: 0.72-0.85x the time of both
+// tiles at M = 32-64 on the small-expert models (H200, docs/perf_notes issue 30 step 6).
+// acc[1] is then zero.
+template <class T, int kBits, bool kScaleAfter>
+__device__ __forceinline__ void block_rows_product(const detail::WeightOnlyParams& q, int64_t expert, int64_t row_lo,
+                                                   int64_t row_hi, const T* const (&vec)[2], const int (&slot)[2],
+                                                   int K, float (&acc)[2][4]) {
+  const int steps = weight_only_steps<kBits>(K);
+  if (__any_sync(0xffffffffu, slot[1] >= 0)) {
+    warp_weight_only_rows<T, kBits, kScaleAfter, 2>(q, expert, row_lo, row_hi, vec, K, 0, steps, acc);
+    return;
+  }
+  const T* const first[1] = {vec[0]};
+  float one[1][4];
+  warp_weight_only_rows<T, kBits, kScaleAfter, 1>(q, expert, row_lo, row_hi, first, K, 0, steps, one);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[0][i] = one[0][i];
+    acc[1][i] = 0.f;
+  }
+}
+
 template <class T, int kBits, bool kScaleAfter, ActivationKind kAct>
 __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(const detail::WeightOnlyAlignedParams p) {
   wait_for_previous_kernel();
@@ -182,8 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(
     block_vectors(p, block, x, m.x_stride_token, [&](int s) { return s / top_k; }, vec, slot);
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
     float acc[2][4];
-    warp_weight_only_rows<T, kBits, kScaleAfter, 2>(m.w13q, expert, gate_row, up_row, vec, H, 0,
-                                                    weight_only_steps<kBits>(H), acc);
+    block_rows_product<T, kBits, kScaleAfter>(m.w13q, expert, gate_row, up_row, vec, slot, H, acc);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
 #pragma unroll
@@ -220,8 +249,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm2_kernel(
     float acc[2][4] = {};
     const bool has_expert = expert >= 0 && expert < m.num_local_experts;
     if (has_expert) {
-      warp_weight_only_rows<T, kBits, kScaleAfter, 2>(m.w2q, expert, h_lo, h_hi, vec, I, 0,
-                                                      weight_only_steps<kBits>(I), acc);
+      block_rows_product<T, kBits, kScaleAfter>(m.w2q, expert, h_lo, h_hi, vec, slot, I, acc);
     }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
