@@ -9,7 +9,9 @@ budget, resumable across device calls and sessions.
 Tests: every case --gtest_list_tests gives, except the CPU backend's (names with "CPU":
 no device code to check). Each tool runs them in batches (--batch cases a process); a
 batch that does not finish inside the remaining budget is killed and retried next call,
-so the state only ever holds whole batches. State (JSON): per tool the cases done, the
+so the state only ever holds whole batches. --jobs N runs N sanitizer processes at once
+(the tools are CPU-bound in their instrumentation and the test cases are small: ctest runs
+16 at a time on the same GPU). State (JSON): per tool the cases done, the
 findings (each error or hazard block of the tool, with the case it came in), and the
 summary lines. A finding that matches an entry of tools/sanitizer_known.json (tool, a
 regular expression on the block, the reason) is listed as known, with that reason, not
@@ -20,9 +22,11 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -84,14 +88,19 @@ def summary_line(output):
 
 
 def run_batch(sanitizer, tool, binary, cases, timeout):
+    """The tool's output over the cases, or None where it did not finish in timeout seconds
+    (the sanitizer and the test binary under it are killed: they share a session)."""
     cmd = [sanitizer, "--tool", tool, "--print-limit", "200", binary, "--gtest_filter=" + ":".join(cases)]
     if tool == "racecheck":
         cmd[3:3] = ["--racecheck-report", "hazard"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         return None
-    return run.stdout + run.stderr
+    return output
 
 
 def sweep(args):
@@ -103,20 +112,30 @@ def sweep(args):
     cases = list_cuda_tests(args.binary)
     state["cases"] = len(cases)
     deadline = time.monotonic() + args.budget
+    work = []  # (tool, batch), tool by tool
     for tool in args.tools.split(","):
         entry = state["tools"].setdefault(tool, {"done": [], "findings": [], "summaries": [], "failed_batches": 0})
         done = set(entry["done"])
         todo = [c for c in cases if c not in done]
-        for i in range(0, len(todo), args.batch):
-            left = deadline - time.monotonic()
-            if left < 30:
-                print(f"{tool}: budget spent, {len(todo) - i} cases left for the next call", flush=True)
-                break
-            batch = todo[i:i + args.batch]
-            output = run_batch(args.sanitizer, tool, args.binary, batch, left)
+        work += [(tool, todo[i:i + args.batch]) for i in range(0, len(todo), args.batch)]
+
+    def run(item):
+        tool, batch = item
+        left = deadline - time.monotonic()
+        if left < 30:  # a batch started now would be cut: the next call takes it
+            return tool, batch, "budget"
+        return tool, batch, run_batch(args.sanitizer, tool, args.binary, batch, left)
+
+    # Results are recorded here, in one thread, as the batches finish (pool.map keeps the
+    # work's order, so one job gives the order of a serial sweep).
+    with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        for tool, batch, output in pool.map(run, work):
+            if output == "budget":
+                continue
             if output is None:
                 print(f"{tool}: a batch of {len(batch)} did not finish in the budget; next call", flush=True)
-                break
+                continue
+            entry = state["tools"][tool]
             passed = re.search(r"\[  PASSED  \] (\d+) test", output)
             if not passed or "[  FAILED  ]" in output:
                 entry["failed_batches"] += 1  # a test failed under the tool: its log is kept
@@ -131,6 +150,10 @@ def sweep(args):
                 entry["summaries"].append(line)
             entry["done"].extend(batch)
             print(f"{tool}: {len(entry['done'])}/{len(cases)} cases, {line}", flush=True)
+    for tool in args.tools.split(","):
+        left = len(cases) - len(state["tools"][tool]["done"])
+        if left:
+            print(f"{tool}: budget spent, {left} cases left for the next call", flush=True)
     with open(args.out, "w") as f:
         json.dump(state, f, indent=1)
     return state
@@ -157,6 +180,7 @@ def main():
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--budget", type=float, default=540, help="seconds for this call, all tools together")
     p.add_argument("--batch", type=int, default=40, help="test cases a sanitizer process")
+    p.add_argument("--jobs", type=int, default=1, help="sanitizer processes at once")
     p.add_argument("--state", help="the state of earlier calls (JSON), continued")
     p.add_argument("--out", default="sanitizer_state.json")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."))

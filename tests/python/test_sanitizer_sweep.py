@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -81,3 +82,61 @@ echo "========= ERROR SUMMARY: 0 errors"
     assert second.returncode == 0, second.stdout + second.stderr
     summary = sanitizer_sweep.summarize(json.loads(state.read_text()))["memcheck"]
     assert summary == {"cases": 5, "done": 5, "errors": 0, "known": {}, "failed_batches": 0}
+
+
+def test_jobs_run_batches_at_once_and_record_every_case(tmp_path):
+    # 6 CUDA cases, one a batch, each batch ~1 s: three jobs take ~2 s, one would take ~6.
+    binary = _script(tmp_path / "tests", """#!/usr/bin/env python3
+import sys, time
+cases = ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
+if "--gtest_list_tests" in sys.argv:
+    print("Layers/T.\\n" + "\\n".join("  " + c.split(".", 1)[1] for c in cases))
+    sys.exit(0)
+chosen = sys.argv[-1].split("=", 1)[1].split(":")
+time.sleep(1)
+print("[  PASSED  ] %d tests." % len(chosen))
+""")
+    sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
+while [ "${1#--}" != "$1" ]; do shift 2; done
+"$@"
+echo "========= ERROR SUMMARY: 0 errors"
+""")
+    known = tmp_path / "known.json"
+    known.write_text("[]")
+    state = tmp_path / "state.json"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sanitizer_sweep.py"), "--binary", binary,
+                          "--sanitizer", sanitizer, "--tools", "memcheck,initcheck", "--batch", "1", "--jobs", "6",
+                          "--known", str(known), "--log-dir", str(tmp_path), "--budget", "100", "--out", str(state)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    tools = json.loads(state.read_text())["tools"]
+    for tool in ("memcheck", "initcheck"):
+        assert sorted(tools[tool]["done"]) == ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
+
+
+def test_a_batch_past_its_time_is_killed_with_the_binary_under_it(tmp_path):
+    pid_file = tmp_path / "pid"
+    binary = _script(tmp_path / "tests", f"""#!/usr/bin/env python3
+import os, time
+open({str(pid_file)!r}, "w").write(str(os.getpid()))
+time.sleep(60)
+""")
+    sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
+while [ "${1#--}" != "$1" ]; do shift 2; done
+"$@"
+""")
+    assert sanitizer_sweep.run_batch(sanitizer, "memcheck", binary, ["A.B/CUDA"], timeout=5) is None
+    pid = int(pid_file.read_text())
+
+    def alive():
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return "\nState:\tZ" not in f.read()  # a zombie waits for its reaper: it is dead
+        except FileNotFoundError:
+            return False
+
+    for _ in range(50):  # SIGKILL lands asynchronously: allow it a moment under load
+        if not alive():
+            break
+        time.sleep(0.1)
+    assert not alive()
