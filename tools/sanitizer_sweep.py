@@ -82,6 +82,11 @@ def findings_of(output):
     return found
 
 
+def device_lines(block):
+    """A finding's block up to its host backtrace."""
+    return block.split("Saved host backtrace")[0].rstrip("= \n")
+
+
 def summary_line(output):
     lines = [l for l in output.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l]
     return lines[-1].strip("= ").strip() if lines else None
@@ -143,8 +148,11 @@ def sweep(args):
                           "w") as f:
                     f.write(output[-200000:])
             for case, block in findings_of(output):
-                reason = next((k["reason"] for k in known if k["tool"] == tool and k["regex"].search(block)), None)
-                entry["findings"].append({"case": case, "known": reason, "text": block[:2000]})
+                # The device-side lines only: the host backtrace (a dozen frames) would make the
+                # committed state megabytes for a few hundred findings.
+                finding = {"case": case, "known": None, "text": device_lines(block)[:2000]}
+                finding["known"] = known_reason(known, tool, finding)
+                entry["findings"].append(finding)
             line = summary_line(output)
             if line:
                 entry["summaries"].append(line)
@@ -159,16 +167,25 @@ def sweep(args):
     return state
 
 
-def summarize(state):
-    """{tool: {cases, done, errors, known: {reason: count}, failed_batches}}."""
+def known_reason(known, tool, finding):
+    """The reason of the known false positive a finding matches (its recorded one, or an
+    entry of the known list added since), else None."""
+    if finding.get("known"):
+        return finding["known"]
+    return next((k["reason"] for k in known if k["tool"] == tool and k["regex"].search(finding["text"])), None)
+
+
+def summarize(state, known=()):
+    """{tool: {cases, done, errors, known: {reason: count}, failed_batches}}; findings are
+    matched against `known` (load_known) again, so a reason listed after a sweep counts."""
     out = {}
     for tool, entry in state.get("tools", {}).items():
-        known = {}
-        for f in entry["findings"]:
-            if f["known"]:
-                known[f["known"]] = known.get(f["known"], 0) + 1
+        reasons = [known_reason(known, tool, f) for f in entry["findings"]]
+        counted = {}
+        for reason in filter(None, reasons):
+            counted[reason] = counted.get(reason, 0) + 1
         out[tool] = {"cases": state.get("cases"), "done": len(entry["done"]),
-                     "errors": sum(1 for f in entry["findings"] if not f["known"]), "known": known,
+                     "errors": sum(1 for r in reasons if not r), "known": counted,
                      "failed_batches": entry["failed_batches"]}
     return out
 
@@ -189,10 +206,10 @@ def main():
     args = p.parse_args()
     if args.summary:
         with open(args.state) as f:
-            print(json.dumps(summarize(json.load(f)), indent=1))
+            print(json.dumps(summarize(json.load(f), load_known(args.known)), indent=1))
         return
     state = sweep(args)
-    summary = summarize(state)
+    summary = summarize(state, load_known(args.known))
     print(json.dumps(summary, indent=1))
     sys.exit(1 if any(s["errors"] or s["failed_batches"] for s in summary.values()) else 0)
 
