@@ -3,7 +3,9 @@
 CheckpointReader(source) opens a .safetensors file, a folder of shards (with or without
 model.safetensors.index.json) or a dict name -> tensor, and reads a tensor's bytes only
 when asked: a rank under expert parallelism reads its own experts and nothing else, rows
-of a fused [E, ...] tensor included (read_rows).
+of a fused [E, ...] tensor included (read_rows), and a tensor-parallel rank only its shard's
+columns (read_slice: no more than the result is held, where a whole read would hold every
+expert's full down_proj to cut it).
 
 read_experts(reader, prefix, local_experts, hidden_size, intermediate_size) finds a MoE
 block's experts under `prefix` in any of these namings:
@@ -22,6 +24,7 @@ import glob
 import json
 import os
 
+import numpy as np
 import torch
 
 _SAFETENSORS_DTYPES = {
@@ -95,6 +98,38 @@ class _SafetensorsFile:
                 first = i
             return torch.cat(parts)
 
+    def read_slice(self, name, rows, dim, start, stop):
+        """Rows `rows` (indices along dim 0; None: all) of tensor `name`, of them only
+        [start, stop) along `dim` (>= 1), copied out of a memory map of the file: the pages
+        the slice touches are read, and no more than the result is held."""
+        dtype, shape = self._dtype(name), self.shape(name)
+        begin, end = self.entries[name]["data_offsets"]
+        rows = list(range(shape[0])) if rows is None else list(rows)
+        for row in rows:
+            if not 0 <= row < shape[0]:
+                raise _error(f"row {row} of tensor '{name}' [{shape[0]}, ...] is out of range")
+        if not 1 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
+            raise _error(f"slice [{start}, {stop}) of dim {dim} is outside tensor '{name}' {shape}")
+        out_shape = [len(rows)] + shape[1:]
+        out_shape[dim] = stop - start
+        if begin == end or not rows or start == stop:
+            return torch.empty(out_shape, dtype=dtype)
+        # Bytes, not elements: numpy has no bfloat16 or float8; the last dim counts bytes.
+        elem = torch.empty((), dtype=dtype).element_size()
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.base + begin, shape=(end - begin,))
+        view = mapped.reshape(shape[:-1] + [shape[-1] * elem])
+        index = [slice(None)] * (len(shape) - 1)
+        index[dim - 1] = slice(start * elem, stop * elem) if dim == len(shape) - 1 else slice(start, stop)
+        out = np.empty(out_shape[:-1] + [out_shape[-1] * elem], dtype=np.uint8)
+        first = 0  # one copy a run of consecutive rows
+        for i in range(1, len(rows) + 1):
+            if i < len(rows) and rows[i] == rows[i - 1] + 1:
+                continue
+            out[first:i] = view[(slice(rows[first], rows[i - 1] + 1), *index)]
+            first = i
+        del view, mapped
+        return torch.from_numpy(out).view(dtype).reshape(out_shape)
+
 
 class CheckpointReader(collections.abc.Mapping):
     """name -> tensor over a checkpoint, read on access (a Mapping: `in`, [], keys()).
@@ -161,27 +196,38 @@ class CheckpointReader(collections.abc.Mapping):
             return torch.as_tensor(self._dict[name])[list(rows)]
         return self._files[name].read(name, list(rows))
 
+    def read_slice(self, name, rows, dim, start, stop):
+        """Rows `rows` (dim 0; None: all) of tensor `name`, only [start, stop) along `dim`
+        (>= 1): a tensor-parallel shard of every expert without holding the whole tensor."""
+        if self._dict is not None:
+            value = torch.as_tensor(self._dict[name])
+            if rows is not None:
+                value = value[list(rows)]
+            return value.narrow(dim, start, stop - start).contiguous()
+        return self._files[name].read_slice(name, rows, dim, start, stop)
+
 
 _PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
-def _get(reader, key, shape):
+def _check_shape(reader, key, shape):
     if key not in reader:
         raise _error(f"key '{key}' is missing")
-    value = reader[key]
-    if list(value.shape) != list(shape):
-        raise _error(f"key '{key}' expected shape {list(shape)}, got {list(value.shape)}")
-    return value
+    if reader.shape(key) != list(shape):
+        raise _error(f"key '{key}' expected shape {list(shape)}, got {reader.shape(key)}")
 
 
 def _read_rows(reader, key, rows, shape):
     """Rows `rows` (dim 0) of tensor `key` of shape `shape`: a fused tensor's local experts,
     or a shard of an expert's rows; only their bytes are read from a file."""
-    if key not in reader:
-        raise _error(f"key '{key}' is missing")
-    if reader.shape(key) != list(shape):
-        raise _error(f"key '{key}' expected shape {list(shape)}, got {reader.shape(key)}")
+    _check_shape(reader, key, shape)
     return reader.read_rows(key, rows)
+
+
+def _read_slice(reader, key, rows, shape, dim, start, stop):
+    """_read_rows (rows None: all), of each row only [start, stop) along dim (>= 1)."""
+    _check_shape(reader, key, shape)
+    return reader.read_slice(key, rows, dim, start, stop)
 
 
 def read_experts(reader, prefix, local_experts, num_experts, hidden_size, intermediate_size, shard=None):
@@ -199,21 +245,19 @@ def read_experts(reader, prefix, local_experts, num_experts, hidden_size, interm
         for e in local_experts:
             w13.append(torch.cat([_read_rows(reader, f"{base}.{e}.{name}.weight", range(start, stop), (I, H))
                                   for name in (gate, up)], dim=0))
-            w2.append(_get(reader, f"{base}.{e}.{down}.weight", (H, I))[:, start:stop])
-        return Experts(torch.stack(w13), torch.stack(w2).contiguous(), None, None, False)
+            w2.append(_read_slice(reader, f"{base}.{e}.{down}.weight", None, (H, I), 1, start, stop))
+        return Experts(torch.stack(w13), torch.stack(w2), None, None, False)
     if f"{base}.gate_up_proj" in reader:
         if f"{base}.gate_up_proj_bias" in reader:  # gpt-oss: [E, H, 2I] interleaved, biases
-            w13 = _read_rows(reader, f"{base}.gate_up_proj", local_experts, (E, H, 2 * I)).transpose(1, 2)
-            w2 = _read_rows(reader, f"{base}.down_proj", local_experts, (E, I, H)).transpose(1, 2)
-            b13 = _read_rows(reader, f"{base}.gate_up_proj_bias", local_experts, (E, 2 * I))
+            w13 = _read_slice(reader, f"{base}.gate_up_proj", local_experts, (E, H, 2 * I), 2, 2 * start, 2 * stop)
+            w2 = _read_slice(reader, f"{base}.down_proj", local_experts, (E, I, H), 1, start, stop)
+            b13 = _read_slice(reader, f"{base}.gate_up_proj_bias", local_experts, (E, 2 * I), 1, 2 * start, 2 * stop)
             b2 = _read_rows(reader, f"{base}.down_proj_bias", local_experts, (E, H))
-            return Experts(w13[:, 2 * start:2 * stop].contiguous(), w2[:, :, start:stop].contiguous(),
-                           b13[:, 2 * start:2 * stop], b2, True)
-        w13 = _read_rows(reader, f"{base}.gate_up_proj", local_experts, (E, 2 * I, H))
-        w2 = _read_rows(reader, f"{base}.down_proj", local_experts, (E, H, I))
-        if shard:
-            w13 = torch.cat([w13[:, start:stop], w13[:, I + start:I + stop]], dim=1)
-            w2 = w2[:, :, start:stop].contiguous()
+            return Experts(w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous(), b13, b2, True)
+        key = f"{base}.gate_up_proj"
+        w13 = torch.cat([_read_slice(reader, key, local_experts, (E, 2 * I, H), 1, first + start, first + stop)
+                         for first in (0, I)], dim=1)
+        w2 = _read_slice(reader, f"{base}.down_proj", local_experts, (E, H, I), 2, start, stop)
         return Experts(w13, w2, None, None, False)
     raise _error(f"no expert weights under '{base}.' (expected <e>.gate_proj/up_proj/down_proj.weight, "
                  f"<e>.w1/w3/w2.weight, or the fused gate_up_proj / down_proj)")

@@ -106,6 +106,59 @@ def test_fused_rows_are_read_alone(tmp_path):
     assert torch.equal(layer.w2, fused["blk.experts.down_proj"][[2, 4]])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_shard_slices_match_the_whole_tensor_cut(dtype, tmp_path):
+    # A tensor-parallel rank reads only its shard's columns / rows of every expert
+    # (read_slice, out of a memory map): each dim, row runs and repeats, the file and the
+    # dict reader alike; bfloat16 and float8 have no numpy dtype (the map is bytes).
+    E, H, I = 5, 6, 12
+    whole = torch.randn(E, H, I, generator=torch.Generator().manual_seed(3)).to(dtype)
+    safetensors_torch.save_file({"w": whole, "v": whole[0].clone()}, str(tmp_path / "model.safetensors"))
+    for reader in (checkpoint.CheckpointReader(tmp_path / "model.safetensors"), checkpoint.CheckpointReader({"w": whole})):
+        for rows in (None, [4, 0], [1, 2, 3, 3, 0]):
+            picked = whole if rows is None else whole[rows]
+            for dim, start, stop in ((2, 3, 9), (1, 2, 5), (2, 0, I), (2, 4, 4)):
+                got = reader.read_slice("w", rows, dim, start, stop)
+                assert got.dtype == dtype and torch.equal(got.view(torch.uint8), picked.narrow(dim, start, stop - start)
+                                                          .contiguous().view(torch.uint8))
+    reader = checkpoint.CheckpointReader(tmp_path / "model.safetensors")
+    assert torch.equal(reader.read_slice("v", None, 1, 6, 12).view(torch.uint8), whole[0, :, 6:].contiguous().view(torch.uint8))
+    with pytest.raises(ValueError, match=r"slice \[8, 13\) of dim 2 is outside tensor 'w' \[5, 6, 12\]"):
+        reader.read_slice("w", None, 2, 8, 13)
+    with pytest.raises(ValueError, match=r"row 5 of tensor 'w'"):
+        reader.read_slice("w", [5], 2, 0, 1)
+
+
+@pytest.mark.parametrize("naming", ["per_expert", "fused", "gpt_oss"])
+def test_a_tensor_parallel_shard_reads_what_the_whole_read_cuts(naming, tmp_path):
+    E, H, I, start, stop = 4, 8, 12, 4, 8
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen), torch.randn(E, H, I, generator=gen)
+    b13, b2 = torch.randn(E, 2 * I, generator=gen), torch.randn(E, H, generator=gen)
+    blk = "blk.experts"
+    if naming == "per_expert":
+        tensors = {f"{blk}.{e}.{name}.weight": t.contiguous() for e in range(E)
+                   for name, t in (("gate_proj", w13[e, :I]), ("up_proj", w13[e, I:]), ("down_proj", w2[e]))}
+    elif naming == "fused":
+        tensors = {f"{blk}.gate_up_proj": w13, f"{blk}.down_proj": w2}
+    else:  # [E, H, 2I] with gate and up columns interleaved, [E, I, H], biases
+        tensors = {f"{blk}.gate_up_proj": w13.transpose(1, 2).contiguous(), f"{blk}.down_proj": w2.transpose(1, 2).contiguous(),
+                   f"{blk}.gate_up_proj_bias": b13, f"{blk}.down_proj_bias": b2}
+    safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    reader = checkpoint.CheckpointReader(tmp_path / "model.safetensors")
+    local = [3, 1]
+    whole = checkpoint.read_experts(reader, "blk", local, E, H, I)
+    shard = checkpoint.read_experts(reader, "blk", local, E, H, I, shard=(start, stop))
+    rows = (slice(2 * start, 2 * stop) if whole.interleaved else
+            torch.cat([torch.arange(start, stop), torch.arange(I + start, I + stop)]))
+    assert shard.interleaved == whole.interleaved == (naming == "gpt_oss")
+    assert torch.equal(shard.w13, whole.w13[:, rows]) and shard.w13.is_contiguous()
+    assert torch.equal(shard.w2, whole.w2[:, :, start:stop]) and shard.w2.is_contiguous()
+    if naming == "gpt_oss":
+        assert torch.equal(shard.w13_bias, whole.w13_bias[:, 2 * start:2 * stop]) and torch.equal(shard.w2_bias, b2[local])
+    assert torch.equal(whole.w2, w2[local])
+
+
 def test_quantized_layer_loads_float_or_8bit_checkpoints(tmp_path):
     E, H, I = 4, 256, 128
     tensors = _per_expert_tensors("m", ("gate_proj", "up_proj", "down_proj"), E, H, I)
