@@ -48,11 +48,12 @@ def _script(path, text):
     return str(path)
 
 
-def test_sweep_resumes_where_the_budget_stopped(tmp_path):
-    # A gtest-like binary: 5 CUDA cases and a CPU one; each run takes ~1 s.
+def _fake_suite(tmp_path, cuda_cases):
+    """The sweep's command line up to --tools over a gtest-like binary of `cuda_cases` CUDA
+    cases and a CPU one (each run takes ~1 s) under a sanitizer that only runs it."""
     binary = _script(tmp_path / "tests", """#!/usr/bin/env python3
 import sys, time
-cases = ["Layers/T.Case/CUDA_%d" % i for i in range(5)] + ["Layers/T.Case/CPU_0"]
+cases = ["Layers/T.Case/CUDA_%%d" %% i for i in range(%d)] + ["Layers/T.Case/CPU_0"]
 if "--gtest_list_tests" in sys.argv:
     print("Layers/T.\\n" + "\\n".join("  " + c.split(".", 1)[1] for c in cases))
     sys.exit(0)
@@ -60,8 +61,8 @@ chosen = sys.argv[-1].split("=", 1)[1].split(":")
 for c in chosen:
     print("[ RUN      ] " + c); print("[       OK ] " + c)
 time.sleep(1)
-print("[  PASSED  ] %d tests." % len(chosen))
-""")
+print("[  PASSED  ] %%d tests." %% len(chosen))
+""" % cuda_cases)
     sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
 while [ "${1#--}" != "$1" ]; do shift 2; done
 "$@"
@@ -69,9 +70,13 @@ echo "========= ERROR SUMMARY: 0 errors"
 """)
     known = tmp_path / "known.json"
     known.write_text("[]")
+    return [sys.executable, os.path.join(ROOT, "tools", "sanitizer_sweep.py"), "--binary", binary, "--sanitizer",
+            sanitizer, "--known", str(known), "--log-dir", str(tmp_path)]
+
+
+def test_sweep_resumes_where_the_budget_stopped(tmp_path):
     state = tmp_path / "state.json"
-    common = [sys.executable, os.path.join(ROOT, "tools", "sanitizer_sweep.py"), "--binary", binary, "--sanitizer",
-              sanitizer, "--tools", "memcheck", "--batch", "2", "--known", str(known), "--log-dir", str(tmp_path)]
+    common = _fake_suite(tmp_path, 5) + ["--tools", "memcheck", "--batch", "2"]
     # A budget of 30.6 s leaves room for one batch (~1 s) before the 30 s reserve stops the sweep.
     first = subprocess.run(common + ["--budget", "30.6", "--out", str(state)], capture_output=True, text=True)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -85,30 +90,14 @@ echo "========= ERROR SUMMARY: 0 errors"
 
 
 def test_jobs_run_batches_at_once_and_record_every_case(tmp_path):
-    # 6 CUDA cases, one a batch, each batch ~1 s: three jobs take ~2 s, one would take ~6.
-    binary = _script(tmp_path / "tests", """#!/usr/bin/env python3
-import sys, time
-cases = ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
-if "--gtest_list_tests" in sys.argv:
-    print("Layers/T.\\n" + "\\n".join("  " + c.split(".", 1)[1] for c in cases))
-    sys.exit(0)
-chosen = sys.argv[-1].split("=", 1)[1].split(":")
-time.sleep(1)
-print("[  PASSED  ] %d tests." % len(chosen))
-""")
-    sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
-while [ "${1#--}" != "$1" ]; do shift 2; done
-"$@"
-echo "========= ERROR SUMMARY: 0 errors"
-""")
-    known = tmp_path / "known.json"
-    known.write_text("[]")
+    # 6 cases, one a batch, two tools: 12 runs of ~1 s; six jobs take ~2 s, one would take 12.
     state = tmp_path / "state.json"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "sanitizer_sweep.py"), "--binary", binary,
-                          "--sanitizer", sanitizer, "--tools", "memcheck,initcheck", "--batch", "1", "--jobs", "6",
-                          "--known", str(known), "--log-dir", str(tmp_path), "--budget", "100", "--out", str(state)],
+    began = time.monotonic()
+    run = subprocess.run(_fake_suite(tmp_path, 6) + ["--tools", "memcheck,initcheck", "--batch", "1", "--jobs", "6",
+                                                     "--budget", "100", "--out", str(state)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert time.monotonic() - began < 9, "the batches ran one at a time"
     tools = json.loads(state.read_text())["tools"]
     for tool in ("memcheck", "initcheck"):
         assert sorted(tools[tool]["done"]) == ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
