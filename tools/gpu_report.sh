@@ -11,6 +11,7 @@
 #                    and its kv-row gather ceiling (kv_gather_ceiling, a text table)
 #   SANITIZE_FILTER  gtest filter run under compute-sanitizer memcheck and racecheck
 #   SANITIZE_SWEEP=1 the whole CUDA suite under memcheck, racecheck, initcheck and synccheck
+#                    (with SKIP_TESTS=1 too: SKIP_TESTS=1 SKIP_BENCH=1 SANITIZE_SWEEP=1 is a sweep call)
 #                    (tools/sanitizer_sweep.py: batches within SWEEP_BUDGET seconds, default
 #                    540, continuing SWEEP_STATE, default reports/gpu/sanitizer_state.json;
 #                    commit $OUT/sanitizer_state.json back there to continue next call;
@@ -75,15 +76,6 @@ MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 -m pytest tes
   --junitxml="$OUT_DIR/pytest.xml" >>"$LOG" 2>&1
 tail -3 "$LOG"
 
-if [ "${SANITIZE_SWEEP:-0}" = 1 ]; then
-  # The whole CUDA suite under the four tools, resumable: SWEEP_STATE (default the
-  # committed reports/gpu/sanitizer_state.json) is continued for SWEEP_BUDGET seconds.
-  step "compute-sanitizer sweep"
-  SWEEP_ARGS=()
-  [ -f "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}" ] && SWEEP_ARGS+=(--state "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}")
-  python3 tools/sanitizer_sweep.py --binary "$BUILD_DIR/moelora_tests" --budget "${SWEEP_BUDGET:-540}" --jobs "${SWEEP_JOBS:-8}" \
-    --out "$OUT_DIR/sanitizer_state.json" --log-dir "$OUT_DIR" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"} 2>&1 | tail -40 | tee -a "$LOG"
-fi
 if [ -n "${SANITIZE_FILTER:-}" ]; then
   for tool in memcheck racecheck; do
     step "compute-sanitizer $tool"
@@ -92,6 +84,17 @@ if [ -n "${SANITIZE_FILTER:-}" ]; then
     echo "$tool rc=$?" | tee -a "$LOG"; tail -2 "$OUT_DIR/sanitizer_$tool.log"
   done
 fi
+fi
+
+if [ "${SANITIZE_SWEEP:-0}" = 1 ]; then
+  # The whole CUDA suite under the four tools, resumable: SWEEP_STATE (default the
+  # committed reports/gpu/sanitizer_state.json) is continued for SWEEP_BUDGET seconds.
+  # Also with SKIP_TESTS=1 (a call of its own: SKIP_TESTS=1 SKIP_BENCH=1 SANITIZE_SWEEP=1).
+  step "compute-sanitizer sweep"
+  SWEEP_ARGS=()
+  [ -f "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}" ] && SWEEP_ARGS+=(--state "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}")
+  python3 tools/sanitizer_sweep.py --binary "$BUILD_DIR/moelora_tests" --budget "${SWEEP_BUDGET:-540}" --jobs "${SWEEP_JOBS:-8}" \
+    --commit "${MOELORA_COMMIT:-unknown}" --out "$OUT_DIR/sanitizer_state.json" --log-dir "$OUT_DIR" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"} 2>&1 | tail -40 | tee -a "$LOG"
 fi
 
 if [ -n "${TEST_RESULTS:-}" ]; then

@@ -158,6 +158,9 @@ def sweep(args):
                 entry["summaries"].append(line)
             entry["done"].extend(batch)
             print(f"{tool}: {len(entry['done'])}/{len(cases)} cases, {line}", flush=True)
+    # Which build each slice swept: a state continued across commits says so.
+    state.setdefault("runs", []).append({"commit": args.commit, "date": time.strftime("%Y-%m-%d"),
+                                         "budget_s": args.budget, "jobs": args.jobs})
     for tool in args.tools.split(","):
         left = len(cases) - len(state["tools"][tool]["done"])
         if left:
@@ -198,6 +201,7 @@ def main():
     p.add_argument("--budget", type=float, default=540, help="seconds for this call, all tools together")
     p.add_argument("--batch", type=int, default=40, help="test cases a sanitizer process")
     p.add_argument("--jobs", type=int, default=1, help="sanitizer processes at once")
+    p.add_argument("--commit", default="unknown", help="the commit of the binary, recorded in the state's runs")
     p.add_argument("--state", help="the state of earlier calls (JSON), continued")
     p.add_argument("--out", default="sanitizer_state.json")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."))
