@@ -102,7 +102,10 @@ def run_batch(sanitizer, tool, binary, cases, timeout):
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended between the timeout and the kill
+            pass
         proc.communicate()
         return None
     return output
