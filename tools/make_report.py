@@ -116,8 +116,8 @@ def main():
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import sanitizer_sweep
         with open(args.sanitizer_state) as f:
-            sanitizer["sweep"] = sanitizer_sweep.summarize(json.load(f), sanitizer_sweep.load_known(
-                os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitizer_known.json")))
+            sanitizer["sweep"] = sanitizer_sweep.summarize(json.load(f),
+                                                           sanitizer_sweep.load_known(sanitizer_sweep.KNOWN))
     report = {
         "commit": args.commit,
         "date": datetime.date.today().isoformat(),

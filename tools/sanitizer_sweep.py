@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 HERE = os.path.dirname(os.path.abspath(__file__))
+KNOWN = os.path.join(HERE, "sanitizer_known.json")  # the listed false positives
 
 
 def list_cuda_tests(binary):
@@ -208,7 +209,7 @@ def main():
     p.add_argument("--state", help="the state of earlier calls (JSON), continued")
     p.add_argument("--out", default="sanitizer_state.json")
     p.add_argument("--log-dir", default=os.environ.get("OUT", "."))
-    p.add_argument("--known", default=os.path.join(HERE, "sanitizer_known.json"))
+    p.add_argument("--known", default=KNOWN)
     p.add_argument("--summary", action="store_true", help="print the summary of --state and exit")
     args = p.parse_args()
     if args.summary:

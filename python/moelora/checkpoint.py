@@ -45,6 +45,20 @@ def _error(message):
     return ValueError(f"moelora checkpoint: {message}")
 
 
+def _row_runs(name, shape, rows):
+    """[first, last) of each run of consecutive rows in `rows` (in their order), each row
+    checked against the tensor's dim 0, so a run is read or copied at once."""
+    for row in rows:
+        if not 0 <= row < shape[0]:
+            raise _error(f"row {row} of tensor '{name}' [{shape[0]}, ...] is out of range")
+    runs, first = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append((rows[first], rows[i - 1] + 1))
+            first = i
+    return runs
+
+
 class _SafetensorsFile:
     """One .safetensors file: its header read at once, each tensor's bytes on demand."""
 
@@ -84,18 +98,12 @@ class _SafetensorsFile:
                 f.seek(self.base + begin)
                 return torch.frombuffer(bytearray(f.read(end - begin)), dtype=dtype).reshape(shape)
             row_bytes = (end - begin) // shape[0]
-            for row in rows:
-                if not 0 <= row < shape[0]:
-                    raise _error(f"row {row} of tensor '{name}' [{shape[0]}, ...] is out of range")
             # One read a run of consecutive rows (a rank's experts, a shard's rows).
-            parts, first = [], 0
-            for i in range(1, len(rows) + 1):
-                if i < len(rows) and rows[i] == rows[i - 1] + 1:
-                    continue
-                f.seek(self.base + begin + rows[first] * row_bytes)
-                data = bytearray(f.read((i - first) * row_bytes))
-                parts.append(torch.frombuffer(data, dtype=dtype).reshape([i - first] + shape[1:]))
-                first = i
+            parts = []
+            for first, last in _row_runs(name, shape, rows):
+                f.seek(self.base + begin + first * row_bytes)
+                data = bytearray(f.read((last - first) * row_bytes))
+                parts.append(torch.frombuffer(data, dtype=dtype).reshape([last - first] + shape[1:]))
             return torch.cat(parts)
 
     def read_slice(self, name, rows, dim, start, stop):
@@ -105,9 +113,7 @@ class _SafetensorsFile:
         dtype, shape = self._dtype(name), self.shape(name)
         begin, end = self.entries[name]["data_offsets"]
         rows = list(range(shape[0])) if rows is None else list(rows)
-        for row in rows:
-            if not 0 <= row < shape[0]:
-                raise _error(f"row {row} of tensor '{name}' [{shape[0]}, ...] is out of range")
+        runs = _row_runs(name, shape, rows)
         if not 1 <= dim < len(shape) or not 0 <= start <= stop <= shape[dim]:
             raise _error(f"slice [{start}, {stop}) of dim {dim} is outside tensor '{name}' {shape}")
         out_shape = [len(rows)] + shape[1:]
@@ -121,12 +127,10 @@ class _SafetensorsFile:
         index = [slice(None)] * (len(shape) - 1)
         index[dim - 1] = slice(start * elem, stop * elem) if dim == len(shape) - 1 else slice(start, stop)
         out = np.empty(out_shape[:-1] + [out_shape[-1] * elem], dtype=np.uint8)
-        first = 0  # one copy a run of consecutive rows
-        for i in range(1, len(rows) + 1):
-            if i < len(rows) and rows[i] == rows[i - 1] + 1:
-                continue
-            out[first:i] = view[(slice(rows[first], rows[i - 1] + 1), *index)]
-            first = i
+        at = 0  # one copy a run of consecutive rows
+        for first, last in runs:
+            out[at:at + last - first] = view[(slice(first, last), *index)]
+            at += last - first
         del view, mapped
         return torch.from_numpy(out).view(dtype).reshape(out_shape)
 
