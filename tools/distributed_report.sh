@@ -8,6 +8,7 @@
 #   NPROC     ranks (default: the GPUs nvidia-smi lists)
 #   MODELS    default "qwen3-235b-a22b deepseek-v3"; TOKENS default 16,256,4096
 #   DISPATCH  default "all_reduce all_to_all"
+#   SKIP_BUILD=1  take the extension already built in MOELORA_BUILD_DIR (e.g. by tools/build.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-reports/gpu}
@@ -18,10 +19,12 @@ LOG="$OUT_DIR/distributed.log"
 : > "$LOG"
 step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 
-step "build (the extension, $N GPUs)"
-cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOELORA_CUDA=ON -DMOELORA_BUILD_PYTHON=ON \
-  -DMOELORA_BUILD_TESTS=OFF -DMOELORA_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE="$(command -v python3)" >>"$LOG" 2>&1 &&
-  cmake --build "$BUILD_DIR" -j "$(nproc)" >>"$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  step "build (the extension, $N GPUs)"
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOELORA_CUDA=ON -DMOELORA_BUILD_PYTHON=ON \
+    -DMOELORA_BUILD_TESTS=OFF -DMOELORA_BUILD_BENCHMARKS=OFF -DPython_EXECUTABLE="$(command -v python3)" >>"$LOG" 2>&1 &&
+    cmake --build "$BUILD_DIR" -j "$(nproc)" >>"$LOG" 2>&1 || { tail -40 "$LOG"; exit 1; }
+fi
 export MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python"
 
 step "pytest tests/python/test_distributed.py (gloo)"

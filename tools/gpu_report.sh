@@ -15,7 +15,8 @@
 #                    (tools/sanitizer_sweep.py: batches within SWEEP_BUDGET seconds, default
 #                    540, continuing SWEEP_STATE, default reports/gpu/sanitizer_state.json;
 #                    commit $OUT/sanitizer_state.json back there to continue next call;
-#                    SWEEP_JOBS sanitizer processes at once, default 8)
+#                    SWEEP_JOBS sanitizer processes at once, default 8; SWEEP_GPUS devices
+#                    they take in turn, default 1)
 #   SKIP_TESTS=1     build and benchmark only; TEST_RESULTS=DIR then takes ctest.xml,
 #                    pytest.xml and sanitizer_*.log from an earlier SKIP_BENCH=1 run
 #   SKIP_BENCH=1     build and test only (the device allows 10 minutes a command)
@@ -93,7 +94,7 @@ if [ "${SANITIZE_SWEEP:-0}" = 1 ]; then
   step "compute-sanitizer sweep"
   SWEEP_ARGS=()
   [ -f "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}" ] && SWEEP_ARGS+=(--state "${SWEEP_STATE:-reports/gpu/sanitizer_state.json}")
-  python3 tools/sanitizer_sweep.py --binary "$BUILD_DIR/moelora_tests" --budget "${SWEEP_BUDGET:-540}" --jobs "${SWEEP_JOBS:-8}" \
+  python3 tools/sanitizer_sweep.py --binary "$BUILD_DIR/moelora_tests" --budget "${SWEEP_BUDGET:-540}" --jobs "${SWEEP_JOBS:-8}" --gpus "${SWEEP_GPUS:-1}" \
     --commit "${MOELORA_COMMIT:-unknown}" --out "$OUT_DIR/sanitizer_state.json" --log-dir "$OUT_DIR" ${SWEEP_ARGS[@]+"${SWEEP_ARGS[@]}"} 2>&1 | tail -40 | tee -a "$LOG"
 fi
 

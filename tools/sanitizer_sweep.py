@@ -11,7 +11,8 @@ no device code to check). Each tool runs them in batches (--batch cases a proces
 batch that does not finish inside the remaining budget is killed and retried next call,
 so the state only ever holds whole batches. --jobs N runs N sanitizer processes at once
 (the tools are CPU-bound in their instrumentation and the test cases are small: ctest runs
-16 at a time on the same GPU). State (JSON): per tool the cases done, the
+16 at a time on the same GPU); --gpus G spreads the batches over G devices in turn
+(CUDA_VISIBLE_DEVICES per process). State (JSON): per tool the cases done, the
 findings (each error or hazard block of the tool, with the case it came in), and the
 summary lines. A finding that matches an entry of tools/sanitizer_known.json (tool, a
 regular expression on the block, the reason) is listed as known, with that reason, not
@@ -93,13 +94,16 @@ def summary_line(output):
     return lines[-1].strip("= ").strip() if lines else None
 
 
-def run_batch(sanitizer, tool, binary, cases, timeout):
+def run_batch(sanitizer, tool, binary, cases, timeout, gpu=None):
     """The tool's output over the cases, or None where it did not finish in timeout seconds
-    (the sanitizer and the test binary under it are killed: they share a session)."""
+    (the sanitizer and the test binary under it are killed: they share a session). gpu: the
+    one device the process sees, else all."""
     cmd = [sanitizer, "--tool", tool, "--print-limit", "200", binary, "--gtest_filter=" + ":".join(cases)]
     if tool == "racecheck":
         cmd[3:3] = ["--racecheck-report", "hazard"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)) if gpu is not None else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -128,17 +132,18 @@ def sweep(args):
         todo = [c for c in cases if c not in done]
         work += [(tool, todo[i:i + args.batch]) for i in range(0, len(todo), args.batch)]
 
-    def run(item):
-        tool, batch = item
+    def run(numbered):
+        number, (tool, batch) = numbered
         left = deadline - time.monotonic()
         if left < 30:  # a batch started now would be cut: the next call takes it
             return tool, batch, "budget"
-        return tool, batch, run_batch(args.sanitizer, tool, args.binary, batch, left)
+        gpu = number % args.gpus if args.gpus > 1 else None
+        return tool, batch, run_batch(args.sanitizer, tool, args.binary, batch, left, gpu)
 
     # Results are recorded here, in one thread, as the batches finish (pool.map keeps the
     # work's order, so one job gives the order of a serial sweep).
     with ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        for tool, batch, output in pool.map(run, work):
+        for tool, batch, output in pool.map(run, enumerate(work)):
             if output == "budget":
                 continue
             if output is None:
@@ -164,7 +169,7 @@ def sweep(args):
             print(f"{tool}: {len(entry['done'])}/{len(cases)} cases, {line}", flush=True)
     # Which build each slice swept: a state continued across commits says so.
     state.setdefault("runs", []).append({"commit": args.commit, "date": time.strftime("%Y-%m-%d"),
-                                         "budget_s": args.budget, "jobs": args.jobs})
+                                         "budget_s": args.budget, "jobs": args.jobs, "gpus": args.gpus})
     for tool in args.tools.split(","):
         left = len(cases) - len(state["tools"][tool]["done"])
         if left:
@@ -205,6 +210,7 @@ def main():
     p.add_argument("--budget", type=float, default=540, help="seconds for this call, all tools together")
     p.add_argument("--batch", type=int, default=40, help="test cases a sanitizer process")
     p.add_argument("--jobs", type=int, default=1, help="sanitizer processes at once")
+    p.add_argument("--gpus", type=int, default=1, help="devices the batches take in turn")
     p.add_argument("--commit", default="unknown", help="the commit of the binary, recorded in the state's runs")
     p.add_argument("--state", help="the state of earlier calls (JSON), continued")
     p.add_argument("--out", default="sanitizer_state.json")

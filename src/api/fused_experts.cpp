@@ -308,10 +308,12 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
   const TensorView& x = call_args.hidden_states;
   const int64_t M = shape.num_tokens;
   if (M == 0) return;
-  // The arguments the kernels read: the caller's, but for weight-only experts on chunks
-  // past the decode kernels (the layout's dense experts), w13 and w2 as 16-bit experts in
-  // the workspace: the chunks plan on them, and the sm90 kernel reads the packed experts
-  // itself (plan.weight_only_tiles); another chunk has them dequantized there once.
+  // The arguments the kernels read: the caller's, but for weight-only experts on the dense
+  // path, w13 and w2 as 16-bit experts: the chunks plan on them. The sm90 tiles read the
+  // packed experts (plan.weight_only_tiles); a chunk on the copies (plan.weight_only_copies)
+  // has them dequantized into the workspace once a call. Without copies in the layout the
+  // views carry shapes only: no data (nothing reads them; a chunk without tiles then runs
+  // the aligned kernels on the packed experts).
   FusedExpertsArgs args = call_args;
   const bool weight_only = call_args.quant && call_args.quant->scheme.weight_only();
   bool dense_written = false;
@@ -326,10 +328,11 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
   };
   if (weight_only && layout.weight_only_dense && on_cuda(x)) {
     const int64_t E = shape.num_local_experts, H = shape.hidden_size, I = shape.intermediate_size;
-    args.w13 = TensorView::contiguous(byte_offset(call_args.workspace.data, layout.dense_w13), x.dtype, {E, 2 * I, H},
-                                      x.device);
-    args.w2 = TensorView::contiguous(byte_offset(call_args.workspace.data, layout.dense_w2), x.dtype, {E, H, I},
-                                     x.device);
+    void* ws = call_args.workspace.data;
+    args.w13 = TensorView::contiguous(layout.weight_only_copies ? byte_offset(ws, layout.dense_w13) : nullptr, x.dtype,
+                                      {E, 2 * I, H}, x.device);
+    args.w2 = TensorView::contiguous(layout.weight_only_copies ? byte_offset(ws, layout.dense_w2) : nullptr, x.dtype,
+                                     {E, H, I}, x.device);
   }
   // CPU: the GEMMs read the packed weights themselves.
   const bool cpu_weight_only = weight_only && !on_cuda(x);
@@ -445,7 +448,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
     };
     // The GEMMs read the packed experts (CPU, or the sm90 kernel), else their dense copies.
     const bool packed_gemms = cpu_weight_only || plan.weight_only_tiles;
-    if (weight_only && layout.weight_only_dense && on_cuda(x) && !plan.weight_only_tiles) write_dense_experts();
+    if (plan.weight_only_copies) write_dense_experts();
 #ifdef MOELORA_WITH_CUDA
     if (plan.grouped) {
       run_grouped_chunk(plan, args, options, kind, stream);

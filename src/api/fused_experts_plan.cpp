@@ -258,6 +258,14 @@ constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
 constexpr int64_t kWeightOnlyDecodeMaxSlotsPerExpert = 8;
 constexpr int64_t kWeightOnlyTileSlotsPerExpert = 32;
 
+// The sm90 weight-only tiles below this many slots an expert on average; from it the
+// dequantized copies, converted once, serve every tile of an expert's rows. NOTE: each
+// 128-row tile converts its weight tiles again: Mixtral (8 experts) at M = 4096, 1024 an
+// expert, took 8779 us on the tiles and 7077 on the copies; OLMoE at M = 4096 (512 an
+// expert) 1641 against 1773; Mixtral at M = 1024 (256) 2816 against 4020 (H100, w4a16;
+// docs/PERF_NOTES.md issue 30 step 2).
+constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 1024;
+
 namespace {
 // Whether a chunk of this shape would run the weight-only sm90 tiles (the plan's final
 // word is FusedExpertsChunkPlan::weight_only_tiles, which also checks the tensors).
@@ -270,6 +278,19 @@ bool weight_only_tiles_expected(const FusedExpertsShape& chunk, int64_t experts,
   (void)chunk, (void)experts, (void)o;
   return false;
 #endif
+}
+
+// Whether the dense path's largest chunk runs on dequantized copies of the experts: with
+// adapters, from kWeightOnlyTileMaxSlotsPerExpert slots an expert, or where its config
+// names no sm90 tiles for both GEMMs (or the device has none). Else the tiles read the
+// packed experts and the layout reserves no copies.
+bool weight_only_copies_expected(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+  const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
+  const int64_t experts = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  FusedExpertsShape chunk = s;
+  chunk.num_tokens = chunk_tokens;
+  return chunk_tokens * s.top_k >= kWeightOnlyTileMaxSlotsPerExpert * experts ||
+         !weight_only_tiles_expected(chunk, experts, o);
 }
 }  // namespace
 
@@ -399,7 +420,9 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   }
   l.weight_only_path = s.quant.weight_only() ? weight_only_path(s, o) : WeightOnlyPath::kAuto;
   l.weight_only_dense = l.weight_only_path == WeightOnlyPath::kDense;
-  if (l.weight_only_dense) {
+  l.weight_only_copies = l.weight_only_dense && weight_only_copies_expected(s, o);
+  l.dense_w13 = l.dense_w2 = 0;
+  if (l.weight_only_copies) {
     const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
     l.dense_w13 = take(E_local * 2 * s.intermediate_size * s.hidden_size * elem);
     l.dense_w2 = take(E_local * s.hidden_size * s.intermediate_size * elem);
@@ -433,14 +456,6 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.total = at;
   return l;
 }
-
-// The sm90 weight-only tiles below this many slots an expert on average; from it the
-// dequantized copies, converted once, serve every tile of an expert's rows. NOTE: each
-// 128-row tile converts its weight tiles again: Mixtral (8 experts) at M = 4096, 1024 an
-// expert, took 8779 us on the tiles and 7077 on the copies; OLMoE at M = 4096 (512 an
-// expert) 1641 against 1773; Mixtral at M = 1024 (256) 2816 against 4020 (H100, w4a16;
-// docs/PERF_NOTES.md issue 30 step 2).
-constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 1024;
 
 FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                                                const FusedExpertsShape& shape, const WorkspaceLayout& layout,
@@ -547,6 +562,18 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
 #else
   (void)lora2;
 #endif
+  // Weight-only on the dense path: the tiles, else the copies where the layout has them,
+  // else (a smaller last chunk whose config names no sm90 tiles, tensors they cannot load)
+  // the aligned kernels, which take any chunk.
+  if (plan.weight_only && on_cuda(x) && layout.weight_only_dense && !plan.weight_only_tiles) {
+    if (!layout.weight_only_copies) {
+      WorkspaceLayout aligned = layout;
+      aligned.weight_only_path = WeightOnlyPath::kAligned;
+      aligned.weight_only_dense = false;
+      return plan_fused_experts_chunk(args, options, shape, aligned, lora13, lora2, quant, begin, tokens);
+    }
+    plan.weight_only_copies = true;
+  }
   if ((args.lora && !plan.fused_lora) || plan.quantized) config.sorted_input = false;  // x is read by slot
   plan.sorted_activation =
       plan.sm90_rows && (!args.lora || plan.fused_lora) && cap.max_num_tokens_padded <= layout.cache2_rows;

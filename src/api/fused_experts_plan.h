@@ -31,12 +31,17 @@ struct WorkspaceLayout {
   int64_t grouped_rows;  // padded entries of the alignment with blocks of 16
   int64_t grouped_entry_offsets, grouped_sizes, grouped_slot_entries, grouped_args, grouped_cutlass_workspace,
       grouped_tensor_scales, grouped_a, grouped_a_scales;
-  // Weight-only experts (w4a16 / w8a16): the call's path (weight_only_path), and for
-  // kDense (weight_only_dense) w13 and w2 dequantized into the layer dtype,
-  // [E_local, 2I, H] and [E_local, H, I], once a call.
+  // Weight-only experts (w4a16 / w8a16): the call's path (weight_only_path). On kDense
+  // (weight_only_dense) the sm90 tiles read the packed experts; where the largest chunk
+  // cannot take them (adapters, kWeightOnlyTileMaxSlotsPerExpert slots an expert, a config
+  // without sm90 tiles) w13 and w2 are dequantized into the layer dtype once a call,
+  // [E_local, 2I, H] and [E_local, H, I] (weight_only_copies: dense_w13, dense_w2).
+  // NOTE: the copies are all local experts in 16 bits (gpt-oss-120b 6.4 GB): not reserved
+  // where the tiles run; a chunk whose tiles cannot run there takes the aligned kernels.
   WeightOnlyPath weight_only_path;
   bool weight_only_dense;
-  int64_t dense_w13, dense_w2;
+  bool weight_only_copies;
+  int64_t dense_w13, dense_w2;  // 0 (no region) without weight_only_copies
   int64_t lora_shrink_partial_rows;  // rows of [*, 2 * rank] fp32 partial sums
   int64_t cache2_rows;  // slots, or the padded entries of the worst block size (sorted activation)
   int64_t sorted_input_rows;  // 0, or cache2_rows when a chunk's config may ask for the sorted input
@@ -75,6 +80,7 @@ struct FusedExpertsChunkPlan {
   bool tensor_core_gemms = false;  // both GEMMs on the tensor-core kernels, activation fused
   bool sm90_rows = false;          // ... both on sm90 and loadable: GEMM rows may go by entry
   bool weight_only_tiles = false;  // weight-only on the dense path: the sm90 GEMMs read the packed experts
+  bool weight_only_copies = false;  // ... else they read the dequantized copies (the layout's dense_w13/w2)
   bool fused_lora = false;         // adapters: a shrink kernel, the expand in each GEMM's K loop
   bool fused_activation = false;
   bool sorted_activation = false;  // GEMM1 writes cache2 by entry; GEMM2 reads it so

@@ -168,6 +168,9 @@ FusedExpertsQuantParams check_weight_only_experts(const char* op, const FusedExp
     }
     ArgCheck(op, "w13", args.w13).rows_aligned(16);
     ArgCheck(op, "w2", args.w2).rows_aligned(16);
+    // The decode and aligned kernels load x's rows in 16-byte chunks too (every CUDA path
+    // but the dense copies): checked here, before any chunk has written `out`.
+    ArgCheck(op, "hidden_states", x).rows_aligned(16);
   }
   return p;
 }

@@ -177,9 +177,17 @@ TEST_P(WeightOnlyTest, MatchesReference) {
     layer.io.workspace.download();
     EXPECT_EQ(layer.io.workspace.is_poison(0), expect_path == WeightOnlyPath::kDecode) << "the other path ran";
     if (layout.weight_only_dense) {
+      // The tiles read the packed experts: no dequantized copies reserved (or written).
       const bool tiles = c.expect_tiles && sm90;
-      EXPECT_EQ(layer.io.workspace.is_poison(layout.dense_w13 / 4), tiles)
-          << (tiles ? "the dense experts were written: the sm90 tiles did not run" : "the dense experts were not written");
+      EXPECT_EQ(layout.weight_only_copies, !tiles) << "copies of the experts reserved where the tiles run, or not where they do not";
+      if (layout.weight_only_copies) {
+        EXPECT_FALSE(layer.io.workspace.is_poison(layout.dense_w13 / 4)) << "the dense experts were not written";
+      } else if (c.M <= c.options.chunk_size) {
+        // One chunk, on the tiles: aligned in their blocks of 64 or 128 entries (the aligned
+        // kernels' blocks of 16 would leave entries past a multiple of 64 with random routing).
+        const int32_t padded = layer.io.workspace.host_as<int32_t>()[layout.num_tokens_post_padded / 4];
+        EXPECT_EQ(padded % 64, 0) << "the tiles did not run: " << padded << " padded entries";
+      }
     }
   }
   RecordProperty("rel_error", std::to_string(error));
@@ -304,6 +312,13 @@ std::vector<WeightOnlyCase> weight_only_cases() {
         c.num_global = c.num_local = 4, c.M = 200;
       });
       tiles("block128", [](WeightOnlyCase& c) { c.options.block_size = 128, c.M = 700; });
+      // Chunks of 300 tokens: the first on the tiles (75 slots an expert, blocks of 64), the
+      // last (30 tokens, blocks of 16, no sm90 tiles) on the aligned kernels: the layout
+      // holds no copies for it.
+      add("tiles_then_aligned_chunk", [&](WeightOnlyCase& c) {
+        c.M = 330, c.options.chunk_size = 300, c.zeros = Zeros::kBytes, c.expect_path = kDense, c.expect_tiles = true;
+        c.aligned_without_tiles = true;
+      });
       tiles("sorted_input", [](WeightOnlyCase& c) { c.options.block_size = 0, c.options.config = &kSortedInputTiles; });
       // With adapters the dense path runs on dequantized copies (the fused LoRA expand).
       tiles("lora_copies", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes, c.expect_tiles = false; });
@@ -385,6 +400,19 @@ TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
     EXPECT_THAT(message, HasSubstr("multiples of 32"));
     small.io.out.download();
     EXPECT_EQ(small.io.out.count_written(), 0);
+    // x's rows in 16-byte chunks on every CUDA path: rows 4 elements apart past the
+    // decode kernels (M = 100, the aligned kernels) are refused before anything runs.
+    WeightOnlyCase many = c;
+    many.M = 100;
+    WeightOnlyLayer past_decode(many, rng);
+    Buffer wide_x(backend, many.dtype, many.M * (many.H + 4));
+    FusedExpertsArgs strided = past_decode.args();
+    strided.hidden_states = wide_x.view({many.M, many.H}, {many.H + 4, 1});
+    const std::string strided_message = error_message([&] { fused_experts(strided, many.options); });
+    EXPECT_THAT(strided_message, HasSubstr("'hidden_states'"));
+    EXPECT_THAT(strided_message, HasSubstr("16-byte"));
+    past_decode.io.out.download();
+    EXPECT_EQ(past_decode.io.out.count_written(), 0);
     // The kernels step through a row's groups with 32-bit offsets.
     expect_error("scale K stride", [&](FusedExpertsArgs& a) {
       (void)a;

@@ -103,6 +103,23 @@ def test_jobs_run_batches_at_once_and_record_every_case(tmp_path):
         assert sorted(tools[tool]["done"]) == ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
 
 
+def test_a_batch_on_one_gpu_sees_only_that_device(tmp_path):
+    binary = _script(tmp_path / "tests", """#!/usr/bin/env bash
+echo "visible=${CUDA_VISIBLE_DEVICES-all}"
+""")
+    sanitizer = _script(tmp_path / "fake-sanitizer", """#!/usr/bin/env bash
+while [ "${1#--}" != "$1" ]; do shift 2; done
+"$@"
+""")
+    env = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        assert "visible=1" in sanitizer_sweep.run_batch(sanitizer, "memcheck", binary, ["A.B/CUDA"], 30, gpu=1)
+        assert "visible=all" in sanitizer_sweep.run_batch(sanitizer, "memcheck", binary, ["A.B/CUDA"], 30)
+    finally:
+        if env is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = env
+
+
 def test_a_batch_past_its_time_is_killed_with_the_binary_under_it(tmp_path):
     pid_file = tmp_path / "pid"
     binary = _script(tmp_path / "tests", f"""#!/usr/bin/env python3
