@@ -56,6 +56,22 @@ def _load_extension():
         f"CMake build folder that holds _moelora*.so, or `pip install .`")
 
 
+def _torch_importable():
+    if importlib.util.find_spec("torch") is None:
+        return False
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # a broken torch install must not break the numpy API
+        warnings.warn(f"moelora: torch is installed but failed to import ({exc}); "
+                      "torch.ops.moelora is not registered", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+# NOTE: torch before the extension. The other order crashed `import moelora` (SIGSEGV inside
+# `import torch`, torch 2.11 cu130 on the H200 machines, 2026-11-28) whenever the caller
+# had not imported torch first; the tests and examples always had.
+HAS_TORCH = _torch_importable()
 _ext = _load_extension()
 
 Error = _ext.Error
@@ -104,20 +120,6 @@ from .ops import (  # noqa: E402  (the extension must be loaded first)
 )
 QuantScheme = _ext.QuantScheme
 
-
-def _torch_importable():
-    if importlib.util.find_spec("torch") is None:
-        return False
-    try:
-        import torch  # noqa: F401
-    except Exception as exc:  # a broken torch install must not break the numpy API
-        warnings.warn(f"moelora: torch is installed but failed to import ({exc}); "
-                      "torch.ops.moelora is not registered", RuntimeWarning, stacklevel=3)
-        return False
-    return True
-
-
-HAS_TORCH = _torch_importable()
 if HAS_TORCH:
     from . import torch_ops  # noqa: E402,F401  (registers torch.ops.moelora.*)
     from .layer import FusedMoE  # noqa: E402,F401
