@@ -2,7 +2,8 @@
 2 and 4 processes: EP (all-reduce and all-to-all dispatch), TP, EP x TP, with and without
 LoRA, uneven expert counts, a rank that receives no routed token, a rank without tokens,
 weight-only experts; each rank's output against the single-process layer on the same
-weights. The same code runs over NCCL on GPUs (examples/distributed_moe.py)."""
+weights. With MOELORA_DIST_BACKEND=nccl the same cases run over NCCL, rank r on cuda:r
+(tools/distributed_report.sh; skipped where fewer GPUs than ranks)."""
 
 import os
 import socket
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 H, I, TOP_K = 64, 64, 2
 RANK, ADAPTERS = 8, 2
+BACKEND = os.environ.get("MOELORA_DIST_BACKEND", "gloo")
+DEVICE = torch.device("cpu")  # the worker's: cuda:rank over NCCL
 
 
 def _free_port():
@@ -54,7 +57,7 @@ def _layer(cls, num_experts, dtype, lora, quant, hidden=H, intermediate=I, **kwa
     extra = dict(max_loras=ADAPTERS, max_lora_rank=RANK) if lora else {}
     if quant:
         extra["quant"] = moelora.quant_scheme(**quant)  # built here: a QuantScheme does not pickle
-    return cls(num_experts, TOP_K, hidden, intermediate, dtype=dtype, **extra, **kwargs)
+    return cls(num_experts, TOP_K, hidden, intermediate, dtype=dtype, device=DEVICE, **extra, **kwargs)
 
 
 def _checkpoint(kind, num_experts, hidden, intermediate, seed):
@@ -102,6 +105,7 @@ def _check_case(case, rank, world):
         for slot in range(ADAPTERS):
             layer.load_adapter(slot, adapter, scale=0.5 + slot)
             whole.load_adapter(slot, adapter, scale=0.5 + slot)
+    x, logits, lora_ids = x.to(DEVICE), logits.to(DEVICE), lora_ids.to(DEVICE)
     if dispatch == "all_to_all":  # this rank's own tokens (the same on every TP rank of its row)
         own = slice(ep_rank * tokens, (ep_rank + 1) * tokens)
         if case.get("empty_rank") == ep_rank:
@@ -174,8 +178,8 @@ def _check_checkpoint_case(case, rank, world):
         else:
             target.load_quantized_experts(tensors, "model.layers.0.mlp", quant_config=config)
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = (torch.rand(10, hidden, generator=g) - 0.5).to(BF16)
-    logits = torch.randn(10, E, generator=g)
+    x = (torch.rand(10, hidden, generator=g) - 0.5).to(BF16).to(DEVICE)
+    logits = torch.randn(10, E, generator=g).to(DEVICE)
     err = _rel_err(layer(x, logits), whole(x, logits))
     assert err <= 1e-2, f"{case['name']} rank {rank}: rel_err {err:.3g}"
 
@@ -183,7 +187,11 @@ def _check_checkpoint_case(case, rank, world):
 def _worker(rank, world, port, cases, failures):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if BACKEND == "nccl":
+        global DEVICE
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world)
     try:
         for case in cases:
             try:
@@ -196,6 +204,9 @@ def _worker(rank, world, port, cases, failures):
 
 
 def _run(world, cases):
+    if BACKEND == "nccl" and not (dist.is_nccl_available() and torch.cuda.device_count() >= world
+                                  and moelora.cuda_available()):
+        pytest.skip(f"NCCL over {world} GPUs: this machine has {torch.cuda.device_count()}")
     ctx = torch.multiprocessing.get_context("spawn")
     failures = ctx.SimpleQueue()
     torch.multiprocessing.spawn(_worker, args=(world, _free_port(), cases, failures), nprocs=world)
