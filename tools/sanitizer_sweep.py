@@ -9,7 +9,9 @@ budget, resumable across device calls and sessions.
 Tests: every case --gtest_list_tests gives, except the CPU backend's (names with "CPU":
 no device code to check). Each tool runs them in batches (--batch cases a process); a
 batch that does not finish inside the remaining budget is killed and retried next call,
-so the state only ever holds whole batches. --jobs N runs N sanitizer processes at once
+so the state only ever holds whole batches; its cases are listed as slow (per tool) and
+go first next call, --slow-batch a process, so one heavy case no longer holds back --batch
+others for the whole call. --jobs N runs N sanitizer processes at once
 (the tools are CPU-bound in their instrumentation and the test cases are small: ctest runs
 16 at a time on the same GPU); --gpus G spreads the batches over G devices in turn
 (CUDA_VISIBLE_DEVICES per process). State (JSON): per tool the cases done, the
@@ -129,8 +131,12 @@ def sweep(args):
     for tool in args.tools.split(","):
         entry = state["tools"].setdefault(tool, {"done": [], "findings": [], "summaries": [], "failed_batches": 0})
         done = set(entry["done"])
-        todo = [c for c in cases if c not in done]
-        work += [(tool, todo[i:i + args.batch]) for i in range(0, len(todo), args.batch)]
+        slow = set(entry.get("slow", []))
+        for size, group in ((args.slow_batch, [c for c in cases if c not in done and c in slow]),
+                            (args.batch, [c for c in cases if c not in done and c not in slow])):
+            work += [(tool, group[i:i + size]) for i in range(0, len(group), size)]
+    # The slow batches of every tool first: they need the whole budget most.
+    work.sort(key=lambda item: not set(item[1]) <= set(state["tools"][item[0]].get("slow", [])))
 
     def run(numbered):
         number, (tool, batch) = numbered
@@ -148,6 +154,8 @@ def sweep(args):
                 continue
             if output is None:
                 print(f"{tool}: a batch of {len(batch)} did not finish in the budget; next call", flush=True)
+                slow = state["tools"][tool].setdefault("slow", [])
+                slow.extend(c for c in batch if c not in slow)
                 continue
             entry = state["tools"][tool]
             passed = re.search(r"\[  PASSED  \] (\d+) test", output)
@@ -209,6 +217,7 @@ def main():
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--budget", type=float, default=540, help="seconds for this call, all tools together")
     p.add_argument("--batch", type=int, default=40, help="test cases a sanitizer process")
+    p.add_argument("--slow-batch", type=int, default=4, help="cases a process among those that ran out of time before")
     p.add_argument("--jobs", type=int, default=1, help="sanitizer processes at once")
     p.add_argument("--gpus", type=int, default=1, help="devices the batches take in turn")
     p.add_argument("--commit", default="unknown", help="the commit of the binary, recorded in the state's runs")

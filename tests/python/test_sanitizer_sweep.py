@@ -103,6 +103,22 @@ def test_jobs_run_batches_at_once_and_record_every_case(tmp_path):
         assert sorted(tools[tool]["done"]) == ["Layers/T.Case/CUDA_%d" % i for i in range(6)]
 
 
+def test_a_batch_out_of_time_lists_its_cases_as_slow(tmp_path):
+    # CUDA_0 takes 60 s: its batch (with CUDA_1) is cut at the budget and both are listed as
+    # slow, to run first and in --slow-batch processes next call; the other batches finish.
+    common = _fake_suite(tmp_path, 5)
+    binary = common[common.index("--binary") + 1]
+    text = open(binary).read().replace("time.sleep(1)", "time.sleep(60 if 'Layers/T.Case/CUDA_0' in chosen else 1)")
+    open(binary, "w").write(text)
+    state = tmp_path / "state.json"
+    run = subprocess.run(common + ["--tools", "memcheck", "--batch", "2", "--jobs", "3", "--budget", "33",
+                                   "--out", str(state)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    memcheck = json.loads(state.read_text())["tools"]["memcheck"]
+    assert memcheck["slow"] == ["Layers/T.Case/CUDA_0", "Layers/T.Case/CUDA_1"]
+    assert sorted(memcheck["done"]) == ["Layers/T.Case/CUDA_%d" % i for i in (2, 3, 4)]
+
+
 def test_a_batch_on_one_gpu_sees_only_that_device(tmp_path):
     binary = _script(tmp_path / "tests", """#!/usr/bin/env bash
 echo "visible=${CUDA_VISIBLE_DEVICES-all}"
