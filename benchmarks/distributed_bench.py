@@ -9,13 +9,14 @@ CPU (gloo):
 
 Each rank makes only its experts' weights (expert e's from seed + e), so no rank holds
 the whole layer except rank 0 for the check and the one-rank time (--no-check skips
-both). With --dispatch all_to_all, M is the global batch: each rank brings M / N tokens.
+both). With --dispatch all_to_all or all_gather, M is the global batch: each rank brings M / N tokens.
 Rows (JSON, rank 0): {"op": "fused_experts_ep", "world_size", "ep", "tp", "dispatch",
 "model", "M", "time_us", "comm_us", "one_gpu_us", "speedup", "rel_err"}; with --breakdown also,
 all_reduce: "local_us_min"/"local_us_max" (each rank's own experts alone: their spread is the
 ranks' imbalance, which comm_us includes as waiting), "collective_us" (the bare all-reduce
 after a barrier: the transfer), "graph_us" and "one_gpu_graph_us" (CUDA-graph replays, as
-moelora_bench times the layer); all_to_all: "dispatch_us"/"combine_us" (comm_us's phases)."""
+moelora_bench times the layer); all_to_all and all_gather: "dispatch_us"/"combine_us" (comm_us's
+phases), and all_gather's "graph_us"."""
 
 import argparse
 import json
@@ -107,7 +108,7 @@ def main():
     parser.add_argument("--json")
     parser.add_argument("--breakdown", action="store_true",
                         help="where the time goes: local_us_min/max, collective_us, graph_us (all_reduce), dispatch_us, "
-                             "combine_us (all_to_all), one_gpu_graph_us")
+                             "combine_us (all_to_all, all_gather; its graph_us too), one_gpu_graph_us")
     args = parser.parse_args()
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and moelora.cuda_available())
@@ -136,11 +137,12 @@ def main():
 
     rows = []
     for M in (int(t) for t in args.tokens.split(",")):
-        per_rank = M // ep if args.dispatch == "all_to_all" else M
+        own_tokens = args.dispatch in ("all_to_all", "all_gather")  # each rank brings M / ep (data parallel)
+        per_rank = M // ep if own_tokens else M
         g = torch.Generator(device=device).manual_seed(args.seed + 1000 + M)
         x_all = (torch.rand(M, H, generator=g, device=device) - 0.5).to(dtype)
         logits_all = torch.randn(M, E, generator=g, device=device)
-        own = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank) if args.dispatch == "all_to_all" else slice(0, M)
+        own = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank) if own_tokens else slice(0, M)
         x, logits = x_all[own], logits_all[own]
         out = layer(x, logits)
         time_us = median_us(lambda: layer(x, logits), args.iters, sync)
@@ -159,10 +161,14 @@ def main():
         # Where the time goes (--breakdown). all_reduce: each rank's own experts alone over the
         # tokens (their spread is the ranks' imbalance, which comm_us includes as waiting), the
         # bare collective after a barrier (the transfer), the layer as CUDA-graph replays (no
-        # host launch costs). all_to_all: its two phases (the slower rank's of each).
-        if args.breakdown and args.dispatch == "all_to_all":
+        # host launch costs). all_to_all and all_gather: their two phases (the slower rank's of
+        # each), and all_gather's CUDA-graph replays (it is capturable; all_to_all is not).
+        if args.breakdown and own_tokens:
             row["dispatch_us"] = round(spread(statistics.median(p[0] for p in phases), device)[1], 2)
             row["combine_us"] = round(spread(statistics.median(p[1] for p in phases), device)[1], 2)
+            replay = graph_us(lambda: layer(x, logits), args.iters) if cuda and args.dispatch == "all_gather" else None
+            if replay is not None:
+                row["graph_us"] = round(spread(replay, device)[1], 2)
         elif args.breakdown:
             weights, ids = layer.local.route(logits)
             local = median_us(lambda: layer.local.forward_routed(x, weights, ids), args.iters, sync)

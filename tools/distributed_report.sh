@@ -3,12 +3,12 @@
 # backend, runs the distributed tests over gloo and then over NCCL (EP, TP, EP x TP with 4
 # GPUs, LoRA, quantized experts, each rank on its GPU), then benchmarks/distributed_bench.py
 # under torchrun over NCCL for Qwen3-235B-A22B and DeepSeek-V3 (all 256 experts) at M = 16,
-# 256, 4096: EP over all GPUs with both dispatches, and TP over all GPUs; each run checks the ranks' output against the
+# 256, 4096: EP over all GPUs with each dispatch, and TP over all GPUs; each run checks the ranks' output against the
 # one-GPU layer, and --breakdown says where the time goes (each rank's experts alone, the
 # bare collective, CUDA-graph replays). Rows: ${OUT:-reports/gpu}/distributed.json (op "fused_experts_ep").
 #   NPROC     ranks (default: the GPUs nvidia-smi lists)
 #   MODELS    default "qwen3-235b-a22b deepseek-v3"; TOKENS default 16,256,4096
-#   DISPATCH  default "all_reduce all_to_all tp" (tp: --tp NPROC --ep 1, all-reduce combine)
+#   DISPATCH  default "all_reduce all_to_all all_gather tp" (tp: --tp NPROC --ep 1, all-reduce combine)
 #   SKIP_BUILD=1  take the extension already built in MOELORA_BUILD_DIR (e.g. by tools/build.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ MOELORA_DIST_BACKEND=nccl python3 -m pytest tests/python/test_distributed.py -k 
 status=0
 JSONS=()
 for model in ${MODELS:-qwen3-235b-a22b deepseek-v3}; do
-  for dispatch in ${DISPATCH:-all_reduce all_to_all tp}; do
+  for dispatch in ${DISPATCH:-all_reduce all_to_all all_gather tp}; do
     step "torchrun $N x $model $dispatch"
     json="$OUT_DIR/distributed_${model}_${dispatch}.json"
     if [ "$dispatch" = tp ]; then grid=(--tp "$N" --ep 1 --dispatch all_reduce); else grid=(--ep "$N" --dispatch "$dispatch"); fi

@@ -25,8 +25,15 @@ works unchanged; what differs is which weights it holds and how outputs combine:
   others' slots) and a second all_to_all_single brings each token's partial sum back,
   summed over the ranks in fp32 (tokens routed only to -1 are not sent). The split sizes
   are exchanged first, a host synchronisation: not capturable in a CUDA graph.
-The all-reduce paths are functional collectives: torch.compile(fullgraph=True) traces
-the layer's forward without a graph break.
+- EP, dispatch="all_gather": each rank brings its own tokens, as with all_to_all, and
+  every rank brings the SAME number (pad the batch to the largest rank's; padding rows
+  routed to -1 cost no expert work). An all-gather over ep_group gives every rank all
+  ranks' tokens with their top-k ids, weights and adapter ids; each runs its experts on
+  them (expert_map drops the other slots), and a reduce-scatter sums the partial outputs
+  and hands each rank back its own rows. The bytes of the all_reduce path's collective
+  plus the tokens' gather, fixed sizes: no host synchronisation, CUDA-graph capturable.
+The all-reduce and all-gather paths are functional collectives: torch.compile(fullgraph=True)
+traces the layer's forward without a graph break.
 
 Experts are split in contiguous ranges, the first num_experts % ep_size ranks holding
 one more (expert_partition). The intermediate size must split evenly into shards that
@@ -43,7 +50,7 @@ import torch.distributed._functional_collectives as funcol
 from . import checkpoint
 from .layer import FusedMoE
 
-DISPATCHES = ("all_reduce", "all_to_all")
+DISPATCHES = ("all_reduce", "all_to_all", "all_gather")
 
 
 def expert_partition(num_experts, ep_size, ep_rank):
@@ -135,7 +142,7 @@ class ParallelFusedMoE(torch.nn.Module):
 
     Arguments are FusedMoE's (num_experts, top_k, hidden_size, intermediate_size: the
     whole layer's) plus ep_size / ep_rank / ep_group, tp_size / tp_rank / tp_group and
-    dispatch ("all_reduce" or "all_to_all"). The local layer is `self.local` (its
+    dispatch ("all_reduce", "all_to_all" or "all_gather"). The local layer is `self.local` (its
     expert_map, weights [E_local, 2 I_shard, H] / [E_local, H, I_shard], adapter slots).
     """
 
@@ -293,7 +300,8 @@ class ParallelFusedMoE(torch.nn.Module):
 
     def forward(self, hidden_states, router_logits, token_lora_ids=None):
         """hidden_states [*, H], router_logits [*, num_experts] -> [*, H]: replicated over
-        the grid with dispatch "all_reduce"; this rank's own tokens with "all_to_all"."""
+        the grid with dispatch "all_reduce"; this rank's own tokens with "all_to_all" and
+        "all_gather" (the same number on every rank of ep_group with "all_gather")."""
         topk_weights, topk_ids = self.local.route(router_logits.reshape(-1, self.num_experts))
         return self.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
 
@@ -304,7 +312,33 @@ class ParallelFusedMoE(torch.nn.Module):
             out = self.local.forward_routed(hidden_states, topk_weights, topk_ids, token_lora_ids)
             out = self._timed("combine", lambda: self._all_reduce(out, self.tp_group, self.tp_size))
             return self._timed("combine", lambda: self._all_reduce(out, self.ep_group, self.ep_size))
+        if self.dispatch == "all_gather":
+            return self._forward_all_gather(hidden_states, topk_weights, topk_ids, token_lora_ids)
         return self._forward_all_to_all(hidden_states, topk_weights, topk_ids, token_lora_ids)
+
+    def _forward_all_gather(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
+        leading, H = hidden_states.shape[:-1], self.hidden_size
+        x = hidden_states.reshape(-1, H)
+        if topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got "
+                             f"{topk_ids.shape[0]}")
+        group = self.ep_group if self.ep_group is not None else dist.group.WORLD
+
+        def gather(t):  # [ep * M, ...] in rank order
+            return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, group))
+
+        def dispatch():
+            sent = [x, topk_ids.to(torch.int32), topk_weights.float()]
+            if token_lora_ids is not None:
+                sent.append(token_lora_ids.reshape(-1).to(torch.int32))
+            got = [gather(t) for t in sent]
+            return got if token_lora_ids is not None else got + [None]
+        x_all, ids_all, weights_all, lora_all = self._timed("dispatch", dispatch)
+        partial = self.local.forward_routed(x_all, weights_all, ids_all, lora_all)
+        partial = self._timed("combine", lambda: self._all_reduce(partial, self.tp_group, self.tp_size))
+        out = self._timed("combine", lambda: funcol.wait_tensor(
+            funcol.reduce_scatter_tensor(partial, "sum", 0, group)))
+        return out.reshape(*leading, H)
 
     def _forward_all_to_all(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
         leading, H = hidden_states.shape[:-1], self.hidden_size

@@ -1,6 +1,7 @@
 """moelora.distributed (issue 32): ParallelFusedMoE over gloo process groups on the CPU,
 2 and 4 processes: EP (all-reduce and all-to-all dispatch), TP, EP x TP, with and without
 LoRA, uneven expert counts, a rank that receives no routed token, a rank without tokens,
+the all-gather dispatch,
 weight-only experts; each rank's output against the single-process layer on the same
 weights. With MOELORA_DIST_BACKEND=nccl the same cases run over NCCL, rank r on cuda:r
 (tools/distributed_report.sh; skipped where fewer GPUs than ranks)."""
@@ -92,7 +93,8 @@ def _check_case(case, rank, world):
     ep, tp, dispatch = case["ep"], case["tp"], case["dispatch"]
     E, dtype, lora, quant = case["experts"], case["dtype"], case["lora"], case.get("quant")
     tokens = case.get("tokens", 12)
-    w13, w2, x, logits, adapter, lora_ids = _problem(E, tokens * (ep if dispatch == "all_to_all" else 1),
+    own_tokens = dispatch in ("all_to_all", "all_gather")  # each rank brings its own (data parallel)
+    w13, w2, x, logits, adapter, lora_ids = _problem(E, tokens * (ep if own_tokens else 1),
                                                      case["seed"], dtype, case.get("no_route_to", ()))
     ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
     act = {"activation": case["activation"]} if "activation" in case else {}
@@ -106,7 +108,7 @@ def _check_case(case, rank, world):
             layer.load_adapter(slot, adapter, scale=0.5 + slot)
             whole.load_adapter(slot, adapter, scale=0.5 + slot)
     x, logits, lora_ids = x.to(DEVICE), logits.to(DEVICE), lora_ids.to(DEVICE)
-    if dispatch == "all_to_all":  # this rank's own tokens (the same on every TP rank of its row)
+    if own_tokens:  # this rank's own tokens (the same on every TP rank of its row)
         own = slice(ep_rank * tokens, (ep_rank + 1) * tokens)
         if case.get("empty_rank") == ep_rank:
             own = slice(0, 0)
@@ -229,6 +231,9 @@ def test_two_processes():
         _case("ep2 all_reduce", 2, 1),
         _case("ep2 all_reduce under torch.compile(fullgraph=True)", 2, 1, lora=True, compile=True, seed=9),
         _case("ep2 all_to_all", 2, 1, "all_to_all", seed=2),
+        _case("ep2 all_gather uneven (7 experts) lora", 2, 1, "all_gather", experts=7, lora=True, seed=23),
+        _case("ep2 all_gather under torch.compile(fullgraph=True)", 2, 1, "all_gather", compile=True, seed=24),
+        _case("ep2 all_gather with dropped slots (-1) bf16", 2, 1, "all_gather", dtype=BF16, seed=25, dropped=True),
         _case("tp2", 1, 2, seed=3),
         _case("ep2 uneven (7 experts) all_to_all lora", 2, 1, "all_to_all", experts=7, lora=True, seed=4),
         _case("tp2 lora bf16", 1, 2, dtype=BF16, lora=True, seed=5),
@@ -247,6 +252,8 @@ def test_four_processes():
         _case("ep2 x tp2 all_reduce lora", 2, 2, lora=True, seed=11),
         _case("ep2 x tp2 all_reduce under torch.compile(fullgraph=True)", 2, 2, compile=True, seed=18),
         _case("ep2 x tp2 all_to_all lora", 2, 2, "all_to_all", lora=True, seed=12),
+        _case("ep2 x tp2 all_gather lora", 2, 2, "all_gather", lora=True, seed=26),
+        _case("ep4 all_gather, rank 3 routed nothing", 4, 1, "all_gather", experts=7, seed=27, no_route_to=(6,)),
         _case("ep4 uneven (7 experts) all_to_all, rank 3 routed nothing", 4, 1, "all_to_all", experts=7,
               seed=13, no_route_to=(6,)),
         _case("ep4 all_reduce bf16", 4, 1, dtype=BF16, seed=14),
@@ -274,7 +281,7 @@ def test_partition_and_shards():
         md.ParallelFusedMoE(8, 2, H, I, expert_map=[0] * 8)
 
 
-@pytest.mark.parametrize("dispatch", ["all_to_all", "all_reduce"])
+@pytest.mark.parametrize("dispatch", ["all_to_all", "all_reduce", "all_gather"])
 def test_bench_launcher_under_torchrun(tmp_path, dispatch):
     """benchmarks/distributed_bench.py as the README runs it (torchrun, 2 processes, gloo):
     it checks against the one-process layer and writes its rows (--breakdown: where the time goes)."""
