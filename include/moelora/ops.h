@@ -321,8 +321,10 @@ struct FusedExpertsShape {
   int64_t max_loras = 0;
   int64_t lora_rank = 0;
   // Quantized experts (FusedExpertsArgs::quant): room for the 8-bit activations and
-  // their scales; weight-only, for the dequantized experts when a chunk has more slots
-  // than the decode kernels take. Disabled: bf16/fp16 experts.
+  // their scales; weight-only, for dequantized copies of the experts where the largest
+  // chunk runs on them (adapters, 1024+ slots an expert, no sm90 tiles for its config).
+  // The copies are a speed-up: a workspace without room for them still serves (those
+  // chunks then run the aligned kernels). Disabled: bf16/fp16 experts.
   QuantScheme quant{};
 };
 int64_t fused_experts_workspace_size(const FusedExpertsShape& shape,

@@ -127,9 +127,21 @@ ValidatedCall validate_fused_experts(const FusedExpertsArgs& args, const FusedEx
     shape.lora_rank = std::max(lora13.rank, lora2.rank);
   }
   check_fused_experts_shape(op, shape);
-  const WorkspaceLayout layout = workspace_layout(shape, options);
+  WorkspaceLayout layout = workspace_layout(shape, options);
   ArgCheck(op, "workspace", args.workspace).rank(1).on(device, "hidden_states").unit_stride(0);
   const int64_t workspace_bytes = args.workspace.numel() * int64_t(dtype_size(args.workspace.dtype));
+  if (workspace_bytes < layout.total && layout.weight_only_copies) {
+    // The weight-only copies are a speed-up, not a need: a workspace without room for them
+    // (e.g. sized by fused_experts_workspace_size for a larger call whose chunks run the
+    // sm90 tiles) runs the chunks that would read them on the aligned kernels.
+    const WorkspaceLayout lean = workspace_layout(shape, options, /*with_copies=*/false);
+    if (workspace_bytes < lean.total) {
+      fail(op, "argument 'workspace' expected at least " + std::to_string(lean.total) + " bytes (" +
+                   std::to_string(layout.total) + " with room for the dequantized experts: " +
+                   "fused_experts_workspace_size), got " + std::to_string(workspace_bytes));
+    }
+    layout = lean;
+  }
   if (workspace_bytes < layout.total) {
     fail(op, "argument 'workspace' expected at least " + std::to_string(layout.total) +
                  " bytes (fused_experts_workspace_size), got " + std::to_string(workspace_bytes));

@@ -361,7 +361,7 @@ void check_fused_experts_options(const char* op, const FusedExpertsOptions& o) {
   }
 }
 
-WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
+WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o, bool with_copies) {
   const int64_t chunk_tokens = std::min(s.num_tokens, std::max<int64_t>(o.chunk_size, 1));
   const int64_t slots = chunk_tokens * s.top_k;
   // NOTE: the block size of a chunk comes from the config registry at call time, and a
@@ -420,7 +420,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   }
   l.weight_only_path = s.quant.weight_only() ? weight_only_path(s, o) : WeightOnlyPath::kAuto;
   l.weight_only_dense = l.weight_only_path == WeightOnlyPath::kDense;
-  l.weight_only_copies = l.weight_only_dense && weight_only_copies_expected(s, o);
+  l.weight_only_copies = with_copies && l.weight_only_dense && weight_only_copies_expected(s, o);
   l.dense_w13 = l.dense_w2 = 0;
   if (l.weight_only_copies) {
     const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;

@@ -53,8 +53,10 @@ struct WorkspaceLayout {
 void check_fused_experts_shape(const char* op, const FusedExpertsShape& s);
 void check_fused_experts_options(const char* op, const FusedExpertsOptions& o);
 
-// For a checked shape and options.
-WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o);
+// For a checked shape and options. with_copies = false leaves out the weight-only
+// dequantized copies (the lean layout a smaller workspace may still take: the chunks that
+// would read them run the aligned kernels).
+WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsOptions& o, bool with_copies = true);
 
 // The path of a weight-only call (every chunk takes it): options.weight_only_path, or by
 // the largest chunk's slots (kDecode up to kSmallBatchMaxSlots8Bit when H and I are

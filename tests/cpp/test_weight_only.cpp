@@ -424,6 +424,44 @@ TEST_P(WeightOnlyBackendTest, RejectsBadArguments) {
   EXPECT_THAT(error_message([] { make_quant_scheme(QuantMethod::kW8A16); }), HasSubstr("weight-only"));
 }
 
+// The dequantized copies are a speed-up: a workspace with room for everything but them
+// (the lean layout) runs the call, the chunks that would read them on the aligned kernels
+// (CUDA) or the packed experts (CPU); one word less is refused, naming both sizes.
+TEST_P(WeightOnlyBackendTest, RunsInAWorkspaceWithoutRoomForTheCopies) {
+  const Backend backend = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(backend);
+  std::mt19937 rng(11);
+  WeightOnlyCase c;  // adapters on the dense path: the full layout holds copies
+  c.backend = backend;
+  c.lora_rank = 16;
+  c.M = 80;
+  c.zeros = Zeros::kBytes;
+  c.options.weight_only_path = WeightOnlyPath::kDense;
+  c.name = "lean";
+  WeightOnlyLayer layer(c, rng);
+  const detail::WorkspaceLayout full = detail::workspace_layout(layer.shape(), c.options);
+  const detail::WorkspaceLayout lean = detail::workspace_layout(layer.shape(), c.options, /*with_copies=*/false);
+  ASSERT_TRUE(full.weight_only_copies);
+  ASSERT_FALSE(lean.weight_only_copies);
+  ASSERT_LT(lean.total, full.total);
+  Buffer workspace(backend, DType::kFloat32, lean.total / 4);
+  workspace.poison();
+  FusedExpertsArgs args = layer.args();
+  args.workspace = workspace.view({lean.total / 4});
+  TestStream stream(backend);
+  fused_experts(args, c.options, stream.handle());
+  stream.sync();
+  layer.io.out.download();
+  const TensorView ov = layer.io.out.view({c.M, c.H});
+  EXPECT_LE(ref::rel_error(layer.io.out.read(ov), layer.reference()), ref::tolerance(c.dtype));
+  EXPECT_EQ(layer.io.out.count_unwritten(ov), 0);
+  args.workspace = workspace.view({lean.total / 4 - 1});
+  const std::string message = error_message([&] { fused_experts(args, c.options); });
+  EXPECT_THAT(message, HasSubstr("'workspace'"));
+  EXPECT_THAT(message, HasSubstr(std::to_string(lean.total)));
+  EXPECT_THAT(message, HasSubstr(std::to_string(full.total)));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, WeightOnlyBackendTest, ::testing::ValuesIn(all_backends()),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
 
