@@ -26,8 +26,10 @@ works unchanged; what differs is which weights it holds and how outputs combine:
   summed over the ranks in fp32 (tokens routed only to -1 are not sent). The split sizes
   are exchanged first, a host synchronisation: not capturable in a CUDA graph.
 - EP, dispatch="all_gather": each rank brings its own tokens, as with all_to_all, and
-  every rank brings the SAME number (pad the batch to the largest rank's; padding rows
-  routed to -1 cost no expert work). An all-gather over ep_group gives every rank all
+  every rank brings the SAME number, or at most tokens_per_rank (a constructor argument:
+  each call is padded to it, the padding routed to -1 and costing no expert work). Counts
+  are not exchanged: a rank past tokens_per_rank raises before the collective, and ranks
+  whose counts differ without it leave the collective undefined (the others wait). An all-gather over ep_group gives every rank all
   ranks' tokens with their top-k ids, weights and adapter ids; each runs its experts on
   them (expert_map drops the other slots), and a reduce-scatter sums the partial outputs
   and hands each rank back its own rows. The bytes of the all_reduce path's collective
@@ -142,12 +144,15 @@ class ParallelFusedMoE(torch.nn.Module):
 
     Arguments are FusedMoE's (num_experts, top_k, hidden_size, intermediate_size: the
     whole layer's) plus ep_size / ep_rank / ep_group, tp_size / tp_rank / tp_group and
-    dispatch ("all_reduce", "all_to_all" or "all_gather"). The local layer is `self.local` (its
+    dispatch ("all_reduce", "all_to_all" or "all_gather"; with "all_gather",
+    tokens_per_rank pads every rank's call to that many tokens, so ranks may bring different
+    counts up to it: an engine's per-rank batch limit). The local layer is `self.local` (its
     expert_map, weights [E_local, 2 I_shard, H] / [E_local, H, I_shard], adapter slots).
     """
 
     def __init__(self, num_experts, top_k, hidden_size, intermediate_size, *, ep_size=1, ep_rank=0,
-                 tp_size=1, tp_rank=0, ep_group=None, tp_group=None, dispatch="all_reduce", **layer_kwargs):
+                 tp_size=1, tp_rank=0, ep_group=None, tp_group=None, dispatch="all_reduce", tokens_per_rank=None,
+                 **layer_kwargs):
         super().__init__()
         if dispatch not in DISPATCHES:
             raise ValueError(f"moelora.distributed: dispatch expected one of {DISPATCHES}, got {dispatch!r}")
@@ -163,6 +168,10 @@ class ParallelFusedMoE(torch.nn.Module):
         self.ep_size, self.ep_rank, self.ep_group = ep_size, ep_rank, ep_group
         self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_rank, tp_group
         self.dispatch = dispatch
+        if tokens_per_rank is not None and (dispatch != "all_gather" or int(tokens_per_rank) < 0):
+            raise ValueError(f"moelora.distributed: tokens_per_rank expected None, or a count >= 0 with dispatch "
+                             f"'all_gather', got {tokens_per_rank!r} with dispatch {dispatch!r}")
+        self.tokens_per_rank = None if tokens_per_rank is None else int(tokens_per_rank)
         self.first_expert, _ = expert_partition(num_experts, ep_size, ep_rank)
         start, size = intermediate_shard(intermediate_size, tp_size, tp_rank, _shard_unit(layer_kwargs.get("quant")))
         self.shard_start = start
@@ -323,6 +332,17 @@ class ParallelFusedMoE(torch.nn.Module):
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got "
                              f"{topk_ids.shape[0]}")
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
+        M = x.shape[0]
+        if self.tokens_per_rank is not None:  # padded to the fixed count: ids -1, weights 0, no adapter
+            if M > self.tokens_per_rank:
+                raise ValueError(f"ParallelFusedMoE.forward: hidden_states expected at most tokens_per_rank = "
+                                 f"{self.tokens_per_rank} tokens, got {M}")
+            pad = self.tokens_per_rank - M
+            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+            topk_ids = torch.nn.functional.pad(topk_ids, (0, 0, 0, pad), value=-1)
+            topk_weights = torch.nn.functional.pad(topk_weights, (0, 0, 0, pad))
+            if token_lora_ids is not None:
+                token_lora_ids = torch.nn.functional.pad(token_lora_ids.reshape(-1), (0, pad), value=-1)
 
         def gather(t):  # [ep * M, ...] in rank order
             return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, group))
@@ -338,7 +358,7 @@ class ParallelFusedMoE(torch.nn.Module):
         partial = self._timed("combine", lambda: self._all_reduce(partial, self.tp_group, self.tp_size))
         out = self._timed("combine", lambda: funcol.wait_tensor(
             funcol.reduce_scatter_tensor(partial, "sum", 0, group)))
-        return out.reshape(*leading, H)
+        return out[:M].reshape(*leading, H)
 
     def _forward_all_to_all(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
         leading, H = hidden_states.shape[:-1], self.hidden_size

@@ -98,8 +98,9 @@ def _check_case(case, rank, world):
                                                      case["seed"], dtype, case.get("no_route_to", ()))
     ep_group, tp_group, ep_rank, tp_rank = md.new_grid(ep, tp)
     act = {"activation": case["activation"]} if "activation" in case else {}
+    padded = {"tokens_per_rank": tokens} if case.get("uneven") else {}
     layer = _layer(md.ParallelFusedMoE, E, dtype, lora, quant, ep_size=ep, ep_rank=ep_rank, tp_size=tp,
-                   tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group, dispatch=dispatch, **act)
+                   tp_rank=tp_rank, ep_group=ep_group, tp_group=tp_group, dispatch=dispatch, **act, **padded)
     whole = _layer(moelora.FusedMoE, E, dtype, lora, quant, **act)
     for target in (layer, whole):
         target.load_weights(w13, w2)
@@ -110,6 +111,8 @@ def _check_case(case, rank, world):
     x, logits, lora_ids = x.to(DEVICE), logits.to(DEVICE), lora_ids.to(DEVICE)
     if own_tokens:  # this rank's own tokens (the same on every TP rank of its row)
         own = slice(ep_rank * tokens, (ep_rank + 1) * tokens)
+        if case.get("uneven"):  # rank r brings 5 r tokens fewer (tokens_per_rank pads them)
+            own = slice(own.start, own.stop - 5 * ep_rank)
         if case.get("empty_rank") == ep_rank:
             own = slice(0, 0)
         x, logits, lora_ids = x[own], logits[own], lora_ids[own]
@@ -234,6 +237,10 @@ def test_two_processes():
         _case("ep2 all_gather uneven (7 experts) lora", 2, 1, "all_gather", experts=7, lora=True, seed=23),
         _case("ep2 all_gather under torch.compile(fullgraph=True)", 2, 1, "all_gather", compile=True, seed=24),
         _case("ep2 all_gather with dropped slots (-1) bf16", 2, 1, "all_gather", dtype=BF16, seed=25, dropped=True),
+        _case("ep2 all_gather, uneven counts padded to tokens_per_rank, lora", 2, 1, "all_gather", lora=True,
+              seed=28, uneven=True),
+        _case("ep2 all_gather, rank 1 without tokens (tokens_per_rank)", 2, 1, "all_gather", seed=29, uneven=True,
+              empty_rank=1),
         _case("tp2", 1, 2, seed=3),
         _case("ep2 uneven (7 experts) all_to_all lora", 2, 1, "all_to_all", experts=7, lora=True, seed=4),
         _case("tp2 lora bf16", 1, 2, dtype=BF16, lora=True, seed=5),
@@ -275,6 +282,8 @@ def test_partition_and_shards():
         md.intermediate_shard(96, 4, 0, unit=32)
     with pytest.raises(ValueError, match="ep_size expected a value in"):
         md.expert_partition(4, 5, 0)
+    with pytest.raises(ValueError, match="tokens_per_rank expected None, or a count >= 0 with dispatch 'all_gather'"):
+        md.ParallelFusedMoE(8, 2, H, I, dispatch="all_to_all", tokens_per_rank=16)
     with pytest.raises(ValueError, match="dispatch expected one of"):
         md.ParallelFusedMoE(8, 2, H, I, dispatch="ring")
     with pytest.raises(ValueError, match="expert_map expected None"):
