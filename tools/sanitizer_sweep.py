@@ -127,16 +127,17 @@ def sweep(args):
     cases = list_cuda_tests(args.binary)
     state["cases"] = len(cases)
     deadline = time.monotonic() + args.budget
-    work = []  # (tool, batch), tool by tool
+    # (tool, batch), tool by tool; the slow batches of every tool first: they need the
+    # whole budget most.
+    slow_work, work = [], []
     for tool in args.tools.split(","):
         entry = state["tools"].setdefault(tool, {"done": [], "findings": [], "summaries": [], "failed_batches": 0})
         done = set(entry["done"])
         slow = set(entry.get("slow", []))
-        for size, group in ((args.slow_batch, [c for c in cases if c not in done and c in slow]),
-                            (args.batch, [c for c in cases if c not in done and c not in slow])):
-            work += [(tool, group[i:i + size]) for i in range(0, len(group), size)]
-    # The slow batches of every tool first: they need the whole budget most.
-    work.sort(key=lambda item: not set(item[1]) <= set(state["tools"][item[0]].get("slow", [])))
+        for size, group, into in ((args.slow_batch, [c for c in cases if c not in done and c in slow], slow_work),
+                                  (args.batch, [c for c in cases if c not in done and c not in slow], work)):
+            into += [(tool, group[i:i + size]) for i in range(0, len(group), size)]
+    work = slow_work + work
 
     def run(numbered):
         number, (tool, batch) = numbered

@@ -325,47 +325,42 @@ class ParallelFusedMoE(torch.nn.Module):
             return self._forward_all_gather(hidden_states, topk_weights, topk_ids, token_lora_ids)
         return self._forward_all_to_all(hidden_states, topk_weights, topk_ids, token_lora_ids)
 
-    def _forward_all_gather(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
-        leading, H = hidden_states.shape[:-1], self.hidden_size
-        x = hidden_states.reshape(-1, H)
+    def _token_rows(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
+        """What a data-parallel dispatch sends of each token: [x [M, H], topk_ids int32,
+        topk_weights fp32, token_lora_ids int32 or None], and the tokens' leading dims."""
+        x = hidden_states.reshape(-1, self.hidden_size)
         if topk_ids.shape[0] != x.shape[0]:
             raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got "
                              f"{topk_ids.shape[0]}")
+        lora = None if token_lora_ids is None else token_lora_ids.reshape(-1).to(torch.int32)
+        return [x, topk_ids.to(torch.int32), topk_weights.float(), lora], hidden_states.shape[:-1]
+
+    def _forward_all_gather(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
+        rows, leading = self._token_rows(hidden_states, topk_weights, topk_ids, token_lora_ids)
         group = self.ep_group if self.ep_group is not None else dist.group.WORLD
-        M = x.shape[0]
+        M = rows[0].shape[0]
         if self.tokens_per_rank is not None:  # padded to the fixed count: ids -1, weights 0, no adapter
             if M > self.tokens_per_rank:
                 raise ValueError(f"ParallelFusedMoE.forward: hidden_states expected at most tokens_per_rank = "
                                  f"{self.tokens_per_rank} tokens, got {M}")
             pad = self.tokens_per_rank - M
-            x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-            topk_ids = torch.nn.functional.pad(topk_ids, (0, 0, 0, pad), value=-1)
-            topk_weights = torch.nn.functional.pad(topk_weights, (0, 0, 0, pad))
-            if token_lora_ids is not None:
-                token_lora_ids = torch.nn.functional.pad(token_lora_ids.reshape(-1), (0, pad), value=-1)
+            rows = [None if t is None else torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad), value=fill)
+                    for t, fill in zip(rows, (0, -1, 0, -1))]
 
-        def gather(t):  # [ep * M, ...] in rank order
-            return funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, group))
-
-        def dispatch():
-            sent = [x, topk_ids.to(torch.int32), topk_weights.float()]
-            if token_lora_ids is not None:
-                sent.append(token_lora_ids.reshape(-1).to(torch.int32))
-            got = [gather(t) for t in sent]
-            return got if token_lora_ids is not None else got + [None]
+        def dispatch():  # each [ep * rows, ...] in rank order
+            return [None if t is None else funcol.wait_tensor(funcol.all_gather_tensor(t.contiguous(), 0, group))
+                    for t in rows]
         x_all, ids_all, weights_all, lora_all = self._timed("dispatch", dispatch)
         partial = self.local.forward_routed(x_all, weights_all, ids_all, lora_all)
         partial = self._timed("combine", lambda: self._all_reduce(partial, self.tp_group, self.tp_size))
         out = self._timed("combine", lambda: funcol.wait_tensor(
             funcol.reduce_scatter_tensor(partial, "sum", 0, group)))
-        return out[:M].reshape(*leading, H)
+        return out[:M].reshape(*leading, self.hidden_size)
 
     def _forward_all_to_all(self, hidden_states, topk_weights, topk_ids, token_lora_ids):
-        leading, H = hidden_states.shape[:-1], self.hidden_size
-        x = hidden_states.reshape(-1, H)
-        M, k = topk_ids.shape
-        if x.shape[0] != M:
-            raise ValueError(f"ParallelFusedMoE.forward: topk_ids expected {x.shape[0]} rows (the tokens), got {M}")
+        rows, leading = self._token_rows(hidden_states, topk_weights, topk_ids, token_lora_ids)
+        x, H = rows[0], self.hidden_size
+        M = x.shape[0]
         ids = topk_ids.long()
         # The (token, rank) pairs to send: rank r gets token m when one of m's slots is on
         # one of r's experts; in rank order, token order within (a stable sort of the
@@ -399,11 +394,8 @@ class ParallelFusedMoE(torch.nn.Module):
             return out
 
         def dispatch():
-            sent = [x[pair_token], topk_ids[pair_token].to(torch.int32), topk_weights[pair_token].float()]
-            if token_lora_ids is not None:
-                sent.append(token_lora_ids.reshape(-1).to(torch.int32)[pair_token])
-            got = [all_to_all(t, recv_splits, send_splits, received) for t in sent]
-            return got if token_lora_ids is not None else got + [None]
+            return [None if t is None else all_to_all(t[pair_token], recv_splits, send_splits, received)
+                    for t in rows]
         x_in, ids_in, weights_in, lora_in = self._timed("dispatch", dispatch)
         # The received tokens with all their top-k slots: the local layer's expert_map
         # drops those on other ranks, so each row comes back as this rank's partial sum.
