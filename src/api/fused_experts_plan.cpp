@@ -41,18 +41,26 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   check_fused_experts_shape("fused_experts_config", shape);
   check_fused_experts_options("fused_experts_config", options);
   check_range("fused_experts_config", "num_local_experts", num_local_experts, 0, kMaxNumExperts);
-  // Weight-only experts past the decode kernels: the 16-bit layer's config. Its GEMMs read
-  // the packed experts on sm90 tiles (FusedExpertsChunkPlan::weight_only_tiles), so tiles
-  // the config leaves to the launcher are named here (the launcher's rule: 128 rows where
-  // the block allows); other tiles run on dequantized copies.
+  // Weight-only experts past the decode kernels: the 16-bit layer's block size. Its GEMMs
+  // read the packed experts on sm90 tiles (FusedExpertsChunkPlan::weight_only_tiles) where
+  // the block allows them (a multiple of 64 rows), whatever 16-bit tiles a table names:
+  // those were tuned for bf16 weights, and any other tile means dequantized copies or the
+  // aligned kernels. 128 rows where the block allows (the launcher's rule). A caller's own
+  // config stands. NOTE: measured on the H200 (docs/PERF_NOTES.md, issue 30 step 7), whose
+  // table (abfed05) names sm80 tiles for GEMM2 in some 64-row cells: DeepSeek-V3-TP8 w4a16
+  // at M = 4096 4321 -> 2004 us (copies -> tiles), M = 1024 1358 -> 951, gpt-oss-120b
+  // M = 1024 2668 -> 1855, OLMoE M = 256 329 -> 243 (aligned kernels -> tiles).
   if (shape.quant.weight_only()) {
     FusedExpertsShape dense = shape;
     dense.quant = QuantScheme{};
     MoeKernelConfig config = fused_experts_config(dense, num_local_experts, device, options);
 #ifdef MOELORA_WITH_CUDA
+    const bool caller_tiles = options.config != nullptr;  // tiles the caller named stand
     if (device.type == DeviceType::kCUDA && cuda::current_device_facts().sm90_kernels && config.block_size % 64 == 0) {
       for (GemmTile* tile : {&config.gemm1, &config.gemm2}) {
-        if (tile->kernel == GemmKernel::kAuto) *tile = GemmTile{GemmKernel::kSm90, config.block_size % 128 == 0 ? 128 : 64, 256};
+        if (tile->kernel == GemmKernel::kAuto || (!caller_tiles && tile->kernel != GemmKernel::kSm90)) {
+          *tile = GemmTile{GemmKernel::kSm90, config.block_size % 128 == 0 ? 128 : 64, 256};
+        }
       }
     }
 #endif
