@@ -45,6 +45,12 @@
 // --grouped-tiles T1,T2 (T: 128 or 64) forces the grouped path with GEMM1's and GEMM2's
 // MoeKernelConfig::grouped_tiles (128 x 128 cooperative or 64 x 128 pingpong tiles).
 // The JSON row's "grouped" key says which ("auto" without either flag; "on 64,128" ...).
+// --weight-only-tiles T1,T2 (T: BMxBN[s], BM 64 or 128, BN 128 or 256, s: the static
+// schedule instead of the ordered one) gives weight-only cells a caller's config naming
+// GEMM1's and GEMM2's sm90 tiles (block size 128 where a tile has 128 rows, else 64), for
+// a tile sweep of the dense path (the plan's rule: 128 x 256 ordered for both); the other
+// paths (decode, aligned: fewer than 32 slots an expert) ignore it. The rows carry
+// "weight_only_tiles". CUDA with sm_90a only.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -74,7 +80,7 @@ constexpr double kCellBudgetS = 1.0;
 
 constexpr const char* kOwnFlags =
     "[--scheme S[:gG][:zp][,S...]] [--weight-only-path auto|decode|aligned|dense] [--static-act] [--check-tokens N]\n"
-    "       [--grouped on|off] [--grouped-tiles T1,T2]";
+    "       [--grouped on|off] [--grouped-tiles T1,T2] [--weight-only-tiles BMxBN[s],BMxBN[s]]";
 
 // A --scheme entry: the method and, for weight-only ones (NAME[:gG][:zp]), the group
 // (0: per channel) and whether zero points come with it.
@@ -94,6 +100,9 @@ struct Options : LayerBenchOptions {
   std::string grouped = "auto";  // --grouped: "on", "off", or the heuristic
   // --grouped-tiles: each GEMM's tiles (kAuto without the flag)
   moelora::GroupedGemmTiles grouped_tiles1 = moelora::GroupedGemmTiles::kAuto, grouped_tiles2 = moelora::GroupedGemmTiles::kAuto;
+  // --weight-only-tiles: the caller's config of weight-only cells (its text; empty: the plan's)
+  std::string weight_only_tiles;
+  moelora::MoeKernelConfig weight_only_config;
 };
 
 [[noreturn]] void usage(const std::string& why) { exit_with_usage("quant_bench", why, kOwnFlags); }
@@ -139,6 +148,7 @@ Options parse(int argc, char** argv) {
                            else if (arg == "--check-tokens") o.check_tokens = std::stoll(value());
                            else if (arg == "--grouped") o.grouped = value();
                            else if (arg == "--grouped-tiles") tiles_text = value();
+                           else if (arg == "--weight-only-tiles") o.weight_only_tiles = value();
                            else return false;
                            return true;
                          });
@@ -156,6 +166,28 @@ Options parse(int argc, char** argv) {
     o.grouped_tiles1 = parse_tiles(tiles[0]);
     o.grouped_tiles2 = parse_tiles(tiles[1]);
     o.grouped = "on " + tiles_text;
+  }
+  if (!o.weight_only_tiles.empty()) {
+    const std::string why = "--weight-only-tiles takes T1,T2 with T BMxBN[s] (BM 64 or 128, BN 128 or 256), got " +
+                            o.weight_only_tiles;
+    const std::vector<std::string> tiles = split_commas(o.weight_only_tiles);
+    if (tiles.size() != 2) usage(why);
+    if (o.grouped != "auto") usage("--weight-only-tiles and --grouped/--grouped-tiles: one caller's config at a time");
+    auto parse_tile = [&](const std::string& t) {
+      const size_t x = t.find('x');
+      const bool static_schedule = !t.empty() && t.back() == 's';
+      if (x == std::string::npos) usage(why);
+      const std::string bm = t.substr(0, x), bn = t.substr(x + 1, t.size() - x - 1 - (static_schedule ? 1 : 0));
+      if ((bm != "64" && bm != "128") || (bn != "128" && bn != "256")) usage(why);
+      moelora::GemmTile tile{moelora::GemmKernel::kSm90, int32_t(std::stoi(bm)), int32_t(std::stoi(bn))};
+      tile.ordered = !static_schedule;
+      return tile;
+    };
+    o.weight_only_config.gemm1 = parse_tile(tiles[0]);
+    o.weight_only_config.gemm2 = parse_tile(tiles[1]);
+    // The tiles' rows must divide the block.
+    o.weight_only_config.block_size =
+        std::max(o.weight_only_config.gemm1.block_m, o.weight_only_config.gemm2.block_m) == 128 ? 128 : 64;
   }
   return o;
 }
@@ -551,8 +583,12 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
   const moelora::MoeKernelConfig grouped_on{
       .grouped_gemm = true, .grouped_tiles1 = o.grouped_tiles1, .grouped_tiles2 = o.grouped_tiles2};
   static const moelora::MoeKernelConfig kGroupedOff{.grouped_gemm = false};
+  const bool own_tiles = weight_only && !o.weight_only_tiles.empty();
   moelora::FusedExpertsOptions fo =
-      cell.options(o.grouped == "auto" ? nullptr : o.grouped == "off" ? &kGroupedOff : &grouped_on);
+      cell.options(own_tiles                ? &o.weight_only_config
+                   : o.grouped == "auto"    ? nullptr
+                   : o.grouped == "off"     ? &kGroupedOff
+                                            : &grouped_on);
   fo.weight_only_path = o.weight_only_path;
   const CheckPlan plan = plan_check(q.scheme, M, o.check_tokens);
   // Weight-only: the MMAs run on the 16-bit activations.
@@ -675,11 +711,13 @@ std::string json_row(const Row& r, const Options& o) {
   return format("{\"op\": \"fused_experts\", \"model\": \"%s\", \"M\": %lld, \"dtype\": \"bf16\", \"lora\": %s, "
                 "\"quant\": %s, \"device\": \"%s\", \"time_us\": %.3f, \"floor_us\": %.3f, \"pct_floor\": %.2f, "
                 "\"tbps\": %.4f, \"tflops\": %.3f, \"rel_err\": %s, \"rel_err_bf16\": %s, \"checked_tokens\": %lld, "
-                "\"check_chunk\": %s, \"grouped\": \"%s\"%s%s}",
+                "\"check_chunk\": %s, \"grouped\": \"%s\", \"weight_only_tiles\": %s%s%s}",
                 r.model->name, (long long)r.M, lora.c_str(), quant.c_str(), r.device.c_str(), r.time_us, r.floor_us,
                 100 * r.floor_us / r.time_us, r.bytes / (r.time_us * 1e6), r.flops / (r.time_us * 1e6),
                 number(r.rel_err).c_str(), number(r.rel_err_bf16).c_str(), (long long)r.checked_tokens,
-                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", o.grouped.c_str(), lora_keys.c_str(),
+                r.check_chunk ? std::to_string(r.check_chunk).c_str() : "null", o.grouped.c_str(),
+                s.weight_only() && !o.weight_only_tiles.empty() ? ("\"" + o.weight_only_tiles + "\"").c_str() : "null",
+                lora_keys.c_str(),
                 r.fixed_us >= 0 ? format(", \"fixed_us\": %.3f", r.fixed_us).c_str() : "");
 }
 
