@@ -1,6 +1,7 @@
 // Kernel config registry: table format, lookup, the override folder, shipped tables.
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 #include "api/kernel_config.h"
@@ -141,7 +142,7 @@ TEST(KernelConfig, WeightOnlyTakesTheTilesOverATablesSm80Tiles) {
   if (!facts.sm90_kernels) GTEST_SKIP() << "no sm90 tiles on this device";
   // A table of its own (E = 6, N = 1536: no shipped table has them) for this device.
   const std::string dir = ::testing::TempDir() + "/weight_only_tiles";
-  ASSERT_EQ(std::system(("mkdir -p '" + dir + "'").c_str()), 0);
+  std::filesystem::create_directories(dir);
   const std::string name = detail::kernel_config_file_name(6, 1536, DType::kBFloat16, facts.name);
   std::FILE* f = std::fopen((dir + "/" + name).c_str(), "w");
   ASSERT_NE(f, nullptr);
