@@ -7,7 +7,9 @@ over it; then the issue's targets, counted: w4a16 >= 80% of the floor at M = 4-6
 >= 60% at M = 1-2, w8a16 >= 80% at M = 4-64, w4a16 at most 1.1x the bf16 layer at
 M >= 1024 and at least 3x faster at M <= 16 (a cell whose fixed cost, the layer's time with
 every slot routed to no expert: "fixed_us", exceeds a quarter of the bf16 layer's time is
-exempt and counted apart), rel_err <= 1e-2.
+exempt and counted apart), rel_err <= 1e-2. Then, per w4a16 row at M <= 16, the share of the
+copy rate the experts' bytes stream at now and would need for the 60% and 3x targets, after
+the row's fixed cost.
 """
 import json
 import sys
@@ -64,6 +66,30 @@ def main(path):
     for target, (met, cells) in counts.items():
         print(f"  {target}: {met} / {cells}")
     print(f"  rel_err <= 1e-2: worst {worst_err:.2e} over every weight-only row")
+    needs(tables, bf16)
+
+
+def needs(tables, bf16):
+    """What the w4a16 targets at M <= 16 ask of the copy rate, from each row's own floor and
+    fixed cost: a target time T leaves T - fixed for the experts' bytes, which the floor moves
+    at the copy rate, so the share needed is floor / (T - fixed); above 100% the target is
+    beyond the copy rate with the layer's fixed cost as measured."""
+    print("\nw4a16 at M <= 16: copy-rate share the targets need (floor / (T - fixed); > 100%: beyond the copy rate)")
+    print(f"{'table':28s} {'model':16s} {'M':>3s} {'now':>6s} {'60% floor':>10s} {'3x bf16':>8s}")
+    def share(floor, target, fixed):
+        return floor / (target - fixed) * 100 if target > fixed else float("inf")
+    for key, table in tables.items():
+        if not key.startswith("w4a16"):
+            continue
+        for r in table:
+            fixed, b = r.get("fixed_us"), bf16.get((r["model"], r["M"]))
+            if r["M"] > 16 or fixed is None:
+                continue
+            floor = r["floor_us"]
+            now = share(floor, r["time_us"], fixed)
+            sixty = f"{share(floor, floor / 0.6, fixed):9.0f}%" if r["M"] <= 2 else f"{'-':>10s}"
+            three = f"{share(floor, b / 3, fixed):7.0f}%" if b else f"{'-':>8s}"
+            print(f"{key:28s} {r['model']:16s} {r['M']:3d} {now:5.0f}% {sixty} {three}")
 
 
 if __name__ == "__main__":
