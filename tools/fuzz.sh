@@ -12,6 +12,7 @@
 # input to fuzz/regressions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)  # the corpus's absolute path: the fuzzer runs in the build dir, which may lie anywhere
 SECONDS_TO_RUN=${1:-120}
 BUILD_DIR=${MOELORA_FUZZ_BUILD_DIR:-build-fuzz}
 JOBS=${MOELORA_JOBS:-$(nproc)}
@@ -53,11 +54,13 @@ mkdir -p "$NEW"
 status=0
 # -fork: each worker a child process, so one finding stops the run with its input kept.
 (cd "$BUILD_DIR" && "./moelora_fuzz" -fork="$JOBS" -max_total_time="$SECONDS_TO_RUN" -max_len=512 \
-   -timeout=20 -rss_limit_mb=4096 "new-corpus" ../fuzz/corpus) >"$BUILD_DIR/fuzz.log" 2>&1 || status=$?
+   -timeout=20 -rss_limit_mb=4096 "new-corpus" "$ROOT/fuzz/corpus") >"$BUILD_DIR/fuzz.log" 2>&1 || status=$?
 grep -E "^#[0-9]+.*(DONE|INITED|pulse)|cov:" "$BUILD_DIR/fuzz.log" | tail -n 2 || true
 if [ "$status" != 0 ] || ls "$BUILD_DIR"/crash-* "$BUILD_DIR"/timeout-* "$BUILD_DIR"/oom-* >/dev/null 2>&1; then
-  grep -B2 -A30 -E "ERROR|runtime error|invariant violated|deadly signal" "$BUILD_DIR/fuzz.log" | head -n 60
-  echo "fuzz: FAILED (inputs: $(ls "$BUILD_DIR"/crash-* "$BUILD_DIR"/timeout-* "$BUILD_DIR"/oom-* 2>/dev/null | tr '\n' ' '))" >&2
+  # A failure without a finding (the fuzzer refused its arguments) shows the log's end.
+  grep -B2 -A30 -E "ERROR|runtime error|invariant violated|deadly signal" "$BUILD_DIR/fuzz.log" | head -n 60 ||
+    tail -n 20 "$BUILD_DIR/fuzz.log"
+  echo "fuzz: FAILED (fuzzer exit $status; inputs: $(ls "$BUILD_DIR"/crash-* "$BUILD_DIR"/timeout-* "$BUILD_DIR"/oom-* 2>/dev/null | tr '\n' ' '))" >&2
   exit 1
 fi
 if [ "${MOELORA_FUZZ_KEEP:-0}" = 1 ]; then
