@@ -2,6 +2,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "api/kernel_config.h"
@@ -107,6 +108,24 @@ TEST(KernelConfig, ShippedTablesParse) {
   EXPECT_EQ(detail::find_kernel_config_table("E=3,N=5,device_name=none,dtype=bf16.json"), nullptr);
 }
 
+// $MOELORA_CONFIG_DIR names `dir` for this object's life, then what it named before.
+class ScopedConfigDir {
+ public:
+  explicit ScopedConfigDir(const std::string& dir) {
+    const char* value = std::getenv("MOELORA_CONFIG_DIR");
+    had_ = value != nullptr;
+    previous_ = had_ ? value : "";
+    setenv("MOELORA_CONFIG_DIR", dir.c_str(), 1);
+  }
+  ~ScopedConfigDir() {
+    if (had_) setenv("MOELORA_CONFIG_DIR", previous_.c_str(), 1); else unsetenv("MOELORA_CONFIG_DIR");
+  }
+
+ private:
+  bool had_ = false;
+  std::string previous_;
+};
+
 // $MOELORA_CONFIG_DIR wins over the shipped tables; a broken file there is an error
 // that names the file, not a silent fallback.
 TEST(KernelConfig, OverrideFolderIsRead) {
@@ -119,12 +138,13 @@ TEST(KernelConfig, OverrideFolderIsRead) {
     std::fputs(text.c_str(), f);
     std::fclose(f);
   }
-  const char* previous = std::getenv("MOELORA_CONFIG_DIR");
-  const std::string saved = previous ? previous : "";
-  setenv("MOELORA_CONFIG_DIR", dir.c_str(), 1);
-  const detail::KernelConfigTable* table = detail::find_kernel_config_table(good);
-  const std::string message = error_message([&] { detail::find_kernel_config_table(broken); });
-  if (previous) setenv("MOELORA_CONFIG_DIR", saved.c_str(), 1); else unsetenv("MOELORA_CONFIG_DIR");
+  const detail::KernelConfigTable* table = nullptr;
+  std::string message;
+  {
+    const ScopedConfigDir scoped(dir);
+    table = detail::find_kernel_config_table(good);
+    message = error_message([&] { detail::find_kernel_config_table(broken); });
+  }
   ASSERT_NE(table, nullptr);
   EXPECT_EQ(table->size(), 3u);
   EXPECT_THAT(message, HasSubstr(broken));
@@ -149,9 +169,7 @@ TEST(KernelConfig, WeightOnlyTakesTheTilesOverATablesSm80Tiles) {
   std::fputs(R"({"1024": {"block_size": 64, "gemm1": {"kernel": "sm80", "block_m": 64, "block_n": 128},
                           "gemm2": {"kernel": "sm80", "block_m": 32, "block_n": 128}}})", f);
   std::fclose(f);
-  const char* previous = std::getenv("MOELORA_CONFIG_DIR");
-  const std::string saved = previous ? previous : "";
-  setenv("MOELORA_CONFIG_DIR", dir.c_str(), 1);
+  std::optional<ScopedConfigDir> scoped(std::in_place, dir);
   FusedExpertsShape shape{1024, 2, 6, 512, 1536, DType::kBFloat16};
   const Device cuda{DeviceType::kCUDA, 0};
   FusedExpertsOptions options;
@@ -161,7 +179,7 @@ TEST(KernelConfig, WeightOnlyTakesTheTilesOverATablesSm80Tiles) {
   const MoeKernelConfig caller{64, {GemmKernel::kSm80, 64, 128}, {GemmKernel::kSm80, 32, 128}};
   options.config = &caller;
   const MoeKernelConfig w4a16_caller = fused_experts_config(shape, 6, cuda, options);
-  if (previous) setenv("MOELORA_CONFIG_DIR", saved.c_str(), 1); else unsetenv("MOELORA_CONFIG_DIR");
+  scoped.reset();
   EXPECT_EQ(bf16.gemm2.kernel, GemmKernel::kSm80) << "the table was not read";
   EXPECT_EQ(w4a16.block_size, 64);
   for (const GemmTile& tile : {w4a16.gemm1, w4a16.gemm2}) {
