@@ -249,13 +249,14 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
 // M = 256: 1916 against 3409) and lost at 128 (Mixtral M = 1024: 7651 against 3877; OLMoE
 // M = 1024: 1139 against 1013), where each expert's rows are re-read for 8 blocks or more.
 // Where the sm90 tiles read the packed experts (the chunk's config puts both GEMMs on sm90
-// tiles, no adapters: the tiles take no fused LoRA expand), from 32 an expert: they beat
+// tiles, with or without adapters), from 32 an expert: they beat
 // the aligned kernels there (issue 30 step 3, w4a16 / w8a16 at 32 an expert: DeepSeek-V3
 // M = 1024 957 against 1374 us / 1043 against 1787; gpt-oss M = 1024 2077 / 2773, 2115 /
 // 3613; OLMoE M = 256 252 / 336, 280 / 423), and lose below (16 an expert: Qwen3-30B
-// M = 256 1497 against 301; 8: DeepSeek-V3 M = 256 3440 against 572). NOTE: with rank-16
-// adapters the tiles and the unfused LoRA kernels took Mixtral M = 256 to 7535 us, the
-// aligned path 2345.
+// M = 256 1497 against 301; 8: DeepSeek-V3 M = 256 3440 against 572). With rank-16
+// adapters the tiles with the fused LoRA expand beat the aligned path (H200, issue 30
+// step 8: Mixtral M = 256 1347 against 2436 us); without the fused expand (the unfused
+// LoRA kernels) they took Mixtral M = 256 to 7535 us (H100).
 constexpr int64_t kWeightOnlyDenseSlotsPerExpert = 128;
 // The decode kernels below this many slots an expert on average: they take an expert's
 // slots 8 at a time, each pass streaming its weights again, where the aligned kernels
@@ -279,7 +280,7 @@ namespace {
 // word is FusedExpertsChunkPlan::weight_only_tiles, which also checks the tensors).
 bool weight_only_tiles_expected(const FusedExpertsShape& chunk, int64_t experts, const FusedExpertsOptions& o) {
 #ifdef MOELORA_WITH_CUDA
-  if (chunk.max_loras != 0 || !cuda::device_available() || !cuda::current_device_facts().sm90_kernels) return false;
+  if (!cuda::device_available() || !cuda::current_device_facts().sm90_kernels) return false;
   const MoeKernelConfig config = fused_experts_config(chunk, experts, Device{DeviceType::kCUDA, 0}, o);
   return config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
 #else
@@ -288,8 +289,8 @@ bool weight_only_tiles_expected(const FusedExpertsShape& chunk, int64_t experts,
 #endif
 }
 
-// Whether the dense path's largest chunk runs on dequantized copies of the experts: with
-// adapters, from kWeightOnlyTileMaxSlotsPerExpert slots an expert, or where its config
+// Whether the dense path's largest chunk runs on dequantized copies of the experts: from
+// kWeightOnlyTileMaxSlotsPerExpert slots an expert, or where its config
 // names no sm90 tiles for both GEMMs (or the device has none). Else the tiles read the
 // packed experts and the layout reserves no copies.
 bool weight_only_copies_expected(const FusedExpertsShape& s, const FusedExpertsOptions& o) {
@@ -548,10 +549,16 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
     const bool loadable =
         cuda::fused_moe_tensor_core_loadable(gemm1_probe) && cuda::fused_moe_tensor_core_loadable(gemm2_probe);
     plan.sm90_rows = loadable && config.gemm1.kernel == GemmKernel::kSm90 && config.gemm2.kernel == GemmKernel::kSm90;
+    const bool expand_supported =
+        args.lora &&
+        cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&
+        cuda::fused_moe_lora_expand_supported(gemm2_probe, lora2.rank, lora2.num_slices, lora2.slices);
     // Weight-only experts on the dense path: the sm90 kernel converts the packed experts
-    // itself when both GEMMs run on it, below kWeightOnlyTileMaxSlotsPerExpert and without
-    // adapters; else the chunk runs on dequantized copies (with the fused LoRA expand).
-    if (plan.weight_only && plan.sm90_rows && !args.lora &&
+    // itself when both GEMMs run on it, below kWeightOnlyTileMaxSlotsPerExpert, with the
+    // fused LoRA expand where the call has adapters (its consumers read lora_b: measured on
+    // an H200, Mixtral w4a16 rank 16 M = 256 2436 -> 1347 us against the copies). Else the
+    // chunk runs on dequantized copies (with the fused LoRA expand).
+    if (plan.weight_only && plan.sm90_rows && (!args.lora || expand_supported) &&
         slots < kWeightOnlyTileMaxSlotsPerExpert * shape.num_local_experts) {
       GemmParams packed1 = gemm1_probe, packed2 = gemm2_probe;
       packed1.weight_only = quant.w13;
@@ -561,11 +568,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
       plan.weight_only_tiles =
           cuda::fused_moe_weight_only_loadable(packed1) && cuda::fused_moe_weight_only_loadable(packed2);
     }
-    // (The weight-only tiles take no fused LoRA expand: their ring holds no 16-bit B slots.)
-    plan.fused_lora =
-        args.lora && loadable && !plan.weight_only_tiles &&
-        cuda::fused_moe_lora_expand_supported(gemm1_probe, lora13.rank, lora13.num_slices, lora13.slices) &&
-        cuda::fused_moe_lora_expand_supported(gemm2_probe, lora2.rank, lora2.num_slices, lora2.slices);
+    plan.fused_lora = loadable && expand_supported;
   }
 #else
   (void)lora2;

@@ -8,6 +8,8 @@
 // with each slot's products left in shared memory for the top-k sum in slot order; warps
 // in teams that split K when there are fewer items than warps (MmaTeams). x and act stay
 // in the layer dtype.
+#include <type_traits>
+
 #include "cuda/fused_experts_small_batch.cuh"
 #include "cuda/small_batch_weight_only.cuh"
 
@@ -321,48 +323,58 @@ void fused_experts_weight_only_aligned(const detail::WeightOnlyAlignedParams& p,
 
 namespace {
 
-// Thread i takes the 16-byte chunk i (32 4-bit or 16 8-bit weights, one scale group) of
-// the rows of E x N: the packed bytes through the conversions of the register path, in K
-// order. K % 32 == 0 (the API's CUDA check); 32-bit index math (E x N x K / 16 < 2^32:
-// dequantize_experts checks).
+// Units of 8 weights of a row (4 packed bytes of 4-bit, 8 of 8-bit; within one scale group
+// as K % 32 == 0, the API's CUDA check) into their 16 output bytes, thread i taking unit i,
+// so a warp's loads and its stores each cover one contiguous run (128 / 256 packed bytes,
+// 512 output bytes). Measured on an H200 against a thread a 16-byte packed chunk (64 output
+// bytes as four 16-byte stores 64 bytes apart across the warp, each store writing half of
+// 32 sectors): Mixtral w4a16 M = 4096 8366 -> 7607 us, OLMoE M = 8192 2777 -> 2514 us
+// (docs/perf_notes/issue-30-weight-only.md, step 8). kDequantizeUnroll units a thread are
+// loaded (weights and codes) before any is converted. 32-bit index math: launch_dequantize
+// checks that every index a thread forms stays below 2^32.
+constexpr int kDequantizeUnroll = 4;
+
 template <class T, int kBits>
 __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
-  constexpr int kValues = 128 / kBits;
+  using Packed = std::conditional_t<kBits == 4, uint32_t, uint2>;
   wait_for_previous_kernel();
   const detail::WeightOnlyParams& q = p.w;
-  const uint32_t chunks_per_row = uint32_t(p.K / kValues), N = uint32_t(p.N);
-  const uint32_t chunks = uint32_t(p.num_experts * p.N) * chunks_per_row;
-  T* out = static_cast<T*>(p.out);
-  for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += gridDim.x * blockDim.x) {
-    const uint32_t row = i / chunks_per_row, chunk = i - row * chunks_per_row;
-    const uint32_t e = row / N, n = row - e * N;
-    const uint8_t* packed = q.w + e * q.w_stride_expert + n * q.w_stride_n;
-    {
-      const int64_t k0 = int64_t(chunk) * kValues;
-      const uint4 bytes = small_batch::load_streaming(packed + k0 * kBits / 8);
-      const int64_t group = q.group_size > 0 ? k0 / q.group_size : 0;
-      weight_only::WeightRowCodes<T, kBits> codes;
-      codes.start(q, e, n);
-      const weight_only::GroupConstants<T> c = codes.constants(codes.load(group));
-      const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-      uint32_t values[kValues / 2];  // pairs in K order
+  const uint32_t units_per_row = uint32_t(p.K / 8), N = uint32_t(p.N);
+  const uint32_t units = uint32_t(p.num_experts * p.N) * units_per_row;
+  const uint32_t stride = gridDim.x * blockDim.x;
+  const int group_shift = q.group_size > 0 ? __ffs(int(q.group_size)) - 1 : 31;  // group sizes: 32, 64, 128
+  uint4* out = static_cast<uint4*>(p.out);  // unit i's 16 bytes are out[i]
+  for (uint32_t first = blockIdx.x * blockDim.x + threadIdx.x; first < units; first += kDequantizeUnroll * stride) {
+    Packed packed[kDequantizeUnroll];
+    weight_only::WeightRowCodes<T, kBits> rows[kDequantizeUnroll];
+    weight_only::GroupCodes<T> codes[kDequantizeUnroll];
 #pragma unroll
-      for (int wd = 0; wd < 4; ++wd) {
+    for (int u = 0; u < kDequantizeUnroll; ++u) {
+      const uint32_t i = first + u * stride;
+      if (i >= units) break;
+      const uint32_t row = i / units_per_row, unit = i - row * units_per_row;
+      const uint32_t e = row / N, n = row - e * N;
+      packed[u] = __ldcs(reinterpret_cast<const Packed*>(q.w + e * q.w_stride_expert + n * q.w_stride_n) + unit);
+      rows[u].start(q, e, n);
+      codes[u] = rows[u].load(q.group_size > 0 ? int((unit * 8) >> group_shift) : 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kDequantizeUnroll; ++u) {
+      const uint32_t i = first + u * stride;
+      if (i >= units) break;
+      const weight_only::GroupConstants<T> c = rows[u].constants(codes[u]);
+      uint32_t values[4];  // pairs in K order
+      if constexpr (kBits == 4) {
         uint32_t pairs[4];
-        weight_only::weight_pairs<T, kBits, true>(words[wd], c, pairs);
-        if constexpr (kBits == 4) {
-          uint32_t natural[4];
-          weight_only::natural_order(pairs, natural);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) values[4 * wd + j] = natural[j];
-        } else {
-          values[2 * wd + 0] = pairs[0];
-          values[2 * wd + 1] = pairs[1];
-        }
+        weight_only::weight_pairs<T, 4, true>(packed[u], c, pairs);
+        weight_only::natural_order(pairs, values);
+      } else {
+        uint32_t low[4], high[4];
+        weight_only::weight_pairs<T, 8, true>(packed[u].x, c, low);
+        weight_only::weight_pairs<T, 8, true>(packed[u].y, c, high);
+        values[0] = low[0], values[1] = low[1], values[2] = high[0], values[3] = high[1];
       }
-      uint4* dst = reinterpret_cast<uint4*>(out + int64_t(row) * p.K + k0);
-#pragma unroll
-      for (int v = 0; v < kValues / 8; ++v) dst[v] = make_uint4(values[4 * v], values[4 * v + 1], values[4 * v + 2], values[4 * v + 3]);
+      out[i] = make_uint4(values[0], values[1], values[2], values[3]);
     }
   }
   allow_next_kernel_launch();
@@ -370,10 +382,13 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
 
 template <class T>
 void launch_dequantize(const detail::DequantizeExpertsParams& p, cudaStream_t stream) {
-  const int64_t chunks = p.num_experts * p.N * p.K / (128 / p.w.bits);
-  if (chunks >= (int64_t(1) << 32)) throw Error("moelora.fused_experts: experts too large for the dense weight-only path");
-  const int64_t blocks = std::min<int64_t>((chunks + 255) / 256, int64_t(current_device_info().num_sms) * 8);
+  const int64_t units = p.num_experts * p.N * p.K / 8;
+  const int64_t blocks = std::min<int64_t>((units + 255) / 256, int64_t(current_device_info().num_sms) * 8);
   if (blocks == 0) return;
+  // A thread's last index is below units + kDequantizeUnroll x the grid's threads.
+  if (units + int64_t(kDequantizeUnroll) * blocks * 256 >= (int64_t(1) << 32)) {
+    throw Error("moelora.fused_experts: experts too large for the dense weight-only path");
+  }
   if (p.w.bits == 4) {
     launch_kernel(dequantize_experts_kernel<T, 4>, dim3(unsigned(blocks)), dim3(256), 0, stream, p);
   } else {

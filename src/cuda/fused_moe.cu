@@ -182,8 +182,8 @@ void fused_moe_weight_only(const detail::GemmParams& p, cudaStream_t stream) {
     throw std::logic_error("moelora.fused_moe: the weight-only GEMM needs an sm_90 device with sm_90a kernels, K a "
                            "multiple of 32, unit K strides and 16-byte aligned rows");
   }
-  if ((p.tile.kernel != GemmKernel::kAuto && p.tile.kernel != GemmKernel::kSm90) || p.lora_t != nullptr) {
-    throw std::logic_error("moelora.fused_moe: the weight-only GEMM runs on the sm90 kernel only, without the fused LoRA expand");
+  if (p.tile.kernel != GemmKernel::kAuto && p.tile.kernel != GemmKernel::kSm90) {
+    throw std::logic_error("moelora.fused_moe: the weight-only GEMM runs on the sm90 kernel only");
   }
   const GemmTile tile = p.tile.kernel == GemmKernel::kSm90 ? p.tile : heuristic_tile(p, current_device_info(), true);
   const bool bf16 = p.dtype == DType::kBFloat16;

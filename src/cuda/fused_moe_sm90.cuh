@@ -101,7 +101,7 @@
 
 namespace moelora::cuda {
 
-template <class Element_, int kBlockM_, int kBlockN_, int kClusterM_, int kWeightBits_ = 16>
+template <class Element_, int kBlockM_, int kBlockN_, int kClusterM_, int kWeightBits_ = 16, bool kFusedLora_ = true>
 struct FusedMoeSm90Config {
   using Element = Element_;  // cute::bfloat16_t or cute::half_t
   static constexpr int kBlockM = kBlockM_;
@@ -111,6 +111,11 @@ struct FusedMoeSm90Config {
   // consumers convert (fused_moe_sm90_weight_only.cuh), in 1-CTA clusters.
   static constexpr int kWeightBits = kWeightBits_;
   static constexpr bool kWeightOnly = kWeightBits < 16;
+  // The fused LoRA expand's K steps (GemmParams::lora_t, 1-CTA clusters). Weight-only
+  // instances come with and without (their consumers read lora_b themselves): the expand's
+  // code cost the 128 x 256 4-bit instance 160 more bytes of spills (nvcc 13.0), which
+  // calls without adapters need not pay.
+  static constexpr bool kFusedLora = kFusedLora_ && kClusterM == 1;
   static constexpr int kBlockK = 64;  // 128 bytes: one 128B-swizzle row
   static constexpr int kProducerThreads = 128;
   static constexpr int kConsumerThreads = 256;
@@ -509,7 +514,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
         }
         advance();
       }
-      if constexpr (kClusterM == 1 && !Config::kWeightOnly) {
+      if constexpr (Config::kFusedLora) {
         // Fused LoRA expand (GemmParams::lora_t): K steps over the block's adapters, each
         // owning lora_t_cols columns. A = the tile's rows of t (by entry) whose entry has
         // the column's adapter; B = that adapter's lora_b, block-diagonal over the slices
@@ -542,26 +547,30 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? t_rows + row * p.lora_t_cols : a_base),
                           *reinterpret_cast<uint128_t*>(&sA(row, k_col, stage)), ok);
           }
-          // Rows of the column's slice read lora_b; the others (the other half of a gated
-          // tile) are zeros, so the column's slice gives the stride.
-          const T* b_col = col.lora_b<T>(p, tile.expert);
-          const int64_t b_stride = p.lora[col.slice].b_stride_n;
+          // Weight-only: the consumers read the step's B from lora_b themselves
+          // (Sm90WeightOnlyConverter::lora_b): the ring has no 16-bit B slots.
+          if constexpr (!Config::kWeightOnly) {
+            // Rows of the column's slice read lora_b; the others (the other half of a gated
+            // tile) are zeros, so the column's slice gives the stride.
+            const T* b_col = col.lora_b<T>(p, tile.expert);
+            const int64_t b_stride = p.lora[col.slice].b_stride_n;
 #pragma unroll 1
-          for (int i = 0; i < kBlockN / Config::kRowsPerPass; ++i) {
-            const int row = row0 + i * Config::kRowsPerPass;
-            // The output column of tile row `row` (the base weight boxes' placement); with
-            // row0 < kRowsPerPass <= kBoxRows the box is i's.
-            int64_t out_col = n0 + row;
-            bool up = false;
-            if (p.gated) {
-              const int box = i * Config::kRowsPerPass / Config::kBoxRows;
-              out_col = n0 + (box / 2) * Config::kBoxRows + (i * Config::kRowsPerPass) % Config::kBoxRows + row0;
-              up = box % 2 == 1;
+            for (int i = 0; i < kBlockN / Config::kRowsPerPass; ++i) {
+              const int row = row0 + i * Config::kRowsPerPass;
+              // The output column of tile row `row` (the base weight boxes' placement); with
+              // row0 < kRowsPerPass <= kBoxRows the box is i's.
+              int64_t out_col = n0 + row;
+              bool up = false;
+              if (p.gated) {
+                const int box = i * Config::kRowsPerPass / Config::kBoxRows;
+                out_col = n0 + (box / 2) * Config::kBoxRows + (i * Config::kRowsPerPass) % Config::kBoxRows + row0;
+                up = box % 2 == 1;
+              }
+              const LoraBRow b(p, out_col, up);
+              const bool ok = col.lora >= 0 && b.slice == col.slice && out_col < p.N;
+              CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_col + b.row * b_stride : a_base),
+                            *reinterpret_cast<uint128_t*>(&sB(row, k_col, stage)), ok);
             }
-            const LoraBRow b(p, out_col, up);
-            const bool ok = col.lora >= 0 && b.slice == col.slice && out_col < p.N;
-            CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_col + b.row * b_stride : a_base),
-                          *reinterpret_cast<uint128_t*>(&sB(row, k_col, stage)), ok);
           }
           cutlass::arch::cpasync_barrier_arrive_noinc(&full_bar[stage]);
           advance();
@@ -629,10 +638,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
     // Expert not on this rank (or only dropped slots): no wgmma, the epilogue writes zeros.
     if (tile.active) {
-      // K steps of this tile: the base ones, then the fused LoRA expand's (none with weight-only experts).
+      // K steps of this tile: the base ones, then the fused LoRA expand's.
       const int64_t k_steps =
-          num_k_tiles +
-          (Config::kWeightOnly ? 0 : lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile)));
+          num_k_tiles + (Config::kFusedLora ? lora_k_steps<kBlockK>(p, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile)) : 0);
       int release_stage = stage;
       int64_t released = 0;
       auto release = [&] {
@@ -662,8 +670,14 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             // This step's B buffer from the slot's packed rows, fenced for the wgmmas' proxy.
             static_assert(Config::kMmaInFlight <= 1, "three B buffers: one batch in flight a warpgroup");
             if (k_tile + 1 < num_k_tiles) converter.load_codes((k_tile + 1) * kBlockK);
-            converter.convert(smem_packed + stage * Config::kPackedStageBytes,
-                              b_buffers + b_buffer * (kBlockN * kBlockK * int(sizeof(T))));
+            const uint32_t buffer = b_buffers + b_buffer * (kBlockN * kBlockK * int(sizeof(T)));
+            if (!Config::kFusedLora || k_tile < num_k_tiles) {
+              converter.convert(smem_packed + stage * Config::kPackedStageBytes, buffer);
+            } else {
+              // The tile's adapters again (one load, two shuffles): not held through the K loop.
+              converter.lora_b(p, tile.expert, n0, sm90_tile_lora_mask<kBlockM, kClusterM>(p, tile),
+                               int(k_tile - num_k_tiles), buffer);
+            }
             cutlass::arch::fence_view_async_shared();
             converter.sync(thread);
             converter.take_codes();
@@ -756,9 +770,12 @@ int sm90_max_active_clusters() {
 
 // Launches the kernel for one (element type, tile, cluster, weight bits) instance: at
 // most one CTA per SM, and no more clusters than fit at once (the tile loop is persistent).
-template <class Element, int kBlockM, int kBlockN, int kClusterM, int kWeightBits = 16>
+template <class Element, int kBlockM, int kBlockN, int kClusterM, int kWeightBits = 16, bool kFusedLora = true>
 void launch_fused_moe_sm90(const detail::GemmParams& p, cudaStream_t stream) {
-  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN, kClusterM, kWeightBits>;
+  using Config = FusedMoeSm90Config<Element, kBlockM, kBlockN, kClusterM, kWeightBits, kFusedLora>;
+  if (!Config::kFusedLora && p.lora_t != nullptr) {
+    throw std::logic_error("moelora.fused_moe: an sm90 instance without the fused LoRA expand got adapters");
+  }
   const int64_t num_m_tiles = p.max_num_blocks * (p.block_size / kBlockM);
   const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
   const int64_t num_tiles = (num_m_tiles + kClusterM - 1) / kClusterM * ((p.N + out_width - 1) / out_width);
@@ -785,15 +802,22 @@ void dispatch_fused_moe_sm90(const detail::GemmParams& p, int block_n, int clust
               " in clusters of " + std::to_string(cluster_m));
 }
 
-// The weight-only instances of one (element type, weight bits): 1-CTA clusters.
-template <class T, int kWeightBits>
-void dispatch_fused_moe_sm90_weight_only(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
-  if (block_m == 64 && block_n == 128) return launch_fused_moe_sm90<T, 64, 128, 1, kWeightBits>(p, stream);
-  if (block_m == 64 && block_n == 256) return launch_fused_moe_sm90<T, 64, 256, 1, kWeightBits>(p, stream);
-  if (block_m == 128 && block_n == 128) return launch_fused_moe_sm90<T, 128, 128, 1, kWeightBits>(p, stream);
-  if (block_m == 128 && block_n == 256) return launch_fused_moe_sm90<T, 128, 256, 1, kWeightBits>(p, stream);
+// The weight-only instances of one (element type, weight bits): 1-CTA clusters, with the
+// fused LoRA expand where the call has adapters.
+template <class T, int kWeightBits, bool kFusedLora>
+void dispatch_fused_moe_sm90_weight_only_lora(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
+  if (block_m == 64 && block_n == 128) return launch_fused_moe_sm90<T, 64, 128, 1, kWeightBits, kFusedLora>(p, stream);
+  if (block_m == 64 && block_n == 256) return launch_fused_moe_sm90<T, 64, 256, 1, kWeightBits, kFusedLora>(p, stream);
+  if (block_m == 128 && block_n == 128) return launch_fused_moe_sm90<T, 128, 128, 1, kWeightBits, kFusedLora>(p, stream);
+  if (block_m == 128 && block_n == 256) return launch_fused_moe_sm90<T, 128, 256, 1, kWeightBits, kFusedLora>(p, stream);
   throw Error("moelora.fused_moe: no sm90 weight-only instance for tile " + std::to_string(block_m) + "x" +
               std::to_string(block_n));
+}
+
+template <class T, int kWeightBits>
+void dispatch_fused_moe_sm90_weight_only(const detail::GemmParams& p, int block_m, int block_n, cudaStream_t stream) {
+  p.lora_t != nullptr ? dispatch_fused_moe_sm90_weight_only_lora<T, kWeightBits, true>(p, block_m, block_n, stream)
+                      : dispatch_fused_moe_sm90_weight_only_lora<T, kWeightBits, false>(p, block_m, block_n, stream);
 }
 
 }  // namespace moelora::cuda

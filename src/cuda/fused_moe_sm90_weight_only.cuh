@@ -25,6 +25,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "common/params.h"
+#include "cuda/fused_moe_lora_steps.cuh"
 #include "cuda/weight_only_convert.cuh"
 
 namespace moelora::cuda {
@@ -154,6 +155,37 @@ struct Sm90WeightOnlyConverter {
                      "r"(out[3])
                      : "memory");
       }
+    }
+  }
+
+  // A fused LoRA expand step (GemmParams::lora_t; step kt of the tile's adapter columns,
+  // `mask` its adapters): this thread's chunks of its B row from the column's adapter's
+  // lora_b, zeros where the column has no adapter or belongs to the other slice, stored as
+  // convert() stores them. The ring's slots hold packed rows only, so the producer loads
+  // just A (the shrink's t rows) for these steps and B comes from global memory here: an
+  // adapter's [N, rank] rows are few, read by every tile of the expert (L2), and a tile
+  // has one or two such steps against K / 64 converted ones.
+  // The tile's output column of this thread's row and its gate/up half are worked out here
+  // again (start_tile's placement), not kept through the K loop: the 128 x 256 consumers
+  // are at their register limit (main spills there already).
+  __device__ __forceinline__ void lora_b(const detail::GemmParams& p, int tile_expert, int64_t n0, uint64_t mask,
+                                         int kt, uint32_t buffer) const {
+    const int box = row / Config::kBoxRows;
+    const int64_t out_col = p.gated ? n0 + (box / 2) * Config::kBoxRows + row % Config::kBoxRows : n0 + row;
+    const LoraBRow b(p, out_col, p.gated && box % 2 == 1);
+    const uint32_t row_base = buffer + row * 128;
+    const int swizzle = row % 8;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int chunk = first_chunk + i;
+      const LoraKColumn col(p, mask, kt * Config::kBlockK + 8 * chunk);
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (col.lora >= 0 && b.slice == col.slice && out_col < p.N) {
+        v = *reinterpret_cast<const uint4*>(col.template lora_b<T>(p, tile_expert) + b.row * p.lora[col.slice].b_stride_n);
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(row_base + 16 * (chunk ^ swizzle)), "r"(v.x),
+                   "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
     }
   }
 

@@ -320,8 +320,21 @@ std::vector<WeightOnlyCase> weight_only_cases() {
         c.aligned_without_tiles = true;
       });
       tiles("sorted_input", [](WeightOnlyCase& c) { c.options.block_size = 0, c.options.config = &kSortedInputTiles; });
-      // With adapters the dense path runs on dequantized copies (the fused LoRA expand).
-      tiles("lora_copies", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes, c.expect_tiles = false; });
+      // With adapters the tiles take the fused LoRA expand (their consumers read lora_b).
+      tiles("lora", [](WeightOnlyCase& c) { c.lora_rank = 16, c.zeros = Zeros::kBytes; });
+      tiles("lora_gelu_h1376_i1440_g32", [](WeightOnlyCase& c) {
+        c.options.activation = Activation::kGelu, c.H = 1376, c.I = 1440, c.group_size = 32, c.num_global = c.num_local = 4;
+        c.M = 200, c.lora_rank = 16;
+      });
+      tiles("lora_swiglu_oai_rank8", [](WeightOnlyCase& c) {
+        c.options.activation = Activation::kSwigluOai, c.lora_rank = 8;
+      });
+      // Blocks of 16 name no sm90 tiles: adapters on the dequantized copies (the bf16
+      // kernels' fused LoRA expand).
+      add("dense_lora_copies_block16", [&](WeightOnlyCase& c) {
+        c.M = 300, c.options.weight_only_path = kDense, c.options.block_size = 16, c.expect_path = kDense;
+        c.lora_rank = 16, c.zeros = Zeros::kBytes;
+      });
       tiles("expert_map_no_combine", [](WeightOnlyCase& c) {
         c.num_global = 12, c.num_local = 5, c.dropped_share = 0.05, c.options.no_combine = true, c.top_k = 3;
       });
