@@ -1,6 +1,6 @@
 // fused_moe wgmma instances for bf16, tiles of 128 rows.
 #include "cuda/fused_moe_launch.h"
-#include "cuda/fused_moe_sm90.cuh"
+#include "cuda/fused_moe_sm90_launch.cuh"
 
 namespace moelora::cuda {
 

@@ -1,6 +1,6 @@
 // fused_moe wgmma instances for 4-bit weight-only experts and fp16 activations.
 #include "cuda/fused_moe_launch.h"
-#include "cuda/fused_moe_sm90.cuh"
+#include "cuda/fused_moe_sm90_launch.cuh"
 
 namespace moelora::cuda {
 
