@@ -334,9 +334,29 @@ namespace {
 // checks that every index a thread forms stays below 2^32.
 constexpr int kDequantizeUnroll = 4;
 
+template <int kBits>
+using PackedUnit = std::conditional_t<kBits == 4, uint32_t, uint2>;  // 8 weights
+
+// A unit's 8 weights, scaled, as 16 output bytes in K order.
+template <class T, int kBits>
+__device__ __forceinline__ uint4 convert_unit(PackedUnit<kBits> packed, const weight_only::GroupConstants<T>& c) {
+  uint32_t values[4];  // pairs in K order
+  if constexpr (kBits == 4) {
+    uint32_t pairs[4];
+    weight_only::weight_pairs<T, 4, true>(packed, c, pairs);
+    weight_only::natural_order(pairs, values);
+  } else {
+    uint32_t low[4], high[4];
+    weight_only::weight_pairs<T, 8, true>(packed.x, c, low);
+    weight_only::weight_pairs<T, 8, true>(packed.y, c, high);
+    values[0] = low[0], values[1] = low[1], values[2] = high[0], values[3] = high[1];
+  }
+  return make_uint4(values[0], values[1], values[2], values[3]);
+}
+
 template <class T, int kBits>
 __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::DequantizeExpertsParams p) {
-  using Packed = std::conditional_t<kBits == 4, uint32_t, uint2>;
+  using Packed = PackedUnit<kBits>;
   wait_for_previous_kernel();
   const detail::WeightOnlyParams& q = p.w;
   const uint32_t units_per_row = uint32_t(p.K / 8), N = uint32_t(p.N);
@@ -362,19 +382,7 @@ __global__ void __launch_bounds__(256) dequantize_experts_kernel(const detail::D
     for (int u = 0; u < kDequantizeUnroll; ++u) {
       const uint32_t i = first + u * stride;
       if (i >= units) break;
-      const weight_only::GroupConstants<T> c = rows[u].constants(codes[u]);
-      uint32_t values[4];  // pairs in K order
-      if constexpr (kBits == 4) {
-        uint32_t pairs[4];
-        weight_only::weight_pairs<T, 4, true>(packed[u], c, pairs);
-        weight_only::natural_order(pairs, values);
-      } else {
-        uint32_t low[4], high[4];
-        weight_only::weight_pairs<T, 8, true>(packed[u].x, c, low);
-        weight_only::weight_pairs<T, 8, true>(packed[u].y, c, high);
-        values[0] = low[0], values[1] = low[1], values[2] = high[0], values[3] = high[1];
-      }
-      out[i] = make_uint4(values[0], values[1], values[2], values[3]);
+      out[i] = convert_unit<T, kBits>(packed[u], rows[u].constants(codes[u]));
     }
   }
   allow_next_kernel_launch();
