@@ -322,7 +322,8 @@ struct FusedExpertsShape {
   int64_t lora_rank = 0;
   // Quantized experts (FusedExpertsArgs::quant): room for the 8-bit activations and
   // their scales; weight-only, for dequantized copies of the experts where the largest
-  // chunk runs on them (adapters, 1024+ slots an expert, no sm90 tiles for its config).
+  // chunk runs on them (1024+ slots an expert, or no sm90 tiles for its config; at most
+  // 2^34 weights in w13).
   // The copies are a speed-up: a workspace without room for them still serves (those
   // chunks then run the aligned kernels). Disabled: bf16/fp16 experts.
   QuantScheme quant{};

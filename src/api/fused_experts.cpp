@@ -328,7 +328,7 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
   // the aligned kernels on the packed experts).
   FusedExpertsArgs args = call_args;
   const bool weight_only = call_args.quant && call_args.quant->scheme.weight_only();
-  bool dense_written = false;
+  [[maybe_unused]] bool dense_written = false;  // CUDA builds only
   auto write_dense_experts = [&]() {
 #ifdef MOELORA_WITH_CUDA
     if (dense_written) return;

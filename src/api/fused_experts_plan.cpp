@@ -275,6 +275,13 @@ constexpr int64_t kWeightOnlyTileSlotsPerExpert = 32;
 // docs/PERF_NOTES.md issue 30 step 2).
 constexpr int64_t kWeightOnlyTileMaxSlotsPerExpert = 1024;
 
+// The most weights of one stack (w13: E x 2I x H) the layout dequantizes into copies:
+// dequantize_experts indexes units of 8 weights in 32 bits, and its grid-stride threads
+// may step up to 4 x the grid's threads past the last (a 2^31 margin covers any device).
+// Past it (32 GB of bf16 copies) the chunks run on the aligned kernels or the tiles,
+// planned before anything is written, so the launcher's own check never fires mid-call.
+constexpr int64_t kMaxDequantizedWeights = int64_t(1) << 34;
+
 namespace {
 // Whether a chunk of this shape would run the weight-only sm90 tiles (the plan's final
 // word is FusedExpertsChunkPlan::weight_only_tiles, which also checks the tensors).
@@ -429,10 +436,11 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   }
   l.weight_only_path = s.quant.weight_only() ? weight_only_path(s, o) : WeightOnlyPath::kAuto;
   l.weight_only_dense = l.weight_only_path == WeightOnlyPath::kDense;
-  l.weight_only_copies = with_copies && l.weight_only_dense && weight_only_copies_expected(s, o);
+  const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  l.weight_only_copies = with_copies && l.weight_only_dense && weight_only_copies_expected(s, o) &&
+                         E_local * 2 * s.intermediate_size * s.hidden_size <= kMaxDequantizedWeights;
   l.dense_w13 = l.dense_w2 = 0;
   if (l.weight_only_copies) {
-    const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
     l.dense_w13 = take(E_local * 2 * s.intermediate_size * s.hidden_size * elem);
     l.dense_w2 = take(E_local * s.hidden_size * s.intermediate_size * elem);
   }

@@ -475,6 +475,28 @@ TEST_P(WeightOnlyBackendTest, RunsInAWorkspaceWithoutRoomForTheCopies) {
   EXPECT_THAT(message, HasSubstr(std::to_string(full.total)));
 }
 
+// Copies only as large as dequantize_experts indexes (2^34 weights a stack): past that the
+// layout reserves none, so the chunks are planned onto the packed experts before anything
+// is written. Blocks of 16 name no sm90 tiles, so the smaller stack has copies on any device.
+TEST(WeightOnlyLayout, ReservesNoCopiesPastTheDequantizeIndexRange) {
+  FusedExpertsOptions options;
+  options.weight_only_path = WeightOnlyPath::kDense;
+  options.block_size = 16;
+  auto layout = [&](int64_t experts) {
+    FusedExpertsShape shape{/*num_tokens=*/64, /*top_k=*/2, experts, /*hidden_size=*/8192, /*intermediate_size=*/8192,
+                            DType::kBFloat16};
+    shape.quant = make_weight_only_scheme(QuantMethod::kW4A16, 128, false);
+    return detail::workspace_layout(shape, options);
+  };
+  const detail::WorkspaceLayout largest = layout(128);  // 128 x 2 x 8192 x 8192 = 2^34 weights
+  EXPECT_TRUE(largest.weight_only_copies);
+  EXPECT_GE(largest.total, int64_t(3) << 34) << "both stacks' bf16 copies: 48 GB";
+  const detail::WorkspaceLayout past = layout(129);
+  EXPECT_TRUE(past.weight_only_dense);
+  EXPECT_FALSE(past.weight_only_copies);
+  EXPECT_LT(past.total, largest.total);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, WeightOnlyBackendTest, ::testing::ValuesIn(all_backends()),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
 
