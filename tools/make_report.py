@@ -82,6 +82,16 @@ def main():
         if bench is None:
             bench = part
         else:
+            # Floors are time over a ceiling: rows measured against other ceilings (a bench run
+            # without --ceilings takes the nominal H100's) would mix percentages of two floors.
+            first, this = bench["ceilings"], part["ceilings"]
+            if bool(first.get("measured")) != bool(this.get("measured")) or \
+                    abs(this["copy_tbps"] / first["copy_tbps"] - 1) > 0.03 or \
+                    abs(this["bf16_tflops"] / first["bf16_tflops"] - 1) > 0.03:
+                sys.exit(f"make_report.py: {path}: its ceilings ({this['copy_tbps']:.2f} TB/s, "
+                         f"{this['bf16_tflops']:.0f} TFLOP/s, measured {bool(this.get('measured'))}) are not "
+                         f"{args.bench[0]}'s ({first['copy_tbps']:.2f} TB/s, {first['bf16_tflops']:.0f} TFLOP/s, "
+                         f"measured {bool(first.get('measured'))}): run its bench with --ceilings")
             bench["rows"] += part["rows"]
     if args.peer:
         peer = {}
