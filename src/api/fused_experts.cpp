@@ -430,35 +430,6 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       g.lora[0] = st.slices[0];
       g.lora[1] = st.slices[1];
     };
-#ifdef MOELORA_WITH_CUDA
-    // The small-batch kernels' LoRA (and the weight-only aligned kernels'): GEMM g's shrink
-    // by slot into the intermediate (scaled; each slot's adapter in the entry_lora_ids
-    // region, which these paths' alignment does not use), then g's kernels take the expand.
-    // NOTE: in place of a delta kernel and a [slots, N] delta written and read back: two
-    // launches fewer a layer at decode.
-    auto shrink_for_expand = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k) {
-      void* lora_t = byte_offset(ws, layout.lora_intermediate);
-      SmallBatchLoraExpand expand;
-      expand.t = lora_t;
-      expand.slot_lora = entry_lora_ids;
-      expand.rank = st.rank;
-      expand.N_slice = st.N_slice;
-      expand.num_slices = st.num_slices;
-      expand.interleaved_slices = interleaved;
-      expand.vector_loads = st.rank % 8 == 0;
-      for (int c = 0; c < st.num_slices; ++c) {
-        expand.slices[c] = st.slices[c];
-        const LoraSliceParams& sl = st.slices[c];
-        expand.vector_loads = expand.vector_loads && reinterpret_cast<uintptr_t>(sl.lora_b) % 16 == 0 &&
-                              sl.b_stride_lora % 8 == 0 && sl.b_stride_expert % 8 == 0 && sl.b_stride_n % 8 == 0;
-      }
-      LoraDelta shrink(st, interleaved, a, a_top_k, E_local, a, false, nullptr, chunk_adapters, ids, args.expert_map,
-                       E_global, lora_t);
-      shrink.p.slot_lora = entry_lora_ids;
-      cuda::moe_lora_shrink_slots(shrink.p, stream);
-      return expand;
-    };
-#endif
     // The weighted top-k sum of GEMM2's rows by slot (gemm2_out: cache3) into `out`, unless
     // GEMM2 wrote `out` itself (direct).
     auto reduce_slots = [&]() {
@@ -527,15 +498,18 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
           cuda::fused_experts_small_batch(small, stream, /*stages=*/2);
           continue;
         }
-        // With adapters: each GEMM's shrink by slot, then its kernel with the expand, which
-        // adds the delta before the activation and the routed weight.
-        // NOTE: GEMM2's shrink overwrites GEMM1's after GEMM1 has read it (stream order).
+        // With adapters: each GEMM's delta per slot (no alignment) into the cache1/cache3
+        // region, added by the kernels before the activation and the routed weight.
+        // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
         SmallBatchMoeParams with_lora = small;
+        const TensorView& delta13 = plan.cache1;
+        const TensorView& delta2 = plan.cache3;
         const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);
-        with_lora.lora13 = shrink_for_expand(lora13, interleaved13, x_chunk, top_k);
+        add_lora_delta(lora13, interleaved13, x_chunk, top_k, delta13, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.gate_up_delta = delta13.data;
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/1);
-        with_lora.lora13 = SmallBatchLoraExpand{};
-        with_lora.lora2 = shrink_for_expand(lora2, false, act, 1);
+        add_lora_delta(lora2, false, act, 1, delta2, false, /*aligned=*/false, /*add_inputs=*/false);
+        with_lora.down_delta = delta2.data;
         gemm2_input();
         cuda::fused_experts_small_batch(with_lora, stream, /*stages=*/2);
         continue;
@@ -544,8 +518,8 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
     if (plan.weight_only_aligned) {
       // Weight-only experts past the decode kernels: the alignment in blocks of 16, GEMM1
       // into cache2 by slot, GEMM2's weighted rows into gemm2_out (cache3, or `out` when
-      // direct), then the top-k sum. With adapters, each GEMM's shrink by slot first, and
-      // its kernel takes the expand, as on the decode path.
+      // direct), then the top-k sum. With adapters, each GEMM's delta per slot first, as
+      // the decode path takes them (GEMM2's in gemm2_out itself, which it reads in place).
       run_align(routed(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), args),
                 device, stream);
       WeightOnlyAlignedParams aligned{
@@ -558,11 +532,16 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
           .down_out_stride_slot = plan.gemm2_out.strides[0]};
       aligned.moe.w13q = call.quant.w13;
       aligned.moe.w2q = call.quant.w2;
-      if (args.lora) aligned.moe.lora13 = shrink_for_expand(lora13, interleaved13, x_chunk, top_k);
+      if (args.lora) {
+        add_lora_delta(lora13, interleaved13, x_chunk, top_k, plan.cache1, false, /*aligned=*/false,
+                       /*add_inputs=*/false);
+        aligned.moe.gate_up_delta = plan.cache1.data;
+      }
       cuda::fused_experts_weight_only_aligned(aligned, stream, 1);
       if (args.lora) {
-        aligned.moe.lora13 = SmallBatchLoraExpand{};
-        aligned.moe.lora2 = shrink_for_expand(lora2, false, view2d(cache2.data, dtype, slots, I, I, 1, device), 1);
+        add_lora_delta(lora2, false, view2d(cache2.data, dtype, slots, I, I, 1, device), 1, plan.gemm2_out, false,
+                       /*aligned=*/false, /*add_inputs=*/false);
+        aligned.moe.down_delta = plan.gemm2_out.data;
       }
       cuda::fused_experts_weight_only_aligned(aligned, stream, 2);
       reduce_slots();

@@ -534,7 +534,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   //   (GemmParams::lora_t) after a shrink kernel, on the segmented alignment, and the
   //   activation stays fused. Otherwise the aligned path runs on the virtual alignment,
   //   the activation as its own kernel and the delta kernels after each GEMM (the w13
-  //   delta before the activation). The small-batch kernels take a per-slot shrink and the expand.
+  //   delta before the activation). The small-batch kernels take per-slot deltas.
   // - both on the sm90 kernel, the sorted activation: GEMM1 writes the activation in
   //   sorted order (row = entry), and GEMM2 loads each tile's rows as one TMA box instead
   //   of gathering them by slot. NOTE: gathered 16-byte cp.async rows cost ~35% of

@@ -112,11 +112,6 @@ struct LoraDeltaParams {
   void* intermediate;
   // a row = entry (GEMM2's activation in sorted order) instead of slot / a_top_k.
   bool a_rows_by_entry = false;
-  // The per-slot shrink for a kernel with the expand fused (moe_lora_shrink_slots): each
-  // active slot's intermediate is scaled by its adapter's scale, and slot_lora[s] is set
-  // to the slot's adapter, or -1 where it has none (or it is disabled, or the slot has no
-  // local expert).
-  int32_t* slot_lora = nullptr;
   // Per-slot mode (sorted_token_ids == null): expert of slot s = topk_ids (-1 or out of
   // range: none), through expert_map when given.
   const void* topk_ids;
@@ -285,22 +280,6 @@ struct GemmParams {
 // fused_experts_small_batch_supported() says whether the kernels take these (unit K
 // strides, 16-byte aligned rows, 16-bit float types, at most kSmallBatchMaxSlots slots;
 // kSmallBatchMaxSlots8Bit with quant13 enabled).
-// One GEMM's LoRA expand inside the small-batch (and weight-only aligned) kernels: the
-// delta of slot s at row n of the GEMM's weight (w13's row order: the slices' columns
-// as LoraDeltaParams::interleaved_slices lays them out) is
-//   Σ_i t[s, c, i] · lora_b[c][slot_lora[s], e, j, i]      (c, j: the slice and column of n)
-// with t moe_lora_shrink_slots' output (the adapter's scale applied) and e the slot's
-// local expert; 0 where slot_lora[s] < 0. lora_b rows: unit stride over the rank.
-struct SmallBatchLoraExpand {
-  const void* t = nullptr;             // [num_slots, num_slices, rank] of the layer dtype
-  const int32_t* slot_lora = nullptr;  // [num_slots]
-  int64_t rank = 0, N_slice = 0;
-  int num_slices = 0;
-  bool interleaved_slices = false;
-  bool vector_loads = false;  // rank % 8 == 0, t and lora_b rows 16-byte aligned: 16-byte loads
-  LoraSliceParams slices[2]{};
-};
-
 struct SmallBatchMoeParams {
   DType dtype;                    // bf16 or fp16: x, w13, w2, act, out
   const void* x;                  // [num_tokens, H], unit stride on H
@@ -327,11 +306,11 @@ struct SmallBatchMoeParams {
   float routed_scaling_factor;    // applied to the top-k sum (not with no_combine)
   ActivationKind activation;
   float alpha, limit;             // swiglu_oai only
-  // LoRA (fused_experts with adapters): each GEMM's expand, fused into its kernel. The
-  // delta joins GEMM1's gate and up values before the activation, GEMM2's rows before the
-  // routed weight. lora13.t null: no adapters.
-  SmallBatchLoraExpand lora13{};
-  SmallBatchLoraExpand lora2{};
+  // LoRA (fused_experts with adapters): per-slot deltas added to GEMM1's gate and up
+  // values before the activation ([num_tokens * top_k, 2I] in w13's row order) and to
+  // GEMM2's rows before the routed weight ([num_tokens * top_k, H]); null: none.
+  const void* gate_up_delta = nullptr;
+  const void* down_delta = nullptr;
   // W8A8 (issue 28), quant13.enabled: x (already quantized, strides in its elements) and
   // w13 hold quant13.element values with quant13's scales; GEMM1 still writes `act` in
   // `dtype`, which the caller quantizes into act_quantized [num_tokens * top_k, I] (rows by
@@ -348,12 +327,13 @@ struct SmallBatchMoeParams {
 
 // fused_experts' weight-only experts on chunks past the small-batch kernels (issue 30,
 // the aligned path): the small-batch kernels' per-slot work (`moe`: x, the packed
-// weights, routing, activation, LoRA expands) over the blocks of moe_align_block_size
+// weights, routing, activation, LoRA deltas) over the blocks of moe_align_block_size
 // (block_size 16: the MMA's two n8 tiles) instead of slot tables. GEMM1 writes moe.act by
 // slot; GEMM2 writes each slot's row times its routed weight (unless
 // router_weight_on_input) into down_out [slots, H] (down_out_stride_slot apart; the
 // caller's `out` with no_combine or top_k == 1 and no scaling), zeros for the slots of
 // blocks without a local expert; moe_sum_reduce follows unless down_out is `out`.
+// moe.down_delta may be down_out itself (each element is read, then written, by one lane).
 struct WeightOnlyAlignedParams {
   SmallBatchMoeParams moe;
   const int32_t* sorted_token_ids;
@@ -576,9 +556,6 @@ void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The shrink alone, by entry (on the segmented alignment, LoraDeltaParams::entry_lora_ids), for a GEMM with
 // the fused expand (GemmParams::lora_t).
 void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
-// The shrink alone, by slot (topk_ids), for the small-batch kernels' fused expand
-// (SmallBatchLoraExpand): p.slot_lora set, 16-bit types.
-void moe_lora_shrink_slots(const detail::LoraDeltaParams& p, Stream stream);
 // Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
 // this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,

@@ -140,56 +140,24 @@ __device__ __forceinline__ float lane_value(const float (&acc)[kRows][kVecs], in
   return value;
 }
 
-// One GEMM's LoRA delta of `slot` at row `row` of its weight (SmallBatchLoraExpand), in
-// fp32: the slot's rank vector (the shrink's, scaled) against the row's lora_b row.
-// `expert`: the slot's local expert. NOTE: the slice's fields picked by value: an indexed
-// kernel-parameter array would be copied to local memory.
-template <class T>
-__device__ __forceinline__ float lora_expand_delta(const detail::SmallBatchLoraExpand& l, int slot, int64_t expert,
-                                                   int row) {
-  if (l.t == nullptr) return 0.f;
-  const int lora = l.slot_lora[slot];
-  if (lora < 0) return 0.f;
-  const int slices = l.num_slices, n_slice = int(l.N_slice), rank = int(l.rank);
-  const int c = l.interleaved_slices ? row % slices : row / n_slice;
-  const int j = l.interleaved_slices ? row / slices : row - c * n_slice;
-  const detail::LoraSliceParams& s0 = l.slices[0];
-  const detail::LoraSliceParams& s1 = l.slices[1];
-  const T* b = static_cast<const T*>(c == 0 ? s0.lora_b : s1.lora_b) + lora * (c == 0 ? s0.b_stride_lora : s1.b_stride_lora) +
-               expert * (c == 0 ? s0.b_stride_expert : s1.b_stride_expert) + j * (c == 0 ? s0.b_stride_n : s1.b_stride_n);
-  const T* t = static_cast<const T*>(l.t) + (int64_t(slot) * slices + c) * rank;
-  float acc = 0.f;
-  if (l.vector_loads) {
-    for (int i = 0; i < rank; i += 8) {
-      float tf[8], bf[8];
-      Chunk<T>::load(*reinterpret_cast<const uint4*>(t + i), tf);
-      Chunk<T>::load(*reinterpret_cast<const uint4*>(b + i), bf);
-#pragma unroll
-      for (int v = 0; v < 8; ++v) acc = fmaf(tf[v], bf[v], acc);
-    }
-  } else {
-    for (int i = 0; i < rank; ++i) acc = fmaf(to_float(t[i]), to_float(b[i]), acc);
-  }
-  return acc;
-}
-
 __device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int slot) {
   const int token = slot / int(p.top_k), j = slot - token * int(p.top_k);
   return p.topk_weights[token * p.topk_weights_stride_token + j * p.topk_weights_stride_k];
 }
 
 // GEMM1's value of (slot, column j) into act: the activation of gate and up (GEMM1's
-// products), the LoRA deltas and the routed weight on the input joined first. expert: the
-// slot's local expert.
+// products), the LoRA deltas and the routed weight on the input joined first.
 template <class T, ActivationKind kAct, bool kQuant>
-__device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, int slot, int64_t expert, int j,
-                                                 float gate, float up) {
+__device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, int slot, int j, float gate, float up) {
   const int I = int(p.I);
   const bool interleaved = kAct == ActivationKind::kSwigluOai;
   const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
-  // LoRA: in w13's row order, before the weight and the activation.
-  const float gate_delta = lora_expand_delta<T>(p.lora13, slot, expert, interleaved ? 2 * j : j);
-  const float up_delta = lora_expand_delta<T>(p.lora13, slot, expert, interleaved ? 2 * j + 1 : I + j);
+  float gate_delta = 0.f, up_delta = 0.f;
+  if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
+    const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
+    gate_delta = to_float(delta[interleaved ? 2 * j : j]);
+    up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
+  }
   if constexpr (kQuant) {
     // W8A8: GEMM1's output rounded to T, then its sum with the delta, as on the
     // aligned paths (a T tensor between GEMM1 and the activation).
@@ -230,7 +198,7 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p, 
       float acc[2][kSlotsPerPass];
       warp_dot<T, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
       if (lane < n) {
-        store_activation<T, kAct, false>(p, t.sorted_slot[g + lane], t.distinct_expert[d], j, lane_value(acc, 0, lane),
+        store_activation<T, kAct, false>(p, t.sorted_slot[g + lane], j, lane_value(acc, 0, lane),
                                          lane_value(acc, 1, lane));
       }
     }
@@ -276,9 +244,7 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
     m.w_scale[0] = weight_scales(p.quant13, expert, gate_row);
     m.w_scale[1] = weight_scales(p.quant13, expert, up_row);
     mma_item_passes(p.quant13, m, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, steps, teams,
-                    red, [&](int slot, float gate, float up) {
-                      store_activation<T, kAct, true>(p, slot, expert, j, gate, up);
-                    });
+                    red, [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up); });
   }
 }
 
@@ -386,8 +352,10 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         mma_item_passes(p.quant2, m, t, d, act, int64_t(I), [](int slot) { return slot; }, I, steps, teams, red,
                         [&](int slot, float product_lo, float product_hi) {
                           // LoRA: the slot's delta joins before the routed weight.
-                          partial[slot][row0 + g] = product_lo + lora_expand_delta<T>(p.lora2, slot, expert, h_lo);
-                          partial[slot][row0 + g + 8] = product_hi + lora_expand_delta<T>(p.lora2, slot, expert, h_hi);
+                          const T* delta =
+                              p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+                          partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
+                          partial[slot][row0 + g + 8] = product_hi + (delta ? to_float(delta[h_hi]) : 0.f);
                         });
       } else {
         const E* rows[kRowsPerItem];
@@ -402,11 +370,11 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
           warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
           if (lane < n) {
             const int slot = t.sorted_slot[g + lane];
+            const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
 #pragma unroll
             for (int r = 0; r < kRowsPerItem; ++r) {
-              // LoRA: the slot's delta joins before the routed weight (rows past H: not read).
-              const int h = h0 + row0 + r;
-              partial[slot][row0 + r] = lane_value(acc, r, lane) + (h < H ? lora_expand_delta<T>(p.lora2, slot, expert, h) : 0.f);
+              partial[slot][row0 + r] =
+                  lane_value(acc, r, lane) + (delta ? to_float(delta[min(h0 + row0 + r, H - 1)]) : 0.f);
             }
           }
         }

@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
     weight_only_item_passes<T, kBits, kScaleAfter>(
         p.w13q, expert, gate_row, up_row, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, teams,
-        red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, expert, j, gate, up); });
+        red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up); });
   }
 }
 
@@ -73,9 +73,9 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
           p.w2q, t.distinct_expert[d], h_lo, h_hi, t, d, act, int64_t(I), [](int slot) { return slot; }, I, teams, red,
           [&](int slot, float product_lo, float product_hi) {
             // LoRA: the slot's delta joins before the routed weight.
-            const int64_t expert = t.distinct_expert[d];
-            partial[slot][row0 + g] = product_lo + lora_expand_delta<T>(p.lora2, slot, expert, h_lo);
-            partial[slot][row0 + g + 8] = product_hi + lora_expand_delta<T>(p.lora2, slot, expert, h_hi);
+            const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
+            partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
+            partial[slot][row0 + g + 8] = product_hi + (delta ? to_float(delta[h_hi]) : 0.f);
           });
     }
     __syncthreads();
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int s = result_slot(slot, t, c);
-        if (s >= 0) store_activation<T, kAct, false>(m, s, expert, j, acc[t][c], acc[t][2 + c]);
+        if (s >= 0) store_activation<T, kAct, false>(m, s, j, acc[t][c], acc[t][2 + c]);
       }
     }
   }
@@ -260,13 +260,15 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm2_kernel(
         const int s = result_slot(slot, t, c);
         if (s < 0) continue;
         T* row = out + int64_t(s) * p.down_out_stride_slot;
+        const T* delta = m.down_delta ? static_cast<const T*>(m.down_delta) + int64_t(s) * p.down_out_stride_slot
+                                      : nullptr;
         const float w = m.router_weight_on_input ? 1.f : routed_weight(m, s);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int h = h0 + g + 8 * half;
           if (h >= H) continue;
-          // LoRA: the slot's delta joins before the routed weight.
-          const float value = acc[t][2 * half + c] + (has_expert ? lora_expand_delta<T>(m.lora2, s, expert, h) : 0.f);
+          // LoRA: the slot's delta joins before the routed weight (read, then written, here).
+          const float value = acc[t][2 * half + c] + (delta && has_expert ? to_float(delta[h]) : 0.f);
           row[h] = from_float<T>(has_expert ? w * value : 0.f);
         }
       }

@@ -613,11 +613,8 @@ constexpr int kGemvThreads = 256;
 constexpr int kExpandGemvColumns = kGemvThreads;
 
 // Warp per item (slot, slice, rank row): intermediate[s, c, i] = a[s / a_top_k] · lora_a[c][l, e, i].
-// kVec16: 16-byte loads (K % 8 == 0 and 16-byte aligned rows, shrink_gemv_loadable), else
-// one element a lane a step. With p.slot_lora (moe_lora_shrink_slots: a kernel fuses the
-// expand), the adapter's scale goes into the intermediate and each slot's first item
-// records the slot's adapter there, -1 where it has none.
-template <typename T, bool kVec16>
+// K % 8 == 0 and 16-byte aligned rows (checked by the launcher).
+template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(const LoraDeltaParams p) {
   wait_for_previous_kernel();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -628,27 +625,21 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(cons
     const int c = int(slice_slot % p.num_slices);
     const int64_t s = slice_slot / p.num_slices;
     const Tile t = slot_tile(p, s);
-    if (p.slot_lora && item % (p.num_slices * p.rank) == 0 && lane == 0) p.slot_lora[s] = t.active ? t.lora : -1;
     if (!t.active) continue;
     const detail::LoraSliceParams& sl = p.slices[c];
     const T* a_row = static_cast<const T*>(p.a) + (s / p.a_top_k) * p.a_stride_row;
     const T* lora_row = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert +
                         i * sl.a_stride_rank;
+    constexpr int kVec = Vec16<T>::kSize;
     float acc = 0.f;
-    if constexpr (kVec16) {
-      constexpr int kVec = Vec16<T>::kSize;
-      for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
-        const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
-        const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
+    for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
+      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
+      const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
-      }
-    } else {
-      for (int64_t k = lane; k < p.K; k += 32) acc = fmaf(to_float(a_row[k]), to_float(lora_row[k]), acc);
+      for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (p.slot_lora) acc *= p.adapters.adapter_scale ? p.adapters.adapter_scale[t.lora] : 1.f;
     if (lane == 0) static_cast<T*>(p.intermediate)[(s * p.num_slices + c) * p.rank + i] = from_float<T>(acc);
   }
   allow_next_kernel_launch();
@@ -711,7 +702,7 @@ void launch(const LoraDeltaParams& p, cudaStream_t stream) {
     // Per-slot mode: GEMV kernels over every (slot, slice, rank row) and output column.
     const int64_t warps = p.num_slots * p.num_slices * p.rank;
     const int64_t ctas = std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32), 8 * 1024);
-    launch_kernel(moe_lora_shrink_gemv_kernel<T, true>, dim3(unsigned(ctas)), dim3(kGemvThreads), 0, stream, p);
+    launch_kernel(moe_lora_shrink_gemv_kernel<T>, dim3(unsigned(ctas)), dim3(kGemvThreads), 0, stream, p);
     const int64_t chunks = (p.N_slice + kExpandGemvColumns - 1) / kExpandGemvColumns;
     if (p.num_slots > INT32_MAX || chunks > 65535) {
       throw Error("moelora.fused_moe_lora: too many slots or columns for the per-slot kernels");
@@ -770,23 +761,6 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
       const unsigned groups = unsigned((p.block_size + split.group_rows - 1) / split.group_rows);
       launch_kernel(kernel, dim3(unsigned(p.max_num_blocks), unsigned(split.splits), groups), dim3(kSegThreads),
                     kSegRingBytes, static_cast<cudaStream_t>(stream), p, split);
-    }
-  });
-}
-
-void moe_lora_shrink_slots(const LoraDeltaParams& p, Stream stream) {
-  if (p.sorted_token_ids != nullptr || p.slot_lora == nullptr || p.dtype == DType::kFloat32) {
-    throw std::logic_error("moelora.moe_lora_shrink_slots: needs the per-slot mode, slot_lora and a 16-bit type");
-  }
-  if (p.num_slots <= 0) return;
-  const int64_t warps = p.num_slots * p.num_slices * p.rank;
-  const unsigned ctas = unsigned(std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32), 8 * 1024));
-  dispatch_float(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    if constexpr (kTensorCores<T>) {
-      launch_kernel(shrink_gemv_loadable<T>(p) ? moe_lora_shrink_gemv_kernel<T, true>
-                                               : moe_lora_shrink_gemv_kernel<T, false>,
-                    dim3(ctas), dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
     }
   });
 }
