@@ -437,12 +437,13 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   l.weight_only_path = s.quant.weight_only() ? weight_only_path(s, o) : WeightOnlyPath::kAuto;
   l.weight_only_dense = l.weight_only_path == WeightOnlyPath::kDense;
   const int64_t E_local = s.num_local_experts > 0 ? s.num_local_experts : s.num_experts;
+  const int64_t w13_weights = E_local * 2 * s.intermediate_size * s.hidden_size;  // w2: half of it
   l.weight_only_copies = with_copies && l.weight_only_dense && weight_only_copies_expected(s, o) &&
-                         E_local * 2 * s.intermediate_size * s.hidden_size <= kMaxDequantizedWeights;
+                         w13_weights <= kMaxDequantizedWeights;
   l.dense_w13 = l.dense_w2 = 0;
   if (l.weight_only_copies) {
-    l.dense_w13 = take(E_local * 2 * s.intermediate_size * s.hidden_size * elem);
-    l.dense_w2 = take(E_local * s.hidden_size * s.intermediate_size * elem);
+    l.dense_w13 = take(w13_weights * elem);
+    l.dense_w2 = take(w13_weights / 2 * elem);
   }
   if (s.quant.enabled() && !s.quant.weight_only()) {
     // One fp32 scale per token group (block), per row (channel) or per chunk (tensor).
