@@ -502,6 +502,11 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
         // region, added by the kernels before the activation and the routed weight.
         // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
         SmallBatchMoeParams with_lora = small;
+        // The delta kernels let the GEMMs launch once past their own waits, and the 16-bit
+        // GEMMs wait only where they first read a delta: the weight streaming runs beside the
+        // delta kernels (H200, LoRA r16 M = 1: 2-7% faster, reports/gpu/2026-11-29-h200-issue31-
+        // patches-ab.txt). The W8A8 GEMM2 reads the quantized activation up front, so it waits.
+        with_lora.late_delta_wait = !plan.quantized;
         const TensorView& delta13 = plan.cache1;
         const TensorView& delta2 = plan.cache3;
         const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);

@@ -617,6 +617,10 @@ constexpr int kExpandGemvColumns = kGemvThreads;
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(const LoraDeltaParams p) {
   wait_for_previous_kernel();
+  // The next kernel may launch now: the expand waits for this one, and the small-batch
+  // GEMMs (late_delta_wait) stream their weights beside it. Nothing launched after this
+  // kernel writes what it reads before its own wait.
+  allow_next_kernel_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t items = p.num_slots * p.num_slices * p.rank;
   for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;
@@ -642,7 +646,6 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(cons
     for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (lane == 0) static_cast<T*>(p.intermediate)[(s * p.num_slices + c) * p.rank + i] = from_float<T>(acc);
   }
-  allow_next_kernel_launch();
 }
 
 // Grid (slots, slices, column chunks): thread j of the chunk computes output column j of
@@ -651,6 +654,7 @@ template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_expand_gemv_kernel(const LoraDeltaParams p) {
   __shared__ float t_row[kMaxRankPadded];
   wait_for_previous_kernel();
+  allow_next_kernel_launch();  // as the shrink's
   const int64_t s = blockIdx.x;
   const int c = blockIdx.y;
   const int64_t j = int64_t(blockIdx.z) * kExpandGemvColumns + threadIdx.x;
@@ -737,6 +741,61 @@ SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
   return s;
 }
 
+// The segmented shrink as GEMVs over entries, a warp an item (entry, slice,
+// rank row): t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i], for the
+// entries the segmented kernel writes (a slot, an adapter in the block's mask, a local
+// expert). For small chunks, where the segmented kernel's CTAs walk K for a row or two
+// (Qwen3-30B M = 16: ~29 us for GEMM1's shrink, H100). The entry count is read on the
+// device: a persistent grid strides over the used entries' items. 16-byte loads
+// (shrink_gemv_loadable).
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_kernel(const LoraDeltaParams p) {
+  wait_for_previous_kernel();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+  const int64_t per_entry = p.num_slices * p.rank, t_cols = per_entry;
+  const int64_t items = used * per_entry;
+  for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;
+       item += int64_t(gridDim.x) * (kGemvThreads / 32)) {
+    const int64_t entry = item / per_entry, ci = item - entry * per_entry;
+    const int c = int(ci / p.rank);
+    const int64_t i = ci - c * p.rank;
+    const int slot = p.sorted_token_ids[entry];
+    if (slot < 0 || slot >= p.num_slots) continue;
+    const int64_t block = entry / p.block_size;
+    const int expert = p.expert_ids[block];
+    if (expert < 0 || expert >= p.num_experts) continue;
+    const int l = p.entry_lora_ids[entry];
+    if (l < 0 || l >= kSegMaxAdapters || !(p.block_lora_masks[block] >> l & 1)) continue;
+    const detail::LoraSliceParams& sl = p.slices[c];
+    const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
+    const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
+                        i * sl.a_stride_rank;
+    constexpr int kVec = Vec16<T>::kSize;
+    float acc = 0.f;
+    for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
+      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
+      const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (lane == 0) {
+      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
+      static_cast<T*>(p.intermediate)[entry * t_cols + c * p.rank + i] = from_float<T>(scale * acc);
+    }
+  }
+  allow_next_kernel_launch();
+}
+
+// The largest chunk (slots) whose fused-path shrink runs as GEMVs over entries. H200, LoRA
+// r16, 4 adapters (reports/gpu/2026-11-29-h200-issue31-patches-ab.txt): 0.88-0.97x the
+// segmented kernel's layer time at 32-1024 slots, 0.98-0.99x at 2048 on DeepSeek-V3-TP8 and
+// Qwen3-30B but 1.08x on OLMoE, 1.05-1.36x at 4096-8192: each warp re-reads its row of A,
+// which the segmented kernel's tiles share.
+constexpr int64_t kShrinkEntriesGemvMaxSlots = 1024;
+
 }  // namespace
 
 void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
@@ -754,6 +813,15 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
+      if (p.num_slots <= kShrinkEntriesGemvMaxSlots && shrink_gemv_loadable<T>(p)) {
+        // A persistent grid: the used entries are counted on the device.
+        const int64_t warps = p.max_num_tokens_padded * p.num_slices * p.rank;
+        const int64_t ctas = std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32),
+                                               int64_t(current_device_info().num_sms) * 8);
+        launch_kernel(moe_lora_shrink_entries_gemv_kernel<T>, dim3(unsigned(std::max<int64_t>(ctas, 1))),
+                      dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
+        return;
+      }
       const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>
                                                      : moe_lora_shrink_segmented_kernel<T, false>;
       MOELORA_CUDA_CHECK(
