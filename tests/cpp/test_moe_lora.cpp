@@ -514,6 +514,11 @@ std::vector<LayerLoraCase> layer_cases() {
       }
       fused.push_back({.name = tag + "split_k_sorted_activation_share50", .backend = backend, .M = 200, .top_k = 4,
                        .H = 1032, .I = 528, .L = 16, .share = 0.5, .disable_some = true});
+      // Past 1024 slots (kShrinkEntriesGemvMaxSlots, src/cuda/moe_lora.cu) the shrink is the
+      // segmented MMA kernel; the cases above take the GEMVs over entries.
+      fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .rank = 16});
+      fused.push_back({.name = tag + "segmented_shrink_split_k_share50", .backend = backend, .M = 272, .top_k = 4,
+                       .H = 1032, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
       LayerLoraCase no_combine{.name = tag + "no_combine_chunked", .backend = backend, .M = 70, .share = 0.5};
       no_combine.options.no_combine = true;
       no_combine.options.chunk_size = 32;
@@ -533,7 +538,8 @@ INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_ca
 
 #ifdef MOELORA_WITH_CUDA
 // The default config; both GEMMs on the sm90 kernel with the fused expand; both on the
-// sm80 kernel with the fused expand and a shrink split over K (arrival counters).
+// sm80 kernel with the fused expand, the shrink as GEMVs over entries (2) or the
+// segmented kernel split over K with arrival counters (3).
 class FusedExpertsLoraCudaGraph : public ::testing::TestWithParam<int> {};
 
 TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
@@ -547,11 +553,14 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
                                           .gemm1 = {GemmKernel::kSm80, 16, 64},
                                           .gemm2 = {GemmKernel::kSm80, 16, 64}};
   if (GetParam() == 1) c.options.config = &fused;
-  if (GetParam() == 2) {
+  if (GetParam() >= 2) {
     c.options.config = &fused_sm80;
     c.H = 1032;
     c.I = 528;
   }
+  // Past 1024 slots: the segmented MMA shrink and its arrival counters, which the
+  // alignment zeroes in every replay (below that, the GEMVs over entries).
+  if (GetParam() == 3) c.M = 300;
   std::mt19937 rng(4242);
   LoraLayer layer(c, rng);
   TestStream stream(Backend::kCUDA);
@@ -578,7 +587,7 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
 }
-INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2));
+INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2, 3));
 
 // An adapter id past the slots (or below -1) sets kRoutingBadAdapterId in the routing
 // status word (issue 33), on the small-batch path (M = 6) and the aligned one (M = 200);
