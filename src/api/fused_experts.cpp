@@ -502,14 +502,6 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
         // region, added by the kernels before the activation and the routed weight.
         // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
         SmallBatchMoeParams with_lora = small;
-        // NOTE: late_delta_wait stays off. With it the GEMMs wait only where they first read
-        // a delta (H200, LoRA r16 M = 1: 2-7% faster, reports/gpu/2026-11-29-h200-issue31-
-        // patches-ab.txt), but a GEMM whose chunk has no local expert (expert parallelism)
-        // reads no delta, so none of its CTAs waits and the grid can complete while the
-        // expand still writes its delta; the next chunk's or layer's delta kernels then race
-        // with it on the shared cache1/cache3 region. docs/wip/issue31-late-waits.patch makes
-        // CTA 0 wait on every path and turns it back on, once a device run proves it.
-        with_lora.late_delta_wait = false;
         const TensorView& delta13 = plan.cache1;
         const TensorView& delta2 = plan.cache3;
         const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);

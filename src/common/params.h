@@ -311,12 +311,6 @@ struct SmallBatchMoeParams {
   // GEMM2's rows before the routed weight ([num_tokens * top_k, H]); null: none.
   const void* gate_up_delta = nullptr;
   const void* down_delta = nullptr;
-  // Set only when the kernels right before each GEMM are its LoRA delta kernels, which let
-  // it launch once past their own waits: the GEMMs then wait for them only where they first
-  // read a delta, so the delta kernels run beside the weight streaming. What the GEMMs read
-  // before that wait (x, the routing, the weights; GEMM2's act) was written by kernels that
-  // completed before the delta kernels passed their waits.
-  bool late_delta_wait = false;
   // W8A8 (issue 28), quant13.enabled: x (already quantized, strides in its elements) and
   // w13 hold quant13.element values with quant13's scales; GEMM1 still writes `act` in
   // `dtype`, which the caller quantizes into act_quantized [num_tokens * top_k, I] (rows by

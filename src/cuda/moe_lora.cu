@@ -617,9 +617,8 @@ constexpr int kExpandGemvColumns = kGemvThreads;
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(const LoraDeltaParams p) {
   wait_for_previous_kernel();
-  // The next kernel may launch now: the expand waits for this one, and the small-batch
-  // GEMMs (late_delta_wait) stream their weights beside it. Nothing launched after this
-  // kernel writes what it reads before its own wait.
+  // The next kernel may launch now (the expand waits for this one): nothing launched after
+  // this kernel writes what it reads before its own wait.
   allow_next_kernel_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t items = p.num_slots * p.num_slices * p.rank;
