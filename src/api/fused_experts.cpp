@@ -422,6 +422,11 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       cuda::moe_lora_shrink(shrink.p, stream);
 #endif
       g.lora_t = lora_t;
+#ifdef MOELORA_WITH_CUDA
+      // The sm80 tiles wait for the shrink only before their first LoRA K step
+      // (GemmParams::lora_late_wait); the other tile kernels ignore it.
+      g.lora_late_wait = cuda::late_waits_enabled();
+#endif
       g.block_lora_masks = block_lora_masks;
       g.entry_lora_ids = entry_lora_ids;
       g.lora_t_cols = st.num_slices * st.rank;
@@ -502,6 +507,12 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
         // region, added by the kernels before the activation and the routed weight.
         // NOTE: GEMM2's delta overwrites GEMM1's after GEMM1 has read it (stream order).
         SmallBatchMoeParams with_lora = small;
+        // The delta kernels let the GEMMs launch once past their own waits (the expand at
+        // entry), and the 16-bit GEMMs wait only where they first read a delta, CTA 0 on
+        // every path: the weight streaming runs beside the delta kernels (H200, LoRA r16
+        // M = 1: 2-7% faster, reports/gpu/2026-11-29-h200-issue31-patches-ab.txt). The W8A8
+        // GEMM2 reads the quantized activation up front, so it waits.
+        with_lora.late_delta_wait = !plan.quantized && cuda::late_waits_enabled();
         const TensorView& delta13 = plan.cache1;
         const TensorView& delta2 = plan.cache3;
         const TensorView act = view2d(cache2.data, dtype, slots, I, I, 1, device);

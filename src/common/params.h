@@ -266,6 +266,12 @@ struct GemmParams {
   int64_t lora_rank = 0;                    // a multiple of 8
   int lora_slices = 0;                      // 1 or 2
   LoraSliceParams lora[2] = {};             // lora_b of each slice (lora_a is the shrink's)
+  // Set when the kernel right before this GEMM is lora_t's shrink (moe_lora_shrink), which
+  // lets it launch once past its own wait: then a kernel that honours it (the sm80 tiles)
+  // waits only before its first LoRA K step, so the base K steps stream beside the shrink.
+  // What it reads before that wait (a, w, the alignment, the routing) and what it writes
+  // (out) the shrink neither writes nor reads. Kernels that ignore it wait at entry.
+  bool lora_late_wait = false;
   // W8A8 (issue 28): a and w are 8-bit with scales; out keeps `dtype`. No LoRA expand,
   // no sorted rows.
   GemmQuantParams quant{};
@@ -311,6 +317,13 @@ struct SmallBatchMoeParams {
   // GEMM2's rows before the routed weight ([num_tokens * top_k, H]); null: none.
   const void* gate_up_delta = nullptr;
   const void* down_delta = nullptr;
+  // Set only when the kernels right before each GEMM are its LoRA delta kernels, which let
+  // it launch once past their own waits: the GEMMs then wait for them only where they first
+  // read a delta, so the delta kernels run beside the weight streaming. What the GEMMs read
+  // before that wait (x, the routing, the weights; GEMM2's act) was written by kernels that
+  // completed before the delta kernels passed their waits. CTA 0 waits on every path (a
+  // chunk with no local expert reads no delta), so the grid completes after them.
+  bool late_delta_wait = false;
   // W8A8 (issue 28), quant13.enabled: x (already quantized, strides in its elements) and
   // w13 hold quant13.element values with quant13's scales; GEMM1 still writes `act` in
   // `dtype`, which the caller quantizes into act_quantized [num_tokens * top_k, I] (rows by
@@ -520,6 +533,12 @@ detail::CudaDeviceFacts current_device_facts();
 // Programmatic dependent launch on/off for this process (default on where the device
 // has it, unless $MOELORA_PDL=0). For A/B timing against launches without it.
 void set_pdl_allowed(bool allowed);
+// The GEMMs' late waits (SmallBatchMoeParams::late_delta_wait, GemmParams::lora_late_wait)
+// on/off for this process (default on, unless $MOELORA_LATE_WAITS=0): off, every GEMM of
+// the layer waits for the kernel before it at entry. For A/B timing, and to rule the late
+// waits out when a result looks wrong.
+void set_late_waits_allowed(bool allowed);
+bool late_waits_enabled();
 // Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
 // device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
 // (166,912) gets. For tests and benchmarks: a workspace query and its op's launch must

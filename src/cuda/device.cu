@@ -73,6 +73,17 @@ std::atomic<bool> g_pdl_allowed{[] {
 void set_pdl_allowed(bool allowed) { g_pdl_allowed.store(allowed); }
 
 namespace {
+std::atomic<bool> g_late_waits_allowed{[] {
+  const char* env = std::getenv("MOELORA_LATE_WAITS");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}()};
+}  // namespace
+
+void set_late_waits_allowed(bool allowed) { g_late_waits_allowed.store(allowed); }
+
+bool late_waits_enabled() { return g_late_waits_allowed.load(std::memory_order_relaxed); }
+
+namespace {
 std::atomic<int> g_cta_smem_limit{0};
 }  // namespace
 

@@ -154,6 +154,7 @@ __device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, i
   const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
   float gate_delta = 0.f, up_delta = 0.f;
   if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
+    if (p.late_delta_wait) wait_for_previous_kernel();
     const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
     gate_delta = to_float(delta[interleaved ? 2 * j : j]);
     up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
@@ -257,7 +258,7 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
   // layer's first, after a kernel that gives no such promise.
   constexpr bool kTablesFirst = !std::is_same_v<T, E>;
   if constexpr (kTablesFirst) build_slot_tables(p, t);
-  wait_for_previous_kernel();
+  if (!(p.late_delta_wait && p.gate_up_delta)) wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
@@ -267,6 +268,9 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
   } else {
     small_batch_gemm1_w8a8<T, E, kAct>(p, t);
   }
+  // A chunk with no local expert reads no delta: CTA 0 still waits, so this grid completes
+  // after the delta kernels (GEMM2's delta kernels reuse their region and lora_t).
+  if (p.late_delta_wait && p.gate_up_delta && blockIdx.x == 0) wait_for_previous_kernel();
 }
 
 // GEMM2's rows [h0, h0 + rows_here) of `out` from each slot's dot products (partial[slot]
@@ -322,7 +326,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
   // kernel that wrote them has completed.
   build_slot_tables(p, t);
-  wait_for_previous_kernel();
+  if (kQuant || !(p.late_delta_wait && p.down_delta)) wait_for_previous_kernel();
   const E* w2 = static_cast<const E*>(p.w2);
   const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
   const int H = int(p.H), I = int(p.I);
@@ -352,6 +356,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         mma_item_passes(p.quant2, m, t, d, act, int64_t(I), [](int slot) { return slot; }, I, steps, teams, red,
                         [&](int slot, float product_lo, float product_hi) {
                           // LoRA: the slot's delta joins before the routed weight.
+                          if (p.late_delta_wait && p.down_delta) wait_for_previous_kernel();
                           const T* delta =
                               p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
                           partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
@@ -370,6 +375,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
           warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
           if (lane < n) {
             const int slot = t.sorted_slot[g + lane];
+            if (p.late_delta_wait && p.down_delta) wait_for_previous_kernel();
             const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
 #pragma unroll
             for (int r = 0; r < kRowsPerItem; ++r) {
@@ -384,6 +390,9 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
     write_gemm2_rows<T, kCtaThreads>(p, t, partial, h0, min(rows_per_cta, H - h0));
     __syncthreads();  // partial is rewritten by the next block
   }
+  // A chunk with no local expert reads no delta: CTA 0 still waits, so this grid completes
+  // after the delta kernels (the next chunk's or layer's delta kernels reuse their region).
+  if (p.late_delta_wait && p.down_delta && blockIdx.x == 0) wait_for_previous_kernel();
   allow_next_kernel_launch();
 }
 

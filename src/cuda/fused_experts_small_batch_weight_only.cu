@@ -24,8 +24,8 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
   __shared__ SlotTables t;
   __shared__ float red[kMmaReduceFloats];
   // This kernel may be the layer's first, after a kernel that wrote topk_ids: the tables
-  // after the wait.
-  wait_for_previous_kernel();
+  // after the wait (with late_delta_wait, the delta kernels before it have waited).
+  if (!(p.late_delta_wait && p.gate_up_delta)) wait_for_previous_kernel();
   allow_next_kernel_launch();  // one wave: GEMM2's CTAs may take the SM slots these free
   build_slot_tables(p, t);
   const T* x = static_cast<const T*>(p.x);
@@ -43,6 +43,9 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
         p.w13q, expert, gate_row, up_row, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, teams,
         red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up); });
   }
+  // CTA 0 waits on every path (a chunk with no local expert reads no delta): see
+  // small_batch_gemm1.
+  if (p.late_delta_wait && p.gate_up_delta && blockIdx.x == 0) wait_for_previous_kernel();
 }
 
 // kCtaThreads: kThreads, or 512 when H's 16-row blocks are no more than the SMs (as the
@@ -57,7 +60,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
   // Before the wait: the tables read only the layer's inputs, and GEMM1 lets this grid
   // launch only after its own wait.
   build_slot_tables(p, t);
-  wait_for_previous_kernel();
+  if (!(p.late_delta_wait && p.down_delta)) wait_for_previous_kernel();
   const T* act = static_cast<const T*>(p.act);
   const int H = int(p.H), I = int(p.I);
   const int g = int(threadIdx.x) % 32 / 4;
@@ -73,6 +76,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
           p.w2q, t.distinct_expert[d], h_lo, h_hi, t, d, act, int64_t(I), [](int slot) { return slot; }, I, teams, red,
           [&](int slot, float product_lo, float product_hi) {
             // LoRA: the slot's delta joins before the routed weight.
+            if (p.late_delta_wait && p.down_delta) wait_for_previous_kernel();
             const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
             partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
             partial[slot][row0 + g + 8] = product_hi + (delta ? to_float(delta[h_hi]) : 0.f);
@@ -82,6 +86,7 @@ __global__ void __launch_bounds__(kCtaThreads, kCtaThreads > kThreads ? 1 : 2)
     write_gemm2_rows<T, kCtaThreads>(p, t, partial, h0, min(rows_per_cta, H - h0));
     __syncthreads();  // partial is rewritten by the next block
   }
+  if (p.late_delta_wait && p.down_delta && blockIdx.x == 0) wait_for_previous_kernel();  // see small_batch_gemm2
   allow_next_kernel_launch();
 }
 

@@ -100,27 +100,29 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   const int64_t m_tile = blockIdx.x / num_n_tiles;
   const int64_t n0 = (blockIdx.x % num_n_tiles) * out_width;  // first output column
   const int64_t entry0 = m_tile * kBlockM;  // first entry of sorted_token_ids in this tile
-  wait_for_previous_kernel();
-  // Device-side count: tiles past the used length exit (the grid is sized from capacity).
-  if (entry0 >= *p.num_tokens_post_padded) return;
+  // lora_late_wait: the base K steps need nothing the shrink before this grid writes.
+  const bool late_wait = p.lora_late_wait && p.lora_t != nullptr;
+  if (!late_wait) wait_for_previous_kernel();
+  // The count and the tile's expert in one round trip: the alignment writes -1 to every
+  // block past the used ones, and the grid holds max_num_blocks * (block_size / kBlockM)
+  // tiles, so the read is in bounds and initialized whether or not the tile is used.
+  const int32_t num_used_entries = *p.num_tokens_post_padded;
   const int expert = p.expert_ids[entry0 / p.block_size];
+  // Device-side count: tiles past the used length exit (the grid is sized from capacity).
+  // With the late wait, CTA 0 waits whatever its path, so this grid completes only after
+  // the shrink: the kernels after it (GEMM2's shrink shares lora_t) rely on that.
+  if (entry0 >= num_used_entries) {
+    if (late_wait && blockIdx.x == 0) wait_for_previous_kernel();
+    return;
+  }
   // Expert not on this rank (or a dropped slot): no K loop, the epilogue writes zeros.
   const bool has_expert = expert >= 0 && expert < p.num_experts;
-
-  load_tile_slots<kBlockM>(p, entry0, tile_slot, tile_weight);
-  __syncthreads();
 
   // ---- gmem -> smem: each thread copies fixed rows at one fixed K column ----------
   const T* a_base = static_cast<const T*>(p.a);
   const T* w_expert = static_cast<const T*>(p.w) + (has_expert ? expert : 0) * p.w_stride_expert;
   const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
-  const T* a_row[Config::kChunksA];  // null for padding rows
   const T* b_row[Config::kChunksB];  // null past N
-#pragma unroll
-  for (int i = 0; i < Config::kChunksA; ++i) {
-    const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-    a_row[i] = tile_slot[r] >= 0 ? a_base + (tile_slot[r] / p.top_k) * p.a_stride_row : nullptr;
-  }
 #pragma unroll
   for (int i = 0; i < Config::kChunksB; ++i) {
     const int c = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
@@ -137,10 +139,41 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   using CpAsync = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
 
   const int64_t num_k_tiles = has_expert ? (p.K + kBlockK - 1) / kBlockK : 0;
+  // The weights of the first stages stream before the tile's slot table is read: they
+  // depend on the expert alone, and the table is one or two more dependent global reads
+  // (sorted_token_ids, then topk_weights), which every CTA otherwise paid before its
+  // first weight byte was asked for. They join the first stage's commit group, so the
+  // first wait covers them all.
+  const int early_stages = int(num_k_tiles < kStages - 1 ? num_k_tiles : kStages - 1);
+  auto load_stage_b = [&](int stage, int64_t k_tile) {
+    const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
+#pragma unroll
+    for (int i = 0; i < Config::kChunksB; ++i) {
+      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      const bool ok = b_row[i] != nullptr && k < p.K;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_row[i] + k : w_expert),
+                    *reinterpret_cast<uint128_t*>(&sB(r, k_col, stage)), ok);
+    }
+  };
+  for (int s = 0; s < early_stages; ++s) load_stage_b(s, s);
+
+  // The routed weights wait until the first stages are asked for (below): only the
+  // epilogue reads them, and GEMM2's are one more dependent read after the slots.
+  load_tile_slot_ids<kBlockM>(p, entry0, tile_slot);
+  __syncthreads();
+
+  const T* a_row[Config::kChunksA];  // null for padding rows
+#pragma unroll
+  for (int i = 0; i < Config::kChunksA; ++i) {
+    const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+    a_row[i] = tile_slot[r] >= 0 ? a_base + (tile_slot[r] / p.top_k) * p.a_stride_row : nullptr;
+  }
+
   // The block's adapters (fused LoRA expand) and their K tiles after the base ones.
   const uint64_t lora_mask = has_expert && p.lora_t != nullptr ? p.block_lora_masks[entry0 / p.block_size] : 0;
   const int64_t num_all_k_tiles = num_k_tiles + lora_k_steps<kBlockK>(p, lora_mask);
   auto load_lora_stage = [&](int stage, int64_t lora_tile) {
+    if (late_wait) wait_for_previous_kernel();  // lora_t is the shrink's output
     const LoraKColumn col(p, lora_mask, int(lora_tile) * kBlockK + k_col);
     const T* t_rows = static_cast<const T*>(p.lora_t) + entry0 * p.lora_t_cols + col.t_col;
 #pragma unroll
@@ -183,13 +216,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
       CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_row[i] + k : a_base),
                     *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
     }
-#pragma unroll
-    for (int i = 0; i < Config::kChunksB; ++i) {
-      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-      const bool ok = b_row[i] != nullptr && k < p.K;
-      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_row[i] + k : w_expert),
-                    *reinterpret_cast<uint128_t*>(&sB(r, k_col, stage)), ok);
-    }
+    if (k_tile >= early_stages) load_stage_b(stage, k_tile);
     cp_async_fence();
   };
 
@@ -215,6 +242,7 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_all_k_tiles) load_stage(s, s); else cp_async_fence();
   }
+  load_tile_routed_weights<kBlockM>(p, tile_slot, tile_weight);
   for (int64_t k_tile = 0; k_tile < num_all_k_tiles; ++k_tile) {
     cp_async_wait<kStages - 2>();
     // NOTE: this barrier also retires the reads of the stage refilled just below,
@@ -231,6 +259,8 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
     }
   }
   cp_async_wait<0>();
+  if (late_wait && blockIdx.x == 0) wait_for_previous_kernel();  // see the early exit above
+  __syncthreads();  // tile_weight (a K loop of no tiles has no barrier after its writes)
   allow_next_kernel_launch();
 
   // ---- epilogue: routed weight, (activation,) round, scatter rows by slot -------

@@ -30,4 +30,28 @@ __device__ __forceinline__ void load_tile_slots(const detail::GemmParams& p, int
   load_tile_slots<kRows>(p, entry0, tile_slot, tile_weight, int(threadIdx.x), int(blockDim.x));
 }
 
+// The two halves of load_tile_slots, for a kernel that needs the slots before its first
+// loads and the routed weights only in its epilogue: tile_slot first (every thread of the
+// block; the caller syncs them after), then tile_weight from it (threads r < kRows, after
+// that sync; the caller syncs again before the epilogue reads it).
+template <int kRows>
+__device__ __forceinline__ void load_tile_slot_ids(const detail::GemmParams& p, int64_t entry0, int32_t* tile_slot) {
+  for (int r = int(threadIdx.x); r < kRows; r += int(blockDim.x)) {
+    const int64_t entry = entry0 + r;
+    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
+    tile_slot[r] = slot >= 0 && slot < p.num_slots ? slot : -1;
+  }
+}
+template <int kRows>
+__device__ __forceinline__ void load_tile_routed_weights(const detail::GemmParams& p, const int32_t* tile_slot,
+                                                         float* tile_weight) {
+  for (int r = int(threadIdx.x); r < kRows; r += int(blockDim.x)) {
+    const int32_t slot = tile_slot[r];
+    tile_weight[r] = slot >= 0 && p.topk_weights
+                         ? p.topk_weights[(slot / p.topk_weights_cols) * p.topk_weights_stride_row +
+                                          (slot % p.topk_weights_cols) * p.topk_weights_stride_col]
+                         : 1.f;
+  }
+}
+
 }  // namespace moelora::cuda

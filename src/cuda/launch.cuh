@@ -10,6 +10,14 @@
 // before its first global-memory access to anything an earlier kernel wrote, and MAY
 // call allow_next_kernel_launch() once its main work is issued. Both are no-ops on
 // devices and builds without PDL, where the launch is an ordinary stream-ordered one.
+// The one exception, documented where it is used (SmallBatchMoeParams::late_delta_wait,
+// GemmParams::lora_late_wait; MOELORA_LATE_WAITS=0 turns both off):
+// when the previous kernel calls allow_next_kernel_launch() only after its own wait,
+// every kernel before that one has completed when this grid launches, so this grid may
+// read their outputs before its wait; what it writes before its wait must be memory the
+// previous kernel neither reads nor writes. At least one of its CTAs must still wait on
+// every path, so that its completion implies its predecessors' (the kernels after it
+// rely on that).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -347,6 +347,10 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
   __shared__ bool last_split;
 
   wait_for_previous_kernel();
+  // The GEMM after this kernel may launch now: with GemmParams::lora_late_wait it streams
+  // its base K steps beside this shrink and waits before reading lora_t; without it, it
+  // waits at entry. Every kernel before this one has completed (the wait above).
+  allow_next_kernel_launch();
   const int64_t block = blockIdx.x;
   const int rows_in_group = split.group_rows;
   const int64_t entry0 = block * p.block_size + int64_t(blockIdx.z) * rows_in_group;  // the group's first entry
@@ -534,7 +538,6 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       }
     }
   }
-  allow_next_kernel_launch();
 }
 
 // ---- expand -----------------------------------------------------------------------------
@@ -612,13 +615,32 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
 constexpr int kGemvThreads = 256;
 constexpr int kExpandGemvColumns = kGemvThreads;
 
+// a_row · lora_row over K, 16-byte loads strided over the warp's lanes, reduced across the
+// warp (every lane gets the sum). K % Vec16 == 0 and 16-byte aligned rows (the launchers
+// check shrink_gemv_loadable).
+template <typename T>
+__device__ __forceinline__ float warp_dot_rows(const T* a_row, const T* lora_row, int64_t K, int lane) {
+  constexpr int kVec = Vec16<T>::kSize;
+  float acc = 0.f;
+  for (int64_t k = int64_t(lane) * kVec; k < K; k += 32 * kVec) {
+    const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
+    const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  return acc;
+}
+
 // Warp per item (slot, slice, rank row): intermediate[s, c, i] = a[s / a_top_k] · lora_a[c][l, e, i].
 // K % 8 == 0 and 16-byte aligned rows (checked by the launcher).
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(const LoraDeltaParams p) {
   wait_for_previous_kernel();
-  // The next kernel may launch now (the expand waits for this one): nothing launched after
-  // this kernel writes what it reads before its own wait.
+  // The next kernel may launch now: the expand waits for this one, and the small-batch
+  // GEMMs (late_delta_wait) stream their weights beside it. Nothing launched after this
+  // kernel writes what it reads before its own wait.
   allow_next_kernel_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t items = p.num_slots * p.num_slices * p.rank;
@@ -633,16 +655,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(cons
     const T* a_row = static_cast<const T*>(p.a) + (s / p.a_top_k) * p.a_stride_row;
     const T* lora_row = static_cast<const T*>(sl.lora_a) + t.lora * sl.a_stride_lora + t.expert * sl.a_stride_expert +
                         i * sl.a_stride_rank;
-    constexpr int kVec = Vec16<T>::kSize;
-    float acc = 0.f;
-    for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
-      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
-      const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    const float acc = warp_dot_rows(a_row, lora_row, p.K, lane);
     if (lane == 0) static_cast<T*>(p.intermediate)[(s * p.num_slices + c) * p.rank + i] = from_float<T>(acc);
   }
 }
@@ -652,8 +665,14 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_gemv_kernel(cons
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_expand_gemv_kernel(const LoraDeltaParams p) {
   __shared__ float t_row[kMaxRankPadded];
+  // The next kernel may launch before this one's wait: this grid launched only once every
+  // shrink CTA had passed its own wait, so all that came before the shrink is complete,
+  // and nothing after this kernel reads the shrink's output (only this kernel does) or
+  // reads this kernel's before its own wait. The small-batch GEMMs (late_delta_wait) then
+  // stream their weights beside the shrink too. Every CTA that the next grid waits on is
+  // resident by then (each one has triggered), so an early grid cannot starve them.
+  allow_next_kernel_launch();
   wait_for_previous_kernel();
-  allow_next_kernel_launch();  // as the shrink's
   const int64_t s = blockIdx.x;
   const int c = blockIdx.y;
   const int64_t j = int64_t(blockIdx.z) * kExpandGemvColumns + threadIdx.x;
@@ -750,6 +769,7 @@ SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
 template <typename T>
 __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_kernel(const LoraDeltaParams p) {
   wait_for_previous_kernel();
+  allow_next_kernel_launch();  // as the segmented kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
   const int64_t per_entry = p.num_slices * p.rank, t_cols = per_entry;
@@ -770,22 +790,12 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_ker
     const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
     const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
                         i * sl.a_stride_rank;
-    constexpr int kVec = Vec16<T>::kSize;
-    float acc = 0.f;
-    for (int64_t k = int64_t(lane) * kVec; k < p.K; k += 32 * kVec) {
-      const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
-      const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    const float acc = warp_dot_rows(a_row, lora_row, p.K, lane);
     if (lane == 0) {
       const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
       static_cast<T*>(p.intermediate)[entry * t_cols + c * p.rank + i] = from_float<T>(scale * acc);
     }
   }
-  allow_next_kernel_launch();
 }
 
 // The largest chunk (slots) whose fused-path shrink runs as GEMVs over entries. H200, LoRA
