@@ -64,19 +64,18 @@ detail::CudaDeviceFacts current_device_facts() {
 }
 
 namespace {
-std::atomic<bool> g_pdl_allowed{[] {
-  const char* env = std::getenv("MOELORA_PDL");
+// A switch that is on unless the environment sets it to "0".
+bool env_switch_on(const char* name) {
+  const char* env = std::getenv(name);
   return env == nullptr || std::strcmp(env, "0") != 0;
-}()};
+}
+std::atomic<bool> g_pdl_allowed{env_switch_on("MOELORA_PDL")};
 }  // namespace
 
 void set_pdl_allowed(bool allowed) { g_pdl_allowed.store(allowed); }
 
 namespace {
-std::atomic<bool> g_late_waits_allowed{[] {
-  const char* env = std::getenv("MOELORA_LATE_WAITS");
-  return env == nullptr || std::strcmp(env, "0") != 0;
-}()};
+std::atomic<bool> g_late_waits_allowed{env_switch_on("MOELORA_LATE_WAITS")};
 }  // namespace
 
 void set_late_waits_allowed(bool allowed) { g_late_waits_allowed.store(allowed); }
