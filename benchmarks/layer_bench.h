@@ -422,8 +422,16 @@ class LayerCell {
     // ... and for weight-only experts any forced path (the dense one holds the dequantized experts).
     moelora::FusedExpertsOptions dense_fo = options(nullptr);
     dense_fo.weight_only_path = moelora::WeightOnlyPath::kDense;
+    // ... and the grouped GEMMs forced on (16-bit experts reserve them only from
+    // grouped_16bit_min_slots unless a config asks), with the sorted input's room.
+    moelora::MoeKernelConfig grouped;
+    grouped.grouped_gemm = true;
+    grouped.sorted_input = true;
+    moelora::FusedExpertsOptions grouped_fo = options(nullptr);
+    grouped_fo.config = &grouped;
     const int64_t ws_bytes = std::max({moelora::fused_experts_workspace_size(shape, options(nullptr)),
                                        moelora::fused_experts_workspace_size(shape, sorted_fo),
+                                       moelora::fused_experts_workspace_size(shape, grouped_fo),
                                        quant && quant->scheme.weight_only()
                                            ? moelora::fused_experts_workspace_size(shape, dense_fo)
                                            : int64_t(0)});

@@ -4,7 +4,7 @@
 //
 //   moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]
 //                 [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings]
-//                 [--baseline] [--static-tiles] [--json PATH]
+//                 [--baseline] [--static-tiles] [--grouped on|off] [--json PATH]
 //                 [--lora-rank R[,R...]] [--adapters N] [--lora-share S]
 //   moelora_bench --tune DIR [--model NAME|all] [--tokens ...]   (CUDA only)
 //
@@ -12,6 +12,9 @@
 // tiles, no programmatic dependent launch) and reports the speed-up.
 // --static-tiles runs the sm90 GEMMs on the static persistent schedule instead of
 // ordered tiles (FusedExpertsOptions::ordered_tiles), for A/B timing.
+// --grouped on|off forces MoeKernelConfig::grouped_gemm (the CUTLASS grouped GEMMs; sm_90a,
+// no LoRA) on or off in the cell's own config (the registry's or the heuristic's), for
+// A/B timing; a row the path does not take runs the tiles either way.
 // --tune searches block size and tiles per (model, M) and writes the config registry's
 // table for each model into DIR (copy it to configs/ to ship it).
 // --lora-rank adds, per (model, M) cell and rank R (0: none), a row of the layer with
@@ -61,13 +64,15 @@ using moelora::Activation;
 using moelora::DType;
 using moelora::TensorView;
 
-constexpr const char* kOwnFlags = "[--dtype bf16|fp16] [--baseline] [--static-tiles] [--tune DIR [--trace]]";
+constexpr const char* kOwnFlags =
+    "[--dtype bf16|fp16] [--baseline] [--static-tiles] [--grouped on|off] [--tune DIR [--trace]]";
 
 struct Options : LayerBenchOptions {
   DType dtype = DType::kBFloat16;
   bool baseline = false;   // also time the previous issue's kernels per cell
   bool trace = false;      // --tune: print every candidate's time
   bool static_tiles = false;  // sm90 tiles on the static persistent schedule (A/B of ordered tiles)
+  std::string grouped = "auto";  // --grouped: "on", "off", or the cell's config
   std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
 };
 
@@ -86,11 +91,14 @@ Options parse(int argc, char** argv) {
                            } else if (arg == "--baseline") o.baseline = true;
                            else if (arg == "--trace") o.trace = true;
                            else if (arg == "--static-tiles") o.static_tiles = true;
+                           else if (arg == "--grouped") o.grouped = value();
                            else if (arg == "--tune") o.tune_dir = value();
                            else return false;
                            return true;
                          });
   if (!o.lora_ranks.empty() && !o.tune_dir.empty()) usage("--tune tunes the base layer: drop --lora-rank");
+  if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
+  if (o.grouped != "auto" && !o.tune_dir.empty()) usage("--tune searches the tiles: drop --grouped");
   return o;
 }
 
@@ -235,6 +243,13 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
   const int iters = o.iters > 0 ? o.iters : cuda ? 30 : 3;
   auto fo = cell.options(nullptr);  // the registry's config
   fo.ordered_tiles = !o.static_tiles;
+  moelora::MoeKernelConfig forced;  // --grouped: the cell's config with the grouped path forced
+  if (o.grouped != "auto") {
+    const moelora::Device device = cuda ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{};
+    forced = moelora::fused_experts_config({M, m.top_k, m.E, m.H, m.I, o.dtype}, 0, device, fo);
+    forced.grouped_gemm = o.grouped == "on";
+    fo.config = &forced;
+  }
   std::vector<Row> rows;
   for (size_t i = 0; i <= stacks.size(); ++i) {  // 0: no LoRA, then each stack
     cell.set_lora(i == 0 ? nullptr : stacks[i - 1]);

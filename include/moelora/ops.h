@@ -153,11 +153,12 @@ struct MoeKernelConfig {
   // gathering them. Costs a write and a read of [slots, H]: it pays where GEMM1 reads
   // each row many times (wide intermediate sizes, many slots per expert).
   bool sorted_input = false;
-  // fused_experts on CUDA with quantized experts (sm_90a; no LoRA, no no_combine, routed
-  // weight on the output): both GEMMs as CUTLASS grouped GEMMs over rows gathered into
-  // expert order, one group per expert (docs/CUTLASS_GROUPED_FP8.md), for chunks of at
-  // least kGroupedMinSlots slots. The heuristic turns it on for those chunks; a chunk or
-  // scheme the path does not take runs the W8A8 tile kernels.
+  // fused_experts on CUDA with quantized (W8A8) or 16-bit experts (sm_90a; no LoRA, no
+  // no_combine, routed weight on the output): both GEMMs as CUTLASS grouped GEMMs over rows
+  // gathered into expert order, one group per expert (docs/CUTLASS_GROUPED_FP8.md), for
+  // chunks of at least kGroupedMinSlots slots (16-bit: grouped_16bit_min_slots unless the
+  // caller's config asks). The heuristic turns it on for those chunks; a chunk or scheme
+  // the path does not take runs the tile kernels.
   bool grouped_gemm = false;
   // The grouped path's CUTLASS tiles for GEMM1 and GEMM2 (GroupedGemmTiles); kAuto: the
   // heuristic (fused_experts_config).
@@ -167,6 +168,17 @@ struct MoeKernelConfig {
 // buffers only for calls whose chunks reach it. (The heuristic also asks for 16 slots an
 // expert: 128 slots reach it only with 8 experts, Mixtral's.)
 constexpr int64_t kGroupedMinSlots = 128;
+// 16-bit experts: the fewest slots of a chunk for which the heuristic (and the workspace,
+// unless the caller's config asks for the grouped path) takes the grouped GEMMs, or fewer
+// where the experts average kGrouped16BitSlotsPerExpert slots (Mixtral's 8 experts: 512).
+constexpr int64_t kGrouped16BitMinSlots = 2048;
+constexpr int64_t kGrouped16BitSlotsPerExpert = 64;
+constexpr int64_t grouped_16bit_min_slots(int64_t num_experts) {
+  return kGrouped16BitSlotsPerExpert * num_experts < kGrouped16BitMinSlots
+             ? (kGrouped16BitSlotsPerExpert * num_experts > kGroupedMinSlots ? kGrouped16BitSlotsPerExpert * num_experts
+                                                                              : kGroupedMinSlots)
+             : kGrouped16BitMinSlots;
+}
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch: with
 // 16-bit experts, and with 8-bit ones (W8A8, whose kernels multiply on MMAs and take up to
 // 128 slots: a chunk of 128 slots over as many experts streams each routed expert once).

@@ -245,14 +245,18 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
 }
 
 // The grouped path of one chunk (FusedExpertsChunkPlan::grouped), after x's quantization
-// by token: the alignment in blocks of 16 with per-expert offsets and sizes, the GEMMs'
-// device arrays, x's rows and scales gathered into expert order (and each slot's entry
-// noted), GEMM1, the
-// activation quantized by entry, GEMM2, and the weighted top-k sum through the entries.
+// by token (W8A8 experts): the alignment in blocks of 16 with per-expert offsets and sizes,
+// the GEMMs' device arrays, x's rows (and scales) gathered into expert order (and each
+// slot's entry noted), GEMM1, the activation by entry (quantized, or rounded to the layer
+// dtype for 16-bit experts), GEMM2, and the weighted top-k sum through the entries.
 void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
                        const FusedExpertsOptions& options, ActivationKind kind, Stream stream) {
   const GroupedExpertsParams& g = plan.grouped_params;
-  const QuantScheme& scheme = args.quant->scheme;
+  // The GEMMs' operands: W8A8's quantized rows and scales, or the layer dtype's rows.
+  const QuantScheme* scheme = plan.quantized ? &args.quant->scheme : nullptr;
+  const DType element = scheme ? scheme->element : g.dtype;
+  const ScaleGranularity activation_scales = scheme ? scheme->activation_scales : ScaleGranularity::kTensor;
+  const TensorView& x_rows = scheme ? plan.x_quantized : plan.x;
   const Device device = args.hidden_states.device;
   const int64_t H = g.H, I = g.I, top_k = plan.topk_ids.shape[1];
   const int64_t entries = plan.capacity.max_num_tokens_padded;
@@ -265,16 +269,16 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
   align.group_sizes = g.group_sizes;
   run_align(align, device, stream);
   cuda::grouped_experts_args(g, stream);
-  // x's 8-bit rows by entry, and their scales (none to gather for one tensor scale).
+  // x's rows by entry, and their scales (none to gather for one tensor scale).
   cuda::moe_gather_sorted_rows(
-      GatherRowsParams{.dtype = scheme.element, .input = plan.x_quantized.data,
-                       .input_stride_row = plan.x_quantized.strides[0], .out = g.a, .out_stride_row = H,
+      GatherRowsParams{.dtype = element, .input = x_rows.data,
+                       .input_stride_row = x_rows.strides[0], .out = g.a, .out_stride_row = H,
                        .sorted_token_ids = sorted, .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
                        .num_slots = plan.slots, .top_k = top_k, .width = H, .slot_entries = plan.slot_entries,
                        .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
                        .block_size = plan.block_size},
       stream);
-  if (scheme.activation_scales != ScaleGranularity::kTensor) {
+  if (scheme && activation_scales != ScaleGranularity::kTensor) {
     const int64_t scale_cols = plan.x_scales.shape[1];
     cuda::moe_gather_sorted_rows(
         GatherRowsParams{.dtype = DType::kFloat32, .input = plan.x_scales.data,
@@ -284,13 +288,13 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
         stream);
   }
   cuda::grouped_experts_gemm(g, 1, stream);
-  const bool tensor = scheme.activation_scales == ScaleGranularity::kTensor;
+  const bool tensor = activation_scales == ScaleGranularity::kTensor;
   cuda::moe_activation_quantize(
       ActivationQuantizeParams{.dtype = g.dtype, .kind = kind, .alpha = options.swiglu_alpha,
-                               .limit = options.swiglu_limit, .input = g.d, .element = scheme.element, .out = g.a,
-                               .granularity = scheme.activation_scales,
-                               .scales = tensor ? const_cast<float*>(g.act_tensor_scale) : g.a_scales,
-                               .static_scale = scheme.static_activation_scales, .amax = g.act_amax,
+                               .limit = options.swiglu_limit, .input = g.d, .element = element, .out = g.a,
+                               .granularity = activation_scales,
+                               .scales = !scheme ? nullptr : tensor ? const_cast<float*>(g.act_tensor_scale) : g.a_scales,
+                               .static_scale = scheme && scheme->static_activation_scales, .amax = g.act_amax,
                                .sorted_token_ids = sorted,
                                .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
                                .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,

@@ -84,6 +84,15 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   const int64_t slots = std::max<int64_t>(shape.num_tokens, 1) * shape.top_k;
   config.grouped_gemm =
       shape.quant.enabled() && facts.sm90_kernels && slots >= kGroupedMinSlots && slots >= 16 * shape.num_experts;
+  // 16-bit experts: the grouped GEMMs at prefill, from grouped_16bit_min_slots (2048 slots,
+  // or 64 slots an expert on average when that is fewer). NOTE: measured on H200 (docs/
+  // PERF_NOTES.md, issue 31, thirty-ninth session), forced on against the registry's sm90
+  // tiles: 0.68-0.91x the layer's time at M = 1024-8192 on every model; at M = 256 0.80x
+  // (Mixtral, 64 slots an expert) to 0.98x with 2048 slots; 1.01x at 1024 slots over 128
+  // experts (gpt-oss-120b), which the rule leaves to the tiles.
+  if (!shape.quant.enabled()) {
+    config.grouped_gemm = facts.sm90_kernels && slots >= grouped_16bit_min_slots(shape.num_experts);
+  }
   // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while an
   // expert averages at most kSmallBatch8BitSlotsPerExpert slots (most routed experts then
   // see one pass of at most 8 slots). NOTE: measured on H100 (docs/PERF_NOTES.md, issue 28
@@ -196,7 +205,9 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
                        const WorkspaceLayout& layout, const FusedExpertsQuantParams& quant, int64_t E_global,
                        int64_t H, int64_t I) {
 #ifdef MOELORA_WITH_CUDA
-  if (!plan.quantized || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
+  const DType dtype = args.hidden_states.dtype;
+  const bool experts_16bit = args.quant == nullptr && (dtype == DType::kBFloat16 || dtype == DType::kFloat16);
+  if (!(plan.quantized || experts_16bit) || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
       args.lora || options.no_combine || options.apply_router_weight_on_input || args.w13.strides[2] != 1 ||
       args.w2.strides[2] != 1) {
     return;
@@ -213,17 +224,17 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   plan.slot_entries = static_cast<int32_t*>(byte_offset(ws, layout.grouped_slot_entries));
   g.H = H;
   g.I = I;
-  g.w13 = args.w13.data;  // 8-bit: strides in elements are bytes
+  g.w13 = args.w13.data;  // strides in elements (8-bit: bytes)
   g.w13_stride_expert = args.w13.strides[0];
   g.w13_stride_n = args.w13.strides[1];
   g.w2 = args.w2.data;
   g.w2_stride_expert = args.w2.strides[0];
   g.w2_stride_n = args.w2.strides[1];
   g.a = byte_offset(ws, layout.grouped_a);
-  g.a_scales = static_cast<float*>(byte_offset(ws, layout.grouped_a_scales));
+  g.a_scales = plan.quantized ? static_cast<float*>(byte_offset(ws, layout.grouped_a_scales)) : nullptr;
   float* tensor_scales = static_cast<float*>(byte_offset(ws, layout.grouped_tensor_scales));
-  const bool static_scales = args.quant->scheme.static_activation_scales;
-  g.act_amax = static_scales ? nullptr : tensor_scales;
+  const bool static_scales = plan.quantized && args.quant->scheme.static_activation_scales;
+  g.act_amax = static_scales || experts_16bit ? nullptr : tensor_scales;  // no absmax to collect
   g.act_tensor_scale = static_scales ? static_cast<const float*>(args.quant->a2_scale->data) : tensor_scales + 1;
   g.d = byte_offset(ws, layout.cache1);
   g.args = byte_offset(ws, layout.grouped_args);
@@ -397,6 +408,20 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
     l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
   }
+  // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16, whatever
+  // block size the caller fixed: its rows are the padded entries of that alignment.
+  // 16-bit experts from grouped_16bit_min_slots (a caller's config asking for the path: from
+  // kGroupedMinSlots).
+  const bool grouped_16bit =
+      !s.quant.enabled() && (s.dtype == DType::kBFloat16 || s.dtype == DType::kFloat16) && s.max_loras == 0 &&
+      slots >= (o.config != nullptr && o.config->grouped_gemm ? kGroupedMinSlots : grouped_16bit_min_slots(s.num_experts));
+  const bool grouped =
+      (s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots) || grouped_16bit;
+  if (grouped) {
+    const AlignCapacity c = align_capacity(slots, 16, s.num_experts);
+    l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
+    l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
+  }
   int64_t at = 0;
   auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
@@ -408,9 +433,6 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // writes cache3 after GEMM1 has finished.
   l.sorted_input_rows =
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
-  // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16: its rows
-  // are the padded entries of that alignment.
-  const bool grouped = s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots;
   l.grouped_rows = grouped ? align_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
   // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
@@ -459,17 +481,20 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     l.quant_act = take(slots * s.intermediate_size);
     l.quant_act_scales = take(scales(slots, s.intermediate_size));
     if (grouped) {
-      const int64_t E = s.num_experts;
-      l.grouped_entry_offsets = take(E * 4);
-      l.grouped_sizes = take(E * 4);
-      l.grouped_slot_entries = take(slots * 4);
-      l.grouped_args = take(grouped_experts_args_bytes(E));
-      l.grouped_cutlass_workspace = take(kGroupedExpertsCutlassWorkspaceBytes);
-      l.grouped_tensor_scales = take(2 * 4);  // the activation's absmax and scale (kTensor)
-      // GEMM1's input [entries, H], then GEMM2's [entries, I], 8-bit, and their scales.
-      l.grouped_a = take(l.grouped_rows * std::max(s.hidden_size, s.intermediate_size));
       l.grouped_a_scales = take(std::max(scales(l.grouped_rows, s.hidden_size), scales(l.grouped_rows, s.intermediate_size)));
     }
+  }
+  if (grouped) {
+    const int64_t E = s.num_experts;
+    l.grouped_entry_offsets = take(E * 4);
+    l.grouped_sizes = take(E * 4);
+    l.grouped_slot_entries = take(slots * 4);
+    l.grouped_args = take(grouped_experts_args_bytes(E));
+    l.grouped_cutlass_workspace = take(kGroupedExpertsCutlassWorkspaceBytes);
+    l.grouped_tensor_scales = take(2 * 4);  // the activation's absmax and scale (kTensor)
+    // GEMM1's input [entries, H], then GEMM2's [entries, I]: 8-bit, or 16-bit experts'
+    // rows in the layer dtype.
+    l.grouped_a = take(l.grouped_rows * std::max(s.hidden_size, s.intermediate_size) * (grouped_16bit ? elem : 1));
   }
   l.total = at;
   return l;

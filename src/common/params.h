@@ -424,7 +424,8 @@ struct GatherRowsParams {
 // device by moe_grouped_gemm_args, so nothing waits for the host.
 struct GroupedExpertsParams {
   DType dtype;                       // of d (the layer's)
-  GemmQuantParams quant13, quant2;   // scheme and weight scales of each GEMM (a_scale unused)
+  GemmQuantParams quant13, quant2;   // scheme and weight scales of each GEMM (a_scale unused);
+                                     // not enabled: 16-bit experts, operands in dtype
   int64_t num_groups;                // global experts
   const int32_t* expert_map;         // [num_groups] -> local expert or -1; null = identity
   int32_t* group_entry_offsets;      // [num_groups]: written by the alignment (AlignParams'), read by the args
@@ -434,7 +435,7 @@ struct GroupedExpertsParams {
   int64_t w13_stride_expert, w13_stride_n;
   const void* w2;                    // [E_local, H, I]
   int64_t w2_stride_expert, w2_stride_n;
-  void* a;                           // [entries, max(H, I)] 8-bit
+  void* a;                           // [entries, max(H, I)] 8-bit, or dtype (16-bit experts)
   float* a_scales;                   // kBlock [entries, ceil(K / 128)], kChannel [entries]
   const float* x_tensor_scale;       // kTensor activations: x's scale (GEMM1)
   const float* act_tensor_scale;     // kTensor activations: the activation's (GEMM2)
@@ -460,7 +461,7 @@ inline int64_t grouped_experts_args_bytes(int64_t num_groups) { return 2 * group
 constexpr int64_t kGroupedExpertsCutlassWorkspaceBytes = 256 * 4 * 128;
 
 // fused_experts' grouped path: GEMM2's input, the activation of GEMM1's rows by entry,
-// quantized. Row e is real when e < *num_tokens_post_padded, its slot is real and its
+// quantized (or, with element = dtype, rounded to the layer dtype: 16-bit experts). Row e is real when e < *num_tokens_post_padded, its slot is real and its
 // block's expert is local; others are not read nor written. Scales as GemmQuantParams'
 // activation scales; kTensor dynamic: *amax collects the absmax (one launch), then the
 // second writes *scales and the elements.
@@ -469,7 +470,7 @@ struct ActivationQuantizeParams {
   ActivationKind kind;
   float alpha, limit;                // swiglu_oai only
   const void* input;                 // [entries, 2I]
-  DType element;                     // kFloat8E4M3 or kInt8
+  DType element;                     // kFloat8E4M3, kInt8, or dtype (no scales)
   void* out;                         // [entries, I]
   ScaleGranularity granularity;      // kBlock (block_k 128), kChannel or kTensor
   float* scales;                     // kBlock [entries, ceil(I / 128)], kChannel [entries], kTensor [1]

@@ -147,14 +147,17 @@ __device__ __forceinline__ float routed_weight(const SmallBatchMoeParams& p, int
 
 // GEMM1's value of (slot, column j) into act: the activation of gate and up (GEMM1's
 // products), the LoRA deltas and the routed weight on the input joined first.
+// late_wait: the delta is read after this kernel's wait (SmallBatchMoeParams::late_delta_wait;
+// a constant where the caller has it as a template parameter).
 template <class T, ActivationKind kAct, bool kQuant>
-__device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, int slot, int j, float gate, float up) {
+__device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, int slot, int j, float gate, float up,
+                                                 bool late_wait) {
   const int I = int(p.I);
   const bool interleaved = kAct == ActivationKind::kSwigluOai;
   const float w_in = p.router_weight_on_input ? routed_weight(p, slot) : 1.f;
   float gate_delta = 0.f, up_delta = 0.f;
   if (p.gate_up_delta) {  // LoRA: in w13's row order, before the weight and the activation
-    if (p.late_delta_wait) wait_for_previous_kernel();
+    if (late_wait) wait_for_previous_kernel();
     const T* delta = static_cast<const T*>(p.gate_up_delta) + int64_t(slot) * 2 * I;
     gate_delta = to_float(delta[interleaved ? 2 * j : j]);
     up_delta = to_float(delta[interleaved ? 2 * j + 1 : I + j]);
@@ -175,7 +178,7 @@ __device__ __forceinline__ void store_activation(const SmallBatchMoeParams& p, i
 // every slot s with a local expert (× its routed weight before the activation when
 // router_weight_on_input). Rows of the other slots are not written; GEMM2 skips them.
 // 16-bit operands (E = T).
-template <class T, ActivationKind kAct>
+template <class T, ActivationKind kAct, bool kLateWait>
 __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p, const SlotTables& t) {
   const T* x = static_cast<const T*>(p.x);
   const T* w13 = static_cast<const T*>(p.w13);
@@ -200,7 +203,7 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p, 
       warp_dot<T, 2, kUnrollGemm1, kSlotsPerPass>(rows, vecs, n, H, acc);
       if (lane < n) {
         store_activation<T, kAct, false>(p, t.sorted_slot[g + lane], j, lane_value(acc, 0, lane),
-                                         lane_value(acc, 1, lane));
+                                         lane_value(acc, 1, lane), kLateWait);
       }
     }
   }
@@ -245,12 +248,15 @@ __device__ __forceinline__ void small_batch_gemm1_w8a8(const SmallBatchMoeParams
     m.w_scale[0] = weight_scales(p.quant13, expert, gate_row);
     m.w_scale[1] = weight_scales(p.quant13, expert, up_row);
     mma_item_passes(p.quant13, m, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, steps, teams,
-                    red, [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up); });
+                    red, [&](int slot, float gate, float up) { store_activation<T, kAct, true>(p, slot, j, gate, up, false); });
   }
 }
 
-template <class T, class E, ActivationKind kAct>
+// kLateWait (SmallBatchMoeParams::late_delta_wait; 16-bit operands only): a template
+// parameter, so that the base layer's instances compile as if it did not exist.
+template <class T, class E, ActivationKind kAct, bool kLateWait>
 __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) {
+  static_assert(!kLateWait || std::is_same_v<T, E>, "the late delta wait is the 16-bit kernels'");
   __shared__ SlotTables t;
   // 8-bit operands: the tables before the wait, while x's quantization runs (it lets
   // this grid launch right after its own wait, so every kernel that wrote topk_ids and
@@ -258,19 +264,19 @@ __device__ __forceinline__ void small_batch_gemm1(const SmallBatchMoeParams& p) 
   // layer's first, after a kernel that gives no such promise.
   constexpr bool kTablesFirst = !std::is_same_v<T, E>;
   if constexpr (kTablesFirst) build_slot_tables(p, t);
-  if (!(p.late_delta_wait && p.gate_up_delta)) wait_for_previous_kernel();
+  if (!(kLateWait && p.gate_up_delta)) wait_for_previous_kernel();
   // One wave (the grid is what the device holds at once): the GEMM2 CTAs may launch now
   // and take the SM slots these CTAs free.
   allow_next_kernel_launch();
   if constexpr (!kTablesFirst) build_slot_tables(p, t);
   if constexpr (std::is_same_v<T, E>) {
-    small_batch_gemm1<T, kAct>(p, t);
+    small_batch_gemm1<T, kAct, kLateWait>(p, t);
   } else {
     small_batch_gemm1_w8a8<T, E, kAct>(p, t);
   }
   // A chunk with no local expert reads no delta: CTA 0 still waits, so this grid completes
   // after the delta kernels (GEMM2's delta kernels reuse their region and lora_t).
-  if (p.late_delta_wait && p.gate_up_delta && blockIdx.x == 0) wait_for_previous_kernel();
+  if (kLateWait && p.gate_up_delta && blockIdx.x == 0) wait_for_previous_kernel();
 }
 
 // GEMM2's rows [h0, h0 + rows_here) of `out` from each slot's dot products (partial[slot]
@@ -312,8 +318,9 @@ __device__ __forceinline__ void write_gemm2_rows(const SmallBatchMoeParams& p, c
 // MMAs (warp_mma_rows: lane (g, q) holds rows g and g + 8 of the item).
 // kCtaThreads: kThreads, or 512 for W8A8 when H's 16-row blocks are no more than the SMs
 // (launch_small_batch).
-template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads>
+template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads, bool kLateWait>
 __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, int rows_per_cta) {
+  static_assert(!kLateWait || std::is_same_v<T, E>, "the late delta wait is the 16-bit kernels'");
   constexpr bool kQuant = !std::is_same_v<T, E>;
   constexpr int kCtaWarps = kCtaThreads / 32;
   static_assert(kCtaThreads >= kMaxSlots, "one thread per slot builds the slot tables");
@@ -326,7 +333,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   // expert_map), and GEMM1 lets this grid launch only after its own wait, so every
   // kernel that wrote them has completed.
   build_slot_tables(p, t);
-  if (kQuant || !(p.late_delta_wait && p.down_delta)) wait_for_previous_kernel();
+  if (!(kLateWait && p.down_delta)) wait_for_previous_kernel();
   const E* w2 = static_cast<const E*>(p.w2);
   const E* act = static_cast<const E*>(kQuant ? p.act_quantized : p.act);
   const int H = int(p.H), I = int(p.I);
@@ -356,7 +363,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
         mma_item_passes(p.quant2, m, t, d, act, int64_t(I), [](int slot) { return slot; }, I, steps, teams, red,
                         [&](int slot, float product_lo, float product_hi) {
                           // LoRA: the slot's delta joins before the routed weight.
-                          if (p.late_delta_wait && p.down_delta) wait_for_previous_kernel();
+                          if (kLateWait && p.down_delta) wait_for_previous_kernel();
                           const T* delta =
                               p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
                           partial[slot][row0 + g] = product_lo + (delta ? to_float(delta[h_lo]) : 0.f);
@@ -375,7 +382,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
           warp_dot<E, kRowsPerItem, kUnroll, kVecs>(rows, vecs, n, I, acc);
           if (lane < n) {
             const int slot = t.sorted_slot[g + lane];
-            if (p.late_delta_wait && p.down_delta) wait_for_previous_kernel();
+            if (kLateWait && p.down_delta) wait_for_previous_kernel();
             const T* delta = p.down_delta ? static_cast<const T*>(p.down_delta) + int64_t(slot) * H : nullptr;
 #pragma unroll
             for (int r = 0; r < kRowsPerItem; ++r) {
@@ -392,7 +399,7 @@ __device__ __forceinline__ void small_batch_gemm2(const SmallBatchMoeParams& p, 
   }
   // A chunk with no local expert reads no delta: CTA 0 still waits, so this grid completes
   // after the delta kernels (the next chunk's or layer's delta kernels reuse their region).
-  if (p.late_delta_wait && p.down_delta && blockIdx.x == 0) wait_for_previous_kernel();
+  if (kLateWait && p.down_delta && blockIdx.x == 0) wait_for_previous_kernel();
   allow_next_kernel_launch();
 }
 
@@ -410,11 +417,11 @@ __device__ constexpr bool operands_run_here() {
 
 // NOTE: two CTAs an SM (128 registers) for every operand type since the 8-bit dot
 // products run on MMAs (the CUDA-core fp8 conversions spilled 576-916 B under this cap).
-template <class T, class E, ActivationKind kAct>
+template <class T, class E, ActivationKind kAct, bool kLateWait = false>
 __global__ void __launch_bounds__(kThreads, 2)
     small_batch_gemm1_kernel(const SmallBatchMoeParams p) {
   if constexpr (operands_run_here<E>()) {
-    small_batch_gemm1<T, E, kAct>(p);
+    small_batch_gemm1<T, E, kAct, kLateWait>(p);
   } else {
     __trap();
   }
@@ -423,11 +430,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 // NOTE: two CTAs an SM for 8-bit operands (MMAs: 123 registers), for twice the warps
 // streaming rows at decode; one of 512 threads where H has too few 16-row blocks for
 // two CTAs an SM (launch_small_batch).
-template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads = kThreads>
+template <class T, class E, int kRowsPerItem, int kUnroll, int kCtaThreads = kThreads, bool kLateWait = false>
 __global__ void __launch_bounds__(kCtaThreads, std::is_same_v<T, E> || kCtaThreads > kThreads ? 1 : 2)
     small_batch_gemm2_kernel(const SmallBatchMoeParams p, int rows_per_cta) {
   if constexpr (operands_run_here<E>()) {
-    small_batch_gemm2<T, E, kRowsPerItem, kUnroll, kCtaThreads>(p, rows_per_cta);
+    small_batch_gemm2<T, E, kRowsPerItem, kUnroll, kCtaThreads, kLateWait>(p, rows_per_cta);
   } else {
     __trap();
   }
@@ -456,9 +463,9 @@ void launch_small_batch_gemm2(const SmallBatchMoeParams& p, cudaStream_t stream)
   launch_kernel(kKernel, dim3(unsigned(ctas)), dim3(kCtaThreads), 0, stream, p, rows_per_cta);
 }
 
-template <class T, class E, ActivationKind kAct>
-void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
-  constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct>;
+template <class T, class E, ActivationKind kAct, bool kLateWait>
+void launch_small_batch_kernels(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  constexpr auto gemm1 = small_batch_gemm1_kernel<T, E, kAct, kLateWait>;
   if (stages & 1) launch_kernel(gemm1, dim3(unsigned(resident_ctas<gemm1>())), dim3(kThreads), 0, stream, p);
   if (!(stages & 2)) return;
   // NOTE: I <= 512 is one 16-byte chunk a lane or less per row (bf16). 8-bit operands:
@@ -474,10 +481,20 @@ void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int s
       launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
     }
   } else if (p.I <= 512) {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1>, 16>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 16, 1, kThreads, kLateWait>, 16>(p, stream);
   } else {
-    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4>, 4>(p, stream);
+    launch_small_batch_gemm2<small_batch_gemm2_kernel<T, E, 4, 4, kThreads, kLateWait>, 4>(p, stream);
   }
+}
+
+// The late delta wait's instances exist for 16-bit operands only (the W8A8 GEMM2 reads its
+// quantized activation up front, so fused_experts never asks it of them).
+template <class T, class E, ActivationKind kAct>
+void launch_small_batch(const SmallBatchMoeParams& p, cudaStream_t stream, int stages) {
+  if constexpr (std::is_same_v<T, E>) {
+    if (p.late_delta_wait) return launch_small_batch_kernels<T, E, kAct, true>(p, stream, stages);
+  }
+  launch_small_batch_kernels<T, E, kAct, false>(p, stream, stages);
 }
 
 template <class T, class E>

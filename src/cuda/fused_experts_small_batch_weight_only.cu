@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_gemm1_kernel(const Sm
     const int64_t gate_row = interleaved ? 2 * j : j, up_row = interleaved ? 2 * j + 1 : I + j;
     weight_only_item_passes<T, kBits, kScaleAfter>(
         p.w13q, expert, gate_row, up_row, t, d, x, p.x_stride_token, [&](int slot) { return slot / top_k; }, H, teams,
-        red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up); });
+        red, [&](int slot, float gate, float up) { store_activation<T, kAct, false>(p, slot, j, gate, up, p.late_delta_wait); });
   }
   // CTA 0 waits on every path (a chunk with no local expert reads no delta): see
   // small_batch_gemm1.
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) weight_only_aligned_gemm1_kernel(
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int s = result_slot(slot, t, c);
-        if (s >= 0) store_activation<T, kAct, false>(m, s, j, acc[t][c], acc[t][2 + c]);
+        if (s >= 0) store_activation<T, kAct, false>(m, s, j, acc[t][c], acc[t][2 + c], m.late_delta_wait);
       }
     }
   }

@@ -1,5 +1,5 @@
-// fused_experts' grouped path on CUDA (GroupedExpertsParams): the device arrays of both
-// grouped GEMMs, written after the alignment, and the choice of the CUTLASS instance
+// fused_experts' grouped path on CUDA (GroupedExpertsParams; W8A8 or 16-bit experts): the
+// device arrays of both grouped GEMMs, written after the alignment, and the choice of the CUTLASS instance
 // (grouped_gemm_sm90_*.cu) that runs each GEMM. No CUTLASS type in this file: it builds for
 // every architecture, the instances for sm_90a only.
 #include <stdexcept>
@@ -72,32 +72,34 @@ __global__ void grouped_experts_args_kernel(const GroupedExpertsParams p) {
     const int64_t expert = local >= 0 ? local : 0;
     const int32_t rows = local >= 0 ? p.group_sizes[g] : 0;
     const int64_t start = p.group_entry_offsets[g];
-    const int64_t elem = 2, H = p.H, I = p.I;  // d is bf16 / fp16 (grouped_experts_supported)
+    // d is bf16 / fp16 (grouped_experts_supported); a and the weights 8-bit, or d's type.
+    const int64_t elem = 2, in = p.quant13.enabled ? 1 : elem, H = p.H, I = p.I;
     const GemmArrays g1 = gemm_arrays(p.args, p.num_groups, 1), g2 = gemm_arrays(p.args, p.num_groups, 2);
     // GEMM1: d[start.., 2I] = a[start.., H] · w13[e]ᵀ
     g1.problem_shapes[3 * g] = rows;
     g1.problem_shapes[3 * g + 1] = int32_t(2 * I);
     g1.problem_shapes[3 * g + 2] = int32_t(H);
-    g1.a[g] = static_cast<const uint8_t*>(p.a) + start * H;
-    g1.b[g] = static_cast<const uint8_t*>(p.w13) + expert * p.w13_stride_expert;
+    g1.a[g] = static_cast<const uint8_t*>(p.a) + start * H * in;
+    g1.b[g] = static_cast<const uint8_t*>(p.w13) + expert * p.w13_stride_expert * in;
     g1.d[g] = static_cast<char*>(p.d) + start * 2 * I * elem;
     g1.stride_a[g] = H;
     g1.stride_b[g] = p.w13_stride_n;
     g1.stride_d[g] = 2 * I;
-    g1.a_scales[g] = activation_scales_of(p.quant13, p.a_scales, p.x_tensor_scale, start, H);
-    g1.w_scales[g] = p.quant13.w_scale + expert * p.quant13.w_scale_stride_expert;
+    const bool scaled = p.quant13.enabled;  // 16-bit operands: no scales
+    g1.a_scales[g] = scaled ? activation_scales_of(p.quant13, p.a_scales, p.x_tensor_scale, start, H) : nullptr;
+    g1.w_scales[g] = scaled ? p.quant13.w_scale + expert * p.quant13.w_scale_stride_expert : nullptr;
     // GEMM2: d[start.., H] = a[start.., I] · w2[e]ᵀ
     g2.problem_shapes[3 * g] = rows;
     g2.problem_shapes[3 * g + 1] = int32_t(H);
     g2.problem_shapes[3 * g + 2] = int32_t(I);
-    g2.a[g] = static_cast<const uint8_t*>(p.a) + start * I;
-    g2.b[g] = static_cast<const uint8_t*>(p.w2) + expert * p.w2_stride_expert;
+    g2.a[g] = static_cast<const uint8_t*>(p.a) + start * I * in;
+    g2.b[g] = static_cast<const uint8_t*>(p.w2) + expert * p.w2_stride_expert * in;
     g2.d[g] = static_cast<char*>(p.d) + start * H * elem;
     g2.stride_a[g] = I;
     g2.stride_b[g] = p.w2_stride_n;
     g2.stride_d[g] = H;
-    g2.a_scales[g] = activation_scales_of(p.quant2, p.a_scales, p.act_tensor_scale, start, I);
-    g2.w_scales[g] = p.quant2.w_scale + expert * p.quant2.w_scale_stride_expert;
+    g2.a_scales[g] = scaled ? activation_scales_of(p.quant2, p.a_scales, p.act_tensor_scale, start, I) : nullptr;
+    g2.w_scales[g] = scaled ? p.quant2.w_scale + expert * p.quant2.w_scale_stride_expert : nullptr;
   }
   allow_next_kernel_launch();
 }
@@ -127,6 +129,7 @@ InstanceFn instance_for(DType out) {
 
 template <GroupedGemmTiles kTiles>
 InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q) {
+  if (!q.enabled) return instance_for<GroupedGemmOperands::k16Bit, kTiles>(p.dtype);
   if (q.w_scales == ScaleGranularity::kBlock) return instance_for<GroupedGemmOperands::kFp8Blockwise, kTiles>(p.dtype);
   if (q.element == DType::kInt8) return instance_for<GroupedGemmOperands::kInt8Scaled, kTiles>(p.dtype);
   return instance_for<GroupedGemmOperands::kFp8Scaled, kTiles>(p.dtype);
@@ -139,13 +142,17 @@ bool grouped_experts_supported(const GroupedExpertsParams& p) {
 #ifdef MOELORA_BUILD_SM90A
   if (!sm90_kernels_available(current_device_info())) return false;
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return false;
-  // TMA: 16-byte rows and bases for the 8-bit operands (K = H, then I), 8 outputs per 16
-  // bytes of D. The kernels skip these checks when the problem sizes live on the device.
+  // TMA: 16-byte rows and bases for the operands (K = H, then I; 8-bit, or 16-bit where
+  // 16 elements are 32 bytes), 8 outputs per 16 bytes of D. The kernels skip these checks
+  // when the problem sizes live on the device.
   const int64_t H = p.H, I = p.I;
   const bool aligned = H % 16 == 0 && I % 16 == 0 && p.w13_stride_n % 16 == 0 && p.w2_stride_n % 16 == 0 &&
                        p.w13_stride_expert % 16 == 0 && p.w2_stride_expert % 16 == 0 && aligned16(p.w13) &&
                        aligned16(p.w2) && aligned16(p.a) && aligned16(p.d);
-  return aligned && gemm_scales_supported(p.quant13, H) && gemm_scales_supported(p.quant2, I);
+  // 16-bit operands (the layer's type, unquantized experts): no scales.
+  if (!p.quant13.enabled && !p.quant2.enabled) return aligned;
+  return aligned && p.quant13.enabled && p.quant2.enabled && gemm_scales_supported(p.quant13, H) &&
+         gemm_scales_supported(p.quant2, I);
 #else
   (void)p;
   return false;

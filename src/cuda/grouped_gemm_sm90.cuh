@@ -1,12 +1,13 @@
-// The sm_90a grouped W8A8 GEMM (GroupedGemmRun) on CUTLASS 4.2's ptr-array TMA
+// The sm_90a grouped GEMM (GroupedGemmRun), W8A8 or 16-bit, on CUTLASS 4.2's ptr-array TMA
 // warp-specialized collectives. Read docs/CUTLASS_GROUPED_FP8.md first: which collective
 // serves which scheme, the scale layouts, and the hazards (PDL off, NDEBUG, no host
 // problem shapes, so no per-group alignment checks: fused_experts checks them).
 //
-// Two tile shapes (GroupedGemmTiles, a template parameter: one instance per TU):
-//   kCooperative128: 128 x 128 x 128 tiles, both consumer warp groups on one tile, the
+// Two tile shapes (GroupedGemmTiles, a template parameter: one instance per TU), K steps of
+// 128 bytes (128 8-bit or 64 16-bit elements: one 128-byte swizzle row):
+//   kCooperative128: 128 x 128 tiles, both consumer warp groups on one tile, the
 //     epilogue after the tile's mainloop.
-//   kPingpong64: 64 x 128 x 128 tiles, each consumer warp group on its own tile, so one's
+//   kPingpong64: 64 x 128 tiles, each consumer warp group on its own tile, so one's
 //     epilogue runs under the other's mainloop (short K, where the epilogue is a large share
 //     of a tile), and half the padding for groups of few rows.
 // Two scalings:
@@ -15,6 +16,7 @@
 //   kEpilogue: per-row or per-tensor activation scales times per-channel or per-expert
 //     weight scales, applied to the fp32 (int32 for int8) accumulators in the epilogue:
 //     D = a_scale(row) · (w_scale(col) · acc), each a vector or a scalar per group at run time.
+//   kNone: 16-bit operands (the layer's type), D = acc rounded.
 // NOTE: one instance per TU: each costs ~1 min and ~4 GB of nvcc.
 #pragma once
 
@@ -43,7 +45,7 @@ namespace moelora::cuda::grouped_sm90 {
 
 using namespace cute;
 
-enum class Scaling { kBlockwise, kEpilogue };
+enum class Scaling { kBlockwise, kEpilogue, kNone };
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using LayoutA = cutlass::layout::RowMajor;     // activation rows [M, K]
@@ -51,11 +53,11 @@ using LayoutB = cutlass::layout::ColumnMajor;  // expert weights [N, K], K conti
 using LayoutD = cutlass::layout::RowMajor;     // [M, N]
 // NOTE: 1x2 clusters: the pair shares each A tile over two N tiles. The doc's probe
 // compiled the 128-row cooperative tiles with no spills for all three collectives.
-template <GroupedGemmTiles kTiles>
-using TileShapeOf = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64, Shape<_64, _128, _128>, Shape<_128, _128, _128>>;
+template <GroupedGemmTiles kTiles, int kTileK>
+using TileShapeOf = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64, Shape<_64, _128, Int<kTileK>>,
+                                       Shape<_128, _128, Int<kTileK>>>;
 using ClusterShape = Shape<_1, _2, _1>;
-constexpr int kAlignmentAB = 16;  // elements: 16 bytes of an 8-bit type (TMA)
-constexpr int kAlignmentD = 8;    // 16 bytes of bf16 / fp16
+constexpr int kAlignmentD = 8;  // 16 bytes of bf16 / fp16
 
 // Epilogue of kEpilogue: a_scale (column broadcast: one per row, or a scalar) times
 // (w_scale (row broadcast: one per column, or a scalar) times the accumulator). float*
@@ -86,8 +88,11 @@ template <class ElementIn, class ElementOut, Scaling kScaling, GroupedGemmTiles 
 struct GroupedGemm {
   static constexpr bool kInt8 = std::is_same_v<ElementIn, int8_t>;
   static_assert(!(kInt8 && kScaling == Scaling::kBlockwise), "CUTLASS has no int8 blockwise mainloop");
+  static_assert((kScaling == Scaling::kNone) == (sizeof(ElementIn) == 2), "16-bit operands are unscaled");
   using ElementAccumulator = std::conditional_t<kInt8, int32_t, float>;
-  using TileShape = TileShapeOf<kTiles>;
+  // TMA: 16-byte rows; a K step of 128 bytes (one 128-byte swizzle row).
+  static constexpr int kAlignmentAB = 16 / int(sizeof(ElementIn));
+  using TileShape = TileShapeOf<kTiles, 128 / int(sizeof(ElementIn))>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, GMMA::Major::K, GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
@@ -95,9 +100,8 @@ struct GroupedGemm {
   using EpilogueSchedule = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64,
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using Fusion = std::conditional_t<kScaling == Scaling::kBlockwise,
-                                    cutlass::epilogue::fusion::LinearCombination<ElementOut, float>,
-                                    ScaledEpilogue<ElementOut, TileShape>>;
+  using Fusion = std::conditional_t<kScaling == Scaling::kEpilogue, ScaledEpilogue<ElementOut, TileShape>,
+                                    cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, float, void, LayoutD*, kAlignmentD,
@@ -163,10 +167,15 @@ void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* 
         {{}, nullptr, nullptr, reinterpret_cast<ElementOut**>(const_cast<void**>(r.d)),
          reinterpret_cast<typename G::Kernel::StrideD>(const_cast<int64_t*>(r.stride_d))},
         hw_info};
-    args.epilogue.thread = {
-        {r.a_scales, 0.f, {r.a_scale_per_row, _0{}, _0{}}},
-        {{r.w_scales, 0.f, {_0{}, r.w_scale_per_col, _0{}}}, {}, {}},
-        {}};
+    if constexpr (kScaling == Scaling::kNone) {  // 16-bit operands: D = acc
+      args.epilogue.thread.alpha = 1.f;
+      args.epilogue.thread.beta = 0.f;
+    } else {
+      args.epilogue.thread = {
+          {r.a_scales, 0.f, {r.a_scale_per_row, _0{}, _0{}}},
+          {{r.w_scales, 0.f, {_0{}, r.w_scale_per_col, _0{}}}, {}, {}},
+          {}};
+    }
   }
   const size_t workspace_bytes = Gemm::get_workspace_size(args);
   if (int64_t(workspace_bytes) > r.workspace_bytes) {
@@ -192,14 +201,17 @@ namespace moelora::cuda {
 template <GroupedGemmOperands kOperands, DType kOut, GroupedGemmTiles kTiles>
 void grouped_gemm_sm90(const GroupedGemmRun& r, cudaStream_t stream) {
   static_assert(kOut == DType::kBFloat16 || kOut == DType::kFloat16, "bf16 or fp16 output");
-  using ElementIn = std::conditional_t<kOperands == GroupedGemmOperands::kInt8Scaled, int8_t, cutlass::float_e4m3_t>;
   using ElementOut = std::conditional_t<kOut == DType::kBFloat16, cutlass::bfloat16_t, cutlass::half_t>;
-  constexpr grouped_sm90::Scaling kScaling = kOperands == GroupedGemmOperands::kFp8Blockwise
-                                                 ? grouped_sm90::Scaling::kBlockwise
-                                                 : grouped_sm90::Scaling::kEpilogue;
+  using ElementIn = std::conditional_t<kOperands == GroupedGemmOperands::k16Bit, ElementOut,
+                                       std::conditional_t<kOperands == GroupedGemmOperands::kInt8Scaled, int8_t,
+                                                          cutlass::float_e4m3_t>>;
+  constexpr grouped_sm90::Scaling kScaling = kOperands == GroupedGemmOperands::kFp8Blockwise ? grouped_sm90::Scaling::kBlockwise
+                                             : kOperands == GroupedGemmOperands::k16Bit      ? grouped_sm90::Scaling::kNone
+                                                                                             : grouped_sm90::Scaling::kEpilogue;
   constexpr const char* kOperandsName = kOperands == GroupedGemmOperands::kFp8Blockwise ? "fp8_blockwise"
                                         : kOperands == GroupedGemmOperands::kFp8Scaled  ? "fp8_scaled"
-                                                                                        : "int8_scaled";
+                                        : kOperands == GroupedGemmOperands::kInt8Scaled ? "int8_scaled"
+                                                                                        : "16bit";
   grouped_sm90::run_grouped_gemm<ElementIn, ElementOut, kScaling, kTiles>(r, stream, kOperandsName,
                                                                           kOut == DType::kBFloat16 ? "bf16" : "fp16");
 }

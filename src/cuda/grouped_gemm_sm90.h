@@ -1,6 +1,6 @@
-// The sm_90a grouped W8A8 GEMMs of fused_experts' grouped path (CUTLASS 4.2 ptr-array
-// collectives; docs/CUTLASS_GROUPED_FP8.md): plain declarations, so that no file outside
-// the instance TUs sees a CUTLASS type.
+// The sm_90a grouped GEMMs of fused_experts' grouped path, W8A8 or 16-bit (CUTLASS 4.2
+// ptr-array collectives; docs/CUTLASS_GROUPED_FP8.md): plain declarations, so that no file
+// outside the instance TUs sees a CUTLASS type.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,6 +21,7 @@ namespace moelora::cuda {
 //   row-major (both strides exactly as written);
 //   epilogue: a_scales[g] -> [M_g] (a_scale_per_row) or one scalar, w_scales[g] -> [N_g]
 //   (w_scale_per_col) or one scalar.
+//   16-bit operands: no scales (a_scales and w_scales are not read).
 struct GroupedGemmRun {
   int num_groups;
   const int32_t* problem_shapes;  // [num_groups][3]
@@ -40,8 +41,9 @@ struct GroupedGemmRun {
   int64_t workspace_bytes;
 };
 
-// The 8-bit operands of an instance and where their scales apply (grouped_gemm_sm90.cuh).
-enum class GroupedGemmOperands { kFp8Blockwise, kFp8Scaled, kInt8Scaled };
+// The operands of an instance and where their scales apply (grouped_gemm_sm90.cuh):
+// 8-bit with scales, or k16Bit: the output's own type (bf16 or fp16), unscaled.
+enum class GroupedGemmOperands { kFp8Blockwise, kFp8Scaled, kInt8Scaled, k16Bit };
 
 // The instances (sm_90a builds only; 1x2 clusters), defined in grouped_gemm_sm90.cuh and
 // instantiated one per TU, grouped_gemm_sm90_<operands>_<out>_<tiles>.cu: kOut bf16 or

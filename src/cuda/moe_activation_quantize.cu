@@ -2,7 +2,8 @@
 // turns GEMM1's rows [entries, 2I] into GEMM2's 8-bit input [entries, I] and its scales in
 // one pass, instead of an activation kernel writing [entries, I] in the layer dtype and a
 // quantize kernel reading it back. Each value is the activation rounded to the layer dtype,
-// then quantized by the rules of cuda/quantize.cuh, as the reference does.
+// then quantized by the rules of cuda/quantize.cuh, as the reference does. With 16-bit
+// experts (element = the layer dtype) the rounded activation is the output (Pass::kPlain).
 //
 // One team per row (grid-stride): a warp for rows of up to 1024 columns, else the CTA;
 // each thread 8 consecutive outputs (16-byte loads) a step:
@@ -38,7 +39,7 @@ constexpr int kScaleBlock = 128;         // kBlock scales: 16 threads a block
 template <int kTeam>
 constexpr int kKeep = kTeam == 32 ? 4 : 2;
 
-enum class Pass { kRows, kAmax, kTensor };
+enum class Pass { kRows, kAmax, kTensor, kPlain };
 
 // The activations of columns [col, col + kVec) of one row, rounded to T.
 template <typename T, ActivationKind kKind>
@@ -58,6 +59,15 @@ __device__ __forceinline__ void store_quantized(Out* out, const float (&v)[kVec]
 #pragma unroll
   for (int i = 0; i < kVec; ++i) q[i] = quantize_element<Out>(v[i], scale);
   *reinterpret_cast<uint2*>(out) = *reinterpret_cast<const uint2*>(q);
+}
+
+// Pass::kPlain: v holds values already rounded to T (activations()), stored as they are.
+template <typename T>
+__device__ __forceinline__ void store_rounded(T* out, const float (&v)[kVec]) {
+  T r[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) r[i] = from_float<T>(v[i]);
+  *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(r);
 }
 
 template <typename T, class Out, ActivationKind kKind, ScaleGranularity kScales, Pass kPass, int kTeam>
@@ -107,7 +117,8 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
       // NOTE: recomputed, Qwen3-30B fp8_channel at M = 8192 spent 212 us of 1350 here
       // (65536 rows of 768: two loads and two activations a value; ncu, H100).
       float kept[kKept][kVec];
-      if constexpr (kPass != Pass::kTensor) {
+      constexpr bool kRowScales = kPass == Pass::kRows || kPass == Pass::kAmax;
+      if constexpr (kRowScales) {
         float absmax = 0.f;
         for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
           float v[kVec];
@@ -133,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
       }
       for (int64_t col = int64_t(team_lane) * kVec, step = 0; col < width; col += kStep, ++step) {
         float v[kVec];
-        if (kPass != Pass::kTensor && step < kKept) {
+        if (kRowScales && step < kKept) {
 #pragma unroll
           for (int k = 0; k < kKept; ++k) {
             if (step == k) {
@@ -144,7 +155,11 @@ __global__ void __launch_bounds__(kThreads) moe_activation_quantize_kernel(const
         } else {
           activations<T, kKind>(in, width, col, p, v);
         }
-        store_quantized(out + col, v, scale);
+        if constexpr (kPass == Pass::kPlain) {
+          store_rounded(out + col, v);
+        } else {
+          store_quantized(out + col, v, scale);
+        }
       }
     }
   }
@@ -156,7 +171,10 @@ void launch_team(const ActivationQuantizeParams& p, cudaStream_t stream) {
   constexpr int kRowsPerCta = kThreads / kTeam;
   const unsigned ctas = unsigned(std::clamp<int64_t>((p.max_num_tokens_padded + kRowsPerCta - 1) / kRowsPerCta, 1,
                                                      int64_t(current_device_info().num_sms) * 16));
-  if constexpr (kScales == ScaleGranularity::kTensor) {
+  if constexpr (std::is_same_v<T, Out>) {
+    launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kPlain, kTeam>, dim3(ctas),
+                  dim3(kThreads), 0, stream, p);
+  } else if constexpr (kScales == ScaleGranularity::kTensor) {
     if (!p.static_scale) {
       launch_kernel(moe_activation_quantize_kernel<T, Out, kKind, kScales, Pass::kAmax, kTeam>, dim3(ctas),
                     dim3(kThreads), 0, stream, p);
@@ -177,10 +195,14 @@ void launch_scales(const ActivationQuantizeParams& p, cudaStream_t stream) {
 
 template <typename T, class Out, ActivationKind kKind>
 void launch_kind(const ActivationQuantizeParams& p, cudaStream_t stream) {
-  switch (p.granularity) {
-    case ScaleGranularity::kBlock: launch_scales<T, Out, kKind, ScaleGranularity::kBlock>(p, stream); break;
-    case ScaleGranularity::kChannel: launch_scales<T, Out, kKind, ScaleGranularity::kChannel>(p, stream); break;
-    default: launch_scales<T, Out, kKind, ScaleGranularity::kTensor>(p, stream); break;
+  if constexpr (std::is_same_v<T, Out>) {  // 16-bit experts: no scales
+    launch_scales<T, Out, kKind, ScaleGranularity::kTensor>(p, stream);
+  } else {
+    switch (p.granularity) {
+      case ScaleGranularity::kBlock: launch_scales<T, Out, kKind, ScaleGranularity::kBlock>(p, stream); break;
+      case ScaleGranularity::kChannel: launch_scales<T, Out, kKind, ScaleGranularity::kChannel>(p, stream); break;
+      default: launch_scales<T, Out, kKind, ScaleGranularity::kTensor>(p, stream); break;
+    }
   }
 }
 
@@ -197,15 +219,19 @@ void launch_out(const ActivationQuantizeParams& p, cudaStream_t stream) {
 
 void moe_activation_quantize(const ActivationQuantizeParams& p, Stream stream) {
   if (p.max_num_tokens_padded == 0 || p.width == 0) return;
-  // 16-byte input loads, 8-byte output stores, 128-column scale blocks of 16 threads.
-  if (p.width % 16 != 0 || !aligned16(p.input) || reinterpret_cast<uintptr_t>(p.out) % 8 != 0 ||
+  // 16-byte input loads, 8-byte output stores (16-byte unquantized), 128-column scale
+  // blocks of 16 threads.
+  const bool plain = p.element == p.dtype;
+  if (p.width % 16 != 0 || !aligned16(p.input) || reinterpret_cast<uintptr_t>(p.out) % (plain ? 16 : 8) != 0 ||
       (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)) {
     throw std::logic_error("moelora.moe_activation_quantize: needs 16-bit rows, width % 16 == 0, aligned rows");
   }
   const auto s = static_cast<cudaStream_t>(stream);
   auto with_out = [&](auto t) {
     using T = decltype(t);
-    if (p.element == DType::kInt8) {
+    if (plain) {
+      launch_out<T, T>(p, s);
+    } else if (p.element == DType::kInt8) {
       launch_out<T, int8_t>(p, s);
     } else {
       launch_out<T, uint8_t>(p, s);

@@ -38,6 +38,9 @@ struct LayerCase {
   // take every chunk. The small-batch kernels never write the alignment part of the
   // workspace (its first bytes), so its poison shows which path ran.
   std::optional<bool> expect_small_batch;
+  // CUDA on an sm_90 device, when set: whether the grouped GEMMs (MoeKernelConfig::
+  // grouped_gemm) take every chunk; only that path writes the alignment's slot entries.
+  std::optional<bool> expect_grouped;
 };
 
 inline void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }

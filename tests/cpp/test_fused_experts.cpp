@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "api/fused_experts_plan.h"
+#include "api/moe_align_block_size.h"
 #include "common/params.h"
 #include "fused_experts_testing.h"
 #include "test_util.h"
@@ -49,7 +51,61 @@ TEST_P(FusedExpertsTest, MatchesReference) {
         << (*c.expect_small_batch ? "the aligned path ran instead of the small-batch kernels"
                                   : "the small-batch kernels ran instead of the aligned path");
   }
+#ifdef MOELORA_WITH_CUDA
+  if (c.backend == Backend::kCUDA && c.M > 0 && c.expect_grouped.has_value() &&
+      cuda::current_device_facts().sm90_kernels) {
+    const detail::WorkspaceLayout layout =
+        detail::workspace_layout({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local}, c.options);
+    bool grouped = false;
+    if (layout.grouped_rows > 0) {
+      problem.workspace.download();
+      grouped = !problem.workspace.is_poison(layout.grouped_slot_entries / 4);
+    }
+    EXPECT_EQ(grouped, *c.expect_grouped) << (*c.expect_grouped ? "the tile kernels ran instead of the grouped GEMMs"
+                                                                 : "the grouped GEMMs ran");
+  }
+#endif
   RecordProperty("rel_error", std::to_string(error));
+}
+
+// The workspace of the grouped path (no device needed): 16-bit experts reserve it from
+// grouped_16bit_min_slots, or from kGroupedMinSlots when the caller's config asks for it, never
+// with LoRA; and its alignment in blocks of 16 fits whatever block size the config fixes (a
+// config of 64-row blocks held too few blocks for the path's 16-row ones).
+TEST(FusedExpertsLayout, ReservesTheGroupedPathFor16BitExperts) {
+  const int64_t E = 64, H = 2048;
+  auto layout = [&](int64_t tokens, const MoeKernelConfig* config, int64_t max_loras = 0) {
+    FusedExpertsShape shape{tokens, /*top_k=*/8, E, H, /*intermediate_size=*/1024, DType::kBFloat16};
+    shape.max_loras = max_loras;
+    shape.lora_rank = max_loras > 0 ? 16 : 0;
+    FusedExpertsOptions options;
+    options.config = config;
+    return detail::workspace_layout(shape, options);
+  };
+  const int64_t min_tokens = kGrouped16BitMinSlots / 8;
+  EXPECT_EQ(layout(min_tokens - 1, nullptr).grouped_rows, 0);
+  const detail::WorkspaceLayout at_min = layout(min_tokens, nullptr);
+  EXPECT_EQ(at_min.grouped_rows, detail::align_capacity(kGrouped16BitMinSlots, 16, E).max_num_tokens_padded);
+  EXPECT_GT(at_min.total, layout(min_tokens - 1, nullptr).total);
+  EXPECT_EQ(layout(min_tokens, nullptr, /*max_loras=*/4).grouped_rows, 0) << "no grouped path with LoRA";
+  MoeKernelConfig grouped_64;
+  grouped_64.block_size = 64;
+  grouped_64.grouped_gemm = true;
+  const int64_t tokens = kGroupedMinSlots / 8;  // below kGrouped16BitMinSlots: the config asks
+  const detail::WorkspaceLayout asked = layout(tokens, &grouped_64);
+  EXPECT_GT(asked.grouped_rows, 0);
+  const AlignCapacity blocks_of_16 = detail::align_capacity(tokens * 8, 16, E);
+  EXPECT_GE(asked.capacity.max_num_blocks, blocks_of_16.max_num_blocks);
+  EXPECT_GE(asked.capacity.max_num_tokens_padded, blocks_of_16.max_num_tokens_padded);
+  // GEMM1's 16-bit input rows [entries, H] lie inside the workspace.
+  EXPECT_GE(asked.total - asked.grouped_a, asked.grouped_rows * H * 2);
+  // Few experts: from 64 slots an expert (Mixtral's 8: 512 slots), below kGrouped16BitMinSlots.
+  FusedExpertsShape few{/*num_tokens=*/256, /*top_k=*/2, /*num_experts=*/8, H, /*intermediate_size=*/1024, DType::kBFloat16};
+  EXPECT_EQ(grouped_16bit_min_slots(8), 512);
+  EXPECT_EQ(grouped_16bit_min_slots(E), kGrouped16BitMinSlots);
+  EXPECT_GT(detail::workspace_layout(few, FusedExpertsOptions{}).grouped_rows, 0);
+  few.num_tokens = 255;
+  EXPECT_EQ(detail::workspace_layout(few, FusedExpertsOptions{}).grouped_rows, 0);
 }
 
 std::vector<LayerCase> layer_cases() {
@@ -369,6 +425,72 @@ std::vector<LayerCase> layer_cases() {
             (config.gemm1.cluster_m > 1 ? "_cluster2_" : "_") + act +
             (x.options.apply_router_weight_on_input ? "_weight_on_input" : ""),
         x, {Backend::kCUDA});
+  }
+  // The grouped GEMMs with 16-bit experts (CUDA, sm_90a: CUTLASS ptr-array GEMMs over rows
+  // gathered by expert; the CPU ignores the flag): both 16-bit types and tiles, each
+  // activation's gate/up layout, K tails of the 64-element K steps (H = 272, I = 80),
+  // expert_map with dropped slots, strided x, chunks, the routed scaling factor, the
+  // heuristic's own choice at prefill, and the calls the path does not take.
+  static const MoeKernelConfig kGrouped16{.grouped_gemm = true};
+  static const MoeKernelConfig kGrouped16M64{.grouped_gemm = true,
+                                             .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
+                                             .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
+  static const MoeKernelConfig kGrouped16M128{.grouped_gemm = true,
+                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
+                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128};
+  {
+    LayerCase g = c;
+    g.M = 160;
+    g.top_k = 4;
+    g.H = 272;
+    g.I = 80;
+    g.options.config = &kGrouped16;
+    g.expect_grouped = true;
+    for (const auto& [tiles, config] : {std::pair{"m64", &kGrouped16M64}, std::pair{"m128", &kGrouped16M128}}) {
+      for (Activation activation : {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai}) {
+        LayerCase x = g;
+        x.options.config = config;
+        x.options.activation = activation;
+        x.options.swiglu_limit = 0.75f;
+        const char* act = activation == Activation::kSilu ? "silu" : activation == Activation::kGelu ? "gelu" : "swiglu";
+        add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
+        x.dtype = fp16;
+        add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
+      }
+    }
+    LayerCase x = g;
+    x.padded = true;
+    x.x_row_pad = 8;  // rows stay 16-byte aligned
+    x.expert_map = true;
+    x.num_global = 32;
+    x.local_share = 0.5;
+    x.dropped_share = 0.05;
+    x.options.routed_scaling_factor = 2.5f;
+    add("grouped16_strided_expert_map_dropped_scale2_5", x, {Backend::kCUDA});
+    x = g;
+    x.M = 300;
+    x.options.chunk_size = 128;  // 512, 512 and 176 slots
+    add("grouped16_chunks", x, {Backend::kCUDA});
+    x = g;
+    x.M = 1024;
+    x.top_k = 2;
+    x.H = 256;
+    x.I = 144;
+    x.options.config = nullptr;  // the heuristic: 2048 slots, 256 an expert
+    add("grouped16_heuristic_M1024", x, {Backend::kCUDA});
+    x = g;
+    x.H = 264;  // rows of 264 elements: TMA takes them, the path asks 16 (grouped_experts_supported)
+    x.expect_grouped = false;
+    add("grouped16_H264_takes_the_tiles", x, {Backend::kCUDA});
+    x = g;
+    x.options.no_combine = true;
+    x.expect_grouped = false;
+    add("grouped16_no_combine_takes_the_tiles", x, {Backend::kCUDA});
+    x = g;
+    x.options.apply_router_weight_on_input = true;
+    x.top_k = 1;
+    x.expect_grouped = false;
+    add("grouped16_weight_on_input_takes_the_tiles", x, {Backend::kCUDA});
   }
   // The small-batch kernels (CUDA; the CPU ignores the flag): every option of the layer,
   // both 16-bit types, the slot limit, and chunks that fall back to the aligned path.
