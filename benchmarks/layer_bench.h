@@ -429,12 +429,18 @@ class LayerCell {
     grouped.sorted_input = true;
     moelora::FusedExpertsOptions grouped_fo = options(nullptr);
     grouped_fo.config = &grouped;
-    const int64_t ws_bytes = std::max({moelora::fused_experts_workspace_size(shape, options(nullptr)),
-                                       moelora::fused_experts_workspace_size(shape, sorted_fo),
-                                       moelora::fused_experts_workspace_size(shape, grouped_fo),
-                                       quant && quant->scheme.weight_only()
-                                           ? moelora::fused_experts_workspace_size(shape, dense_fo)
-                                           : int64_t(0)});
+    // ... for the cell's base rows too (set_lora(nullptr)): without adapters a call may take
+    // the grouped path, whose rooms a shape with LoRA does not reserve.
+    moelora::FusedExpertsShape base_shape = shape;
+    base_shape.max_loras = base_shape.lora_rank = 0;
+    int64_t ws_bytes = 0;
+    for (const moelora::FusedExpertsShape& s : {shape, base_shape}) {
+      ws_bytes = std::max({ws_bytes, moelora::fused_experts_workspace_size(s, options(nullptr)),
+                           moelora::fused_experts_workspace_size(s, sorted_fo),
+                           moelora::fused_experts_workspace_size(s, grouped_fo),
+                           quant && quant->scheme.weight_only() ? moelora::fused_experts_workspace_size(s, dense_fo)
+                                                                : int64_t(0)});
+    }
     workspace_ = std::make_unique<Buffer>(cuda, ws_bytes);
 #ifdef MOELORA_WITH_CUDA
     if (cuda) CHECK_CUDA(cudaStreamCreateWithFlags(reinterpret_cast<cudaStream_t*>(&stream_), cudaStreamNonBlocking));

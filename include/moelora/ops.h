@@ -277,6 +277,8 @@ void moe_sum_reduce(const TensorView& input, const TensorView& out, float routed
 //   int32|int64 (global ids); expert_map [E_global] int32 optional (else E_global = E_local).
 //   out [M, H], or [M, top_k, H] with no_combine. out may be hidden_states itself (inplace).
 //   workspace: fused_experts_workspace_size(...) bytes on the same device, 256-byte aligned.
+//   Sized for the call's own shape: one sized with max_loras > 0 lacks the grouped path's
+//   room that the same tokens without adapters may take (size for both to serve both).
 // Per chunk of at most chunk_size tokens: align -> GEMM1 -> activation -> GEMM2 -> reduce.
 enum class Activation : int8_t { kSilu, kGelu, kSwigluOai };
 
