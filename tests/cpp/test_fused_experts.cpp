@@ -108,6 +108,11 @@ TEST(FusedExpertsLayout, ReservesTheGroupedPathFor16BitExperts) {
   EXPECT_EQ(detail::workspace_layout(few, FusedExpertsOptions{}).grouped_rows, 0);
 }
 
+// The activation's part of a case name.
+const char* activation_tag(Activation activation) {
+  return activation == Activation::kSilu ? "silu" : activation == Activation::kGelu ? "gelu" : "swiglu";
+}
+
 std::vector<LayerCase> layer_cases() {
   std::vector<LayerCase> cases;
   auto add = [&](const std::string& name, LayerCase c, std::vector<Backend> backends = all_backends()) {
@@ -417,9 +422,7 @@ std::vector<LayerCase> layer_cases() {
     x.options.activation = activations[i % 3];
     x.options.swiglu_limit = 0.75f;
     x.options.apply_router_weight_on_input = i % 4 == 3;
-    const std::string act = x.options.activation == Activation::kSilu   ? "silu"
-                            : x.options.activation == Activation::kGelu ? "gelu"
-                                                                        : "swiglu";
+    const std::string act = activation_tag(x.options.activation);
     add("fused_act_" + std::string(config.gemm1.kernel == GemmKernel::kSm90 ? "sm90_" : "sm80_") +
             std::to_string(config.gemm1.block_m) + "x" + std::to_string(config.gemm1.block_n) +
             (config.gemm1.cluster_m > 1 ? "_cluster2_" : "_") + act +
@@ -452,7 +455,7 @@ std::vector<LayerCase> layer_cases() {
         x.options.config = config;
         x.options.activation = activation;
         x.options.swiglu_limit = 0.75f;
-        const char* act = activation == Activation::kSilu ? "silu" : activation == Activation::kGelu ? "gelu" : "swiglu";
+        const char* act = activation_tag(activation);
         add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
         x.dtype = fp16;
         add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
@@ -510,7 +513,7 @@ std::vector<LayerCase> layer_cases() {
       LayerCase x = sb;
       x.options.activation = activation;
       x.options.swiglu_limit = 0.75f;
-      const char* act = activation == Activation::kSilu ? "silu" : activation == Activation::kGelu ? "gelu" : "swiglu";
+      const char* act = activation_tag(activation);
       add_small(act, x);
       x.dtype = fp16;
       add_small(std::string(act) + "_fp16", x);
