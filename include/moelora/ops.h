@@ -14,6 +14,7 @@
 //   expected and what was given; nothing is written then.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -174,10 +175,7 @@ constexpr int64_t kGroupedMinSlots = 128;
 constexpr int64_t kGrouped16BitMinSlots = 2048;
 constexpr int64_t kGrouped16BitSlotsPerExpert = 64;
 constexpr int64_t grouped_16bit_min_slots(int64_t num_experts) {
-  return kGrouped16BitSlotsPerExpert * num_experts < kGrouped16BitMinSlots
-             ? (kGrouped16BitSlotsPerExpert * num_experts > kGroupedMinSlots ? kGrouped16BitSlotsPerExpert * num_experts
-                                                                              : kGroupedMinSlots)
-             : kGrouped16BitMinSlots;
+  return std::min(kGrouped16BitMinSlots, std::max(kGroupedMinSlots, kGrouped16BitSlotsPerExpert * num_experts));
 }
 // Most slots (tokens x top_k) a chunk may have for MoeKernelConfig::small_batch: with
 // 16-bit experts, and with 8-bit ones (W8A8, whose kernels multiply on MMAs and take up to

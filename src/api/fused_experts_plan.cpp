@@ -36,6 +36,14 @@ int64_t fused_experts_block_size(int64_t num_tokens, int64_t top_k, int64_t num_
 // The heuristic's 8-bit small-batch limit in slots an expert (below, the NOTE).
 constexpr int64_t kSmallBatch8BitSlotsPerExpert = 4;
 
+// Unquantized bf16/fp16 experts: the grouped path's 16-bit operands (the heuristic, the
+// workspace and the chunk plan ask the same question).
+namespace {
+bool experts_16bit(const QuantScheme& quant, DType dtype) {
+  return !quant.enabled() && (dtype == DType::kBFloat16 || dtype == DType::kFloat16);
+}
+}  // namespace
+
 MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num_local_experts, Device device,
                                      const FusedExpertsOptions& options) {
   check_fused_experts_shape("fused_experts_config", shape);
@@ -90,7 +98,7 @@ MoeKernelConfig fused_experts_config(const FusedExpertsShape& shape, int64_t num
   // tiles: 0.68-0.91x the layer's time at M = 1024-8192 on every model; at M = 256 0.80x
   // (Mixtral, 64 slots an expert) to 0.98x with 2048 slots; 1.01x at 1024 slots over 128
   // experts (gpt-oss-120b), which the rule leaves to the tiles.
-  if (!shape.quant.enabled()) {
+  if (experts_16bit(shape.quant, shape.dtype)) {
     config.grouped_gemm = facts.sm90_kernels && slots >= grouped_16bit_min_slots(shape.num_experts);
   }
   // 8-bit experts: the small-batch kernels up to kSmallBatchMaxSlots8Bit slots while an
@@ -205,9 +213,8 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
                        const WorkspaceLayout& layout, const FusedExpertsQuantParams& quant, int64_t E_global,
                        int64_t H, int64_t I) {
 #ifdef MOELORA_WITH_CUDA
-  const DType dtype = args.hidden_states.dtype;
-  const bool experts_16bit = args.quant == nullptr && (dtype == DType::kBFloat16 || dtype == DType::kFloat16);
-  if (!(plan.quantized || experts_16bit) || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
+  const bool operands_16bit = experts_16bit(args.quant ? args.quant->scheme : QuantScheme{}, args.hidden_states.dtype);
+  if (!(plan.quantized || operands_16bit) || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
       args.lora || options.no_combine || options.apply_router_weight_on_input || args.w13.strides[2] != 1 ||
       args.w2.strides[2] != 1) {
     return;
@@ -234,7 +241,7 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.a_scales = plan.quantized ? static_cast<float*>(byte_offset(ws, layout.grouped_a_scales)) : nullptr;
   float* tensor_scales = static_cast<float*>(byte_offset(ws, layout.grouped_tensor_scales));
   const bool static_scales = plan.quantized && args.quant->scheme.static_activation_scales;
-  g.act_amax = static_scales || experts_16bit ? nullptr : tensor_scales;  // no absmax to collect
+  g.act_amax = static_scales || operands_16bit ? nullptr : tensor_scales;  // no absmax to collect
   g.act_tensor_scale = static_scales ? static_cast<const float*>(args.quant->a2_scale->data) : tensor_scales + 1;
   g.d = byte_offset(ws, layout.cache1);
   g.args = byte_offset(ws, layout.grouped_args);
@@ -402,26 +409,25 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   WorkspaceLayout l{};
   // With LoRA the alignment groups are virtual experts (expert, adapter or none).
   const int64_t groups = s.max_loras > 0 ? lora_groups(s.num_experts, s.max_loras) : s.num_experts;
-  for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
-       block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
-    const AlignCapacity c = align_capacity(slots, block_size, groups);
+  auto widen_capacity = [&](int64_t block_size, int64_t num_groups) {
+    const AlignCapacity c = align_capacity(slots, block_size, num_groups);
     l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
     l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
+  };
+  for (int64_t block_size = fixed_block_size > 0 ? fixed_block_size : 16;
+       block_size <= (fixed_block_size > 0 ? fixed_block_size : kMaxBlockSize); block_size += 16) {
+    widen_capacity(block_size, groups);
   }
   // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16, whatever
   // block size the caller fixed: its rows are the padded entries of that alignment.
   // 16-bit experts from grouped_16bit_min_slots (a caller's config asking for the path: from
   // kGroupedMinSlots).
   const bool grouped_16bit =
-      !s.quant.enabled() && (s.dtype == DType::kBFloat16 || s.dtype == DType::kFloat16) && s.max_loras == 0 &&
+      experts_16bit(s.quant, s.dtype) && s.max_loras == 0 &&
       slots >= (o.config != nullptr && o.config->grouped_gemm ? kGroupedMinSlots : grouped_16bit_min_slots(s.num_experts));
   const bool grouped =
       (s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots) || grouped_16bit;
-  if (grouped) {
-    const AlignCapacity c = align_capacity(slots, 16, s.num_experts);
-    l.capacity.max_num_tokens_padded = std::max(l.capacity.max_num_tokens_padded, c.max_num_tokens_padded);
-    l.capacity.max_num_blocks = std::max(l.capacity.max_num_blocks, c.max_num_blocks);
-  }
+  if (grouped) widen_capacity(16, s.num_experts);
   int64_t at = 0;
   auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
