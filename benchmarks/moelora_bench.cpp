@@ -4,7 +4,7 @@
 //
 //   moelora_bench [--model NAME[,NAME...]|all] [--tokens M[,M...]] [--dtype bf16|fp16]
 //                 [--device auto|cpu|cuda] [--iters N] [--no-check] [--ceilings]
-//                 [--baseline] [--static-tiles] [--grouped on|off] [--json PATH]
+//                 [--baseline] [--static-tiles] [--grouped on|off] [--grouped-tiles T1,T2] [--json PATH]
 //                 [--lora-rank R[,R...]] [--adapters N] [--lora-share S]
 //   moelora_bench --tune DIR [--model NAME|all] [--tokens ...]   (CUDA only)
 //
@@ -12,9 +12,10 @@
 // tiles, no programmatic dependent launch) and reports the speed-up.
 // --static-tiles runs the sm90 GEMMs on the static persistent schedule instead of
 // ordered tiles (FusedExpertsOptions::ordered_tiles), for A/B timing.
-// --grouped on|off forces MoeKernelConfig::grouped_gemm (the CUTLASS grouped GEMMs; sm_90a,
-// no LoRA) on or off in the cell's own config (the registry's or the heuristic's), for
-// A/B timing; a row the path does not take runs the tiles either way.
+// --grouped on|off forces MoeKernelConfig::grouped_gemm (the CUTLASS grouped GEMMs; sm_90a)
+// on or off in the cell's own config (the registry's or the heuristic's), for
+// A/B timing; a row the path does not take runs the tiles either way. --grouped-tiles T1,T2
+// (T: 64, 128 or 128x256) forces it on with those CUTLASS tiles for GEMM1 and GEMM2.
 // --tune searches block size and tiles per (model, M) and writes the config registry's
 // table for each model into DIR (copy it to configs/ to ship it).
 // --lora-rank adds, per (model, M) cell and rank R (0: none), a row of the layer with
@@ -65,7 +66,8 @@ using moelora::DType;
 using moelora::TensorView;
 
 constexpr const char* kOwnFlags =
-    "[--dtype bf16|fp16] [--baseline] [--static-tiles] [--grouped on|off] [--tune DIR [--trace]]";
+    "[--dtype bf16|fp16] [--baseline] [--static-tiles] [--grouped on|off] [--grouped-tiles T1,T2] "
+    "[--tune DIR [--trace]]";
 
 struct Options : LayerBenchOptions {
   DType dtype = DType::kBFloat16;
@@ -73,6 +75,9 @@ struct Options : LayerBenchOptions {
   bool trace = false;      // --tune: print every candidate's time
   bool static_tiles = false;  // sm90 tiles on the static persistent schedule (A/B of ordered tiles)
   std::string grouped = "auto";  // --grouped: "on", "off", or the cell's config
+  // --grouped-tiles: the grouped GEMMs' tiles (with grouped "on"); kAuto: the heuristic's
+  moelora::GroupedGemmTiles grouped_tiles1 = moelora::GroupedGemmTiles::kAuto;
+  moelora::GroupedGemmTiles grouped_tiles2 = moelora::GroupedGemmTiles::kAuto;
   std::string tune_dir;    // --tune DIR: search tiles, write the registry's JSON there
 };
 
@@ -81,6 +86,7 @@ struct Options : LayerBenchOptions {
 Options parse(int argc, char** argv) {
   Options o;
   o.tokens = {16};
+  std::string tiles_text;
   parse_layer_bench_args(argc, argv, "moelora_bench", kOwnFlags, "qwen3-30b-a3b", o,
                          [&](const std::string& arg, const std::function<std::string()>& value) {
                            if (arg == "--dtype") {
@@ -92,12 +98,28 @@ Options parse(int argc, char** argv) {
                            else if (arg == "--trace") o.trace = true;
                            else if (arg == "--static-tiles") o.static_tiles = true;
                            else if (arg == "--grouped") o.grouped = value();
+                           else if (arg == "--grouped-tiles") tiles_text = value();
                            else if (arg == "--tune") o.tune_dir = value();
                            else return false;
                            return true;
                          });
   if (!o.lora_ranks.empty() && !o.tune_dir.empty()) usage("--tune tunes the base layer: drop --lora-rank");
   if (o.grouped != "on" && o.grouped != "off" && o.grouped != "auto") usage("--grouped takes on or off");
+  if (!tiles_text.empty()) {
+    const std::string why = "--grouped-tiles takes T1,T2 with T 64, 128 or 128x256, got " + tiles_text;
+    const std::vector<std::string> tiles = split_commas(tiles_text);
+    auto parse_tiles = [&](const std::string& t) {
+      if (t == "64") return moelora::GroupedGemmTiles::kPingpong64;
+      if (t == "128") return moelora::GroupedGemmTiles::kCooperative128;
+      if (t == "128x256") return moelora::GroupedGemmTiles::kCooperative128x256;
+      usage(why);
+    };
+    if (tiles.size() != 2) usage(why);
+    if (o.grouped == "off") usage("--grouped-tiles runs the grouped path: not with --grouped off");
+    o.grouped_tiles1 = parse_tiles(tiles[0]);
+    o.grouped_tiles2 = parse_tiles(tiles[1]);
+    o.grouped = "on";
+  }
   if (o.grouped != "auto" && !o.tune_dir.empty()) usage("--tune searches the tiles: drop --grouped");
   return o;
 }
@@ -248,6 +270,8 @@ std::vector<Row> run_cell(const Model& m, int64_t M, const Options& o, bool cuda
     const moelora::Device device = cuda ? moelora::Device{moelora::DeviceType::kCUDA, 0} : moelora::Device{};
     forced = moelora::fused_experts_config({M, m.top_k, m.E, m.H, m.I, o.dtype}, 0, device, fo);
     forced.grouped_gemm = o.grouped == "on";
+    forced.grouped_tiles1 = o.grouped_tiles1;
+    forced.grouped_tiles2 = o.grouped_tiles2;
     fo.config = &forced;
   }
   std::vector<Row> rows;

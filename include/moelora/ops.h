@@ -135,8 +135,10 @@ struct GemmTile {
 // Tiles of a grouped GEMM (MoeKernelConfig::grouped_gemm): 128 x 128 with both consumer warp
 // groups on one tile (cooperative), or 64 x 128 with one tile per consumer warp group
 // (pingpong: one's epilogue runs under the other's mainloop, which pays where K is short;
-// and half the padding of a group with few rows).
-enum class GroupedGemmTiles : int8_t { kAuto = 0, kCooperative128 = 1, kPingpong64 = 2 };
+// and half the padding of a group with few rows), or 128 x 256 cooperative: each A tile read
+// once for twice the columns, the shape of CUTLASS's fastest dense bf16 GEMMs on Hopper
+// (16-bit experts; 8-bit ones asking for it take 128 x 128).
+enum class GroupedGemmTiles : int8_t { kAuto = 0, kCooperative128 = 1, kPingpong64 = 2, kCooperative128x256 = 3 };
 // One layer's config: the alignment block size and each GEMM's tile.
 struct MoeKernelConfig {
   int64_t block_size = 0;  // 0: heuristic
@@ -154,9 +156,10 @@ struct MoeKernelConfig {
   // gathering them. Costs a write and a read of [slots, H]: it pays where GEMM1 reads
   // each row many times (wide intermediate sizes, many slots per expert).
   bool sorted_input = false;
-  // fused_experts on CUDA with quantized (W8A8) or 16-bit experts (sm_90a; no LoRA, no
-  // no_combine, routed weight on the output): both GEMMs as CUTLASS grouped GEMMs over rows
-  // gathered into expert order, one group per expert (docs/CUTLASS_GROUPED_FP8.md), for
+  // fused_experts on CUDA with quantized (W8A8) or 16-bit experts (sm_90a; no no_combine,
+  // routed weight on the output; LoRA with 16-bit experts only, each GEMM's delta then added
+  // into its rows by entry): both GEMMs as CUTLASS grouped GEMMs over rows gathered into
+  // expert order, one group per expert (docs/CUTLASS_GROUPED_FP8.md), for
   // chunks of at least kGroupedMinSlots slots (16-bit: grouped_16bit_min_slots unless the
   // caller's config asks). The heuristic turns it on for those chunks; a chunk or scheme
   // the path does not take runs the tile kernels.

@@ -249,8 +249,13 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
 // the GEMMs' device arrays, x's rows (and scales) gathered into expert order (and each
 // slot's entry noted), GEMM1, the activation by entry (quantized, or rounded to the layer
 // dtype for 16-bit experts), GEMM2, and the weighted top-k sum through the entries.
+// With adapters (16-bit experts) `align` is the segmented alignment, and
+// add_lora(gemm, a, K, d, N) adds each GEMM's delta into its output rows d [entries, N] from
+// its input rows a [entries, K], both by entry.
+template <class AddLora>
 void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
-                       const FusedExpertsOptions& options, ActivationKind kind, Stream stream) {
+                       const FusedExpertsOptions& options, ActivationKind kind, AlignParams align, AddLora&& add_lora,
+                       Stream stream) {
   const GroupedExpertsParams& g = plan.grouped_params;
   // The GEMMs' operands: W8A8's quantized rows and scales, or the layer dtype's rows.
   const QuantScheme* scheme = plan.quantized ? &args.quant->scheme : nullptr;
@@ -262,9 +267,6 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
   const int64_t entries = plan.capacity.max_num_tokens_padded;
   const auto* sorted = static_cast<const int32_t*>(plan.sorted_token_ids.data);
   const auto* ntpp = static_cast<const int32_t*>(plan.num_tokens_post_padded.data);
-  AlignParams align = routed(align_params(plan.topk_ids, plan.block_size, g.num_groups, args.expert_map,
-                                          plan.sorted_token_ids, plan.expert_ids, plan.num_tokens_post_padded),
-                             args);
   align.group_entry_offsets = g.group_entry_offsets;
   align.group_sizes = g.group_sizes;
   run_align(align, device, stream);
@@ -288,6 +290,7 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
         stream);
   }
   cuda::grouped_experts_gemm(g, 1, stream);
+  if (args.lora) add_lora(1, g.a, H, g.d, 2 * I);
   const bool tensor = activation_scales == ScaleGranularity::kTensor;
   cuda::moe_activation_quantize(
       ActivationQuantizeParams{.dtype = g.dtype, .kind = kind, .alpha = options.swiglu_alpha,
@@ -301,6 +304,7 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
                                .num_slots = plan.slots, .block_size = plan.block_size, .width = I},
       stream);
   cuda::grouped_experts_gemm(g, 2, stream);
+  if (args.lora) add_lora(2, g.a, I, g.d, H);
   const TensorView& weights = plan.topk_weights;
   cuda::moe_sum_reduce(SumReduceParams{.dtype = g.dtype, .input = g.d, .input_stride_token = 0, .input_stride_k = H,
                                        .out = plan.out, .out_stride_token = args.out.strides[0],
@@ -405,23 +409,30 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       }
       run_lora_delta(delta.p, device, stream);
     };
-    // The fused path: GEMM g's shrink over the chunk's LoRA blocks into the intermediate by
-    // entry (scaled), then g takes the expand in its K loop.
+    // The delta of one GEMM on the segmented alignment: its shrink over the chunk's LoRA
+    // blocks into the intermediate by entry (scaled), from a's rows (by entry, or slot /
+    // a_top_k); `out` receives the expand where moe_lora_expand_entries adds it.
+    auto segmented_delta = [&](const LoraStack& st, bool interleaved, const TensorView& a, int64_t a_top_k,
+                               bool a_rows_by_entry, const TensorView& out) {
+      LoraDelta delta(st, interleaved, a, a_top_k, E_local, out, /*add_inputs=*/true, nullptr, chunk_adapters, ids,
+                      args.expert_map, E_global, byte_offset(ws, layout.lora_intermediate));
+      delta.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
+                        static_cast<const int32_t*>(expert_chunk.data), nullptr, cap.max_num_blocks,
+                        static_cast<const int32_t*>(ntpp.data), block_size);
+      delta.p.entry_lora_ids = entry_lora_ids;
+      delta.p.block_lora_masks = block_lora_masks;
+      delta.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
+      delta.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
+      delta.p.segmented_entries = align_capacity(slots, block_size, E_global).max_num_tokens_padded;
+      delta.p.shrink_counters = lora_shrink_counters;
+      delta.p.a_rows_by_entry = a_rows_by_entry;
+      return delta;
+    };
+    // The fused path: GEMM g's shrink, then g takes the expand in its K loop.
     auto with_fused_lora = [&](GemmParams& g, const LoraStack& st, bool interleaved, const TensorView& a,
                                int64_t a_top_k, bool a_rows_by_entry) {
       void* lora_t = byte_offset(ws, layout.lora_intermediate);
-      LoraDelta shrink(st, interleaved, a, a_top_k, E_local, a, false, nullptr, chunk_adapters, ids, args.expert_map,
-                       E_global, lora_t);
-      shrink.with_blocks(static_cast<const int32_t*>(sorted_chunk.data), cap.max_num_tokens_padded,
-                         static_cast<const int32_t*>(expert_chunk.data), nullptr, cap.max_num_blocks,
-                         static_cast<const int32_t*>(ntpp.data), block_size);
-      shrink.p.entry_lora_ids = entry_lora_ids;
-      shrink.p.block_lora_masks = block_lora_masks;
-      shrink.p.shrink_partials = static_cast<float*>(byte_offset(ws, layout.lora_shrink_partials));
-      shrink.p.shrink_partial_rows = layout.lora_shrink_partial_rows;
-      shrink.p.segmented_entries = align_capacity(slots, block_size, E_global).max_num_tokens_padded;
-      shrink.p.shrink_counters = lora_shrink_counters;
-      shrink.p.a_rows_by_entry = a_rows_by_entry;
+      [[maybe_unused]] const LoraDelta shrink = segmented_delta(st, interleaved, a, a_top_k, a_rows_by_entry, a);
 #ifdef MOELORA_WITH_CUDA
       cuda::moe_lora_shrink(shrink.p, stream);
 #endif
@@ -449,6 +460,28 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
                                      .scale = options.routed_scaling_factor},
                      device, stream);
     };
+    // The chunk's alignment: by expert, or with adapters by (expert, adapter) group, either
+    // padded per group (block_lora_ids: the delta kernels' tiles) or segmented (padded where
+    // an expert ends, the blocks of the plain expert alignment with their adapters' runs:
+    // the fused and grouped paths, whose base GEMMs then see no per-adapter padding).
+    auto chunk_alignment = [&](bool segmented) {
+      AlignParams align =
+          routed(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), args);
+      if (args.lora) {
+        align.max_loras = lora13.max_loras;
+        align.token_lora_ids = chunk_adapters.token_lora_ids;
+        align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
+        align.adapter_enabled = chunk_adapters.adapter_enabled;
+        if (segmented) {
+          align.entry_lora_ids = entry_lora_ids;
+          align.block_lora_masks = block_lora_masks;
+          align.lora_shrink_counters = lora_shrink_counters;
+        } else {
+          align.block_lora_ids = block_lora_ids;
+        }
+      }
+      return align;
+    };
     // Quantized experts: x's rows quantized first; each GEMM's scales point at its input's.
     GemmQuantParams quant1 = call.quant.gemm1, quant2 = call.quant.gemm2;
     const bool static_scales = args.quant && args.quant->scheme.static_activation_scales;
@@ -472,7 +505,16 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
     if (plan.weight_only_copies) write_dense_experts();
 #ifdef MOELORA_WITH_CUDA
     if (plan.grouped) {
-      run_grouped_chunk(plan, args, options, kind, stream);
+      // Adapters: each GEMM's delta on the segmented alignment, added into its rows by entry.
+      auto add_lora = [&](int gemm, void* a, int64_t K, void* d, int64_t N) {
+        const int64_t entries = cap.max_num_tokens_padded;
+        const LoraDelta delta = segmented_delta(gemm == 1 ? lora13 : lora2, gemm == 1 && interleaved13,
+                                                view2d(a, dtype, entries, K, K, 1, device), 1, /*a_rows_by_entry=*/true,
+                                                view2d(d, dtype, entries, N, N, 1, device));
+        cuda::moe_lora_shrink(delta.p, stream);
+        cuda::moe_lora_expand_entries(delta.p, stream);
+      };
+      run_grouped_chunk(plan, args, options, kind, chunk_alignment(/*segmented=*/true), add_lora, stream);
       continue;
     }
     if (plan.small_batch) {
@@ -563,25 +605,9 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
       continue;
     }
 #endif
-    AlignParams align =
-        routed(align_params(ids, block_size, E_global, args.expert_map, sorted_chunk, expert_chunk, ntpp), args);
+    AlignParams align = chunk_alignment(plan.fused_lora);
     align.tile_counters = tile_counters;
     align.num_tile_counters = tile_counters ? kNumTileCounters : 0;
-    if (args.lora) {
-      align.max_loras = lora13.max_loras;
-      align.token_lora_ids = chunk_adapters.token_lora_ids;
-      align.token_lora_ids_stride = chunk_adapters.token_lora_ids_stride;
-      align.adapter_enabled = chunk_adapters.adapter_enabled;
-      if (plan.fused_lora) {
-        // Segmented: the blocks of the plain expert alignment, each with its adapters'
-        // runs, so the base GEMM tiles are those without adapters (no per-adapter padding).
-        align.entry_lora_ids = entry_lora_ids;
-        align.block_lora_masks = block_lora_masks;
-        align.lora_shrink_counters = lora_shrink_counters;
-      } else {
-        align.block_lora_ids = block_lora_ids;
-      }
-    }
     run_align(align, device, stream);
     const TensorView* gemm1_weights = options.apply_router_weight_on_input ? &weights : nullptr;
     if (plan.fused_activation) {

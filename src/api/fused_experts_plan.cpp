@@ -200,7 +200,9 @@ namespace {
 // Qwen3-30B M = 256, 16 an expert: 287 -> 276), level at 64 (Qwen3-30B M = 1024), slower
 // from 64 on the wide models (Mixtral M = 256: 612 -> 695) and at M >= 4096 on every model
 // (9-30%: the 128-row tiles read each weight tile half as often).
-GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t slots, int64_t num_experts) {
+// 8-bit experts asking for 128 x 256 tiles (16-bit only) take 128 x 128.
+GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t slots, int64_t num_experts, bool quantized) {
+  if (chosen == GroupedGemmTiles::kCooperative128x256 && quantized) return GroupedGemmTiles::kCooperative128;
   if (chosen != GroupedGemmTiles::kAuto) return chosen;
   return slots <= 32 * num_experts ? GroupedGemmTiles::kPingpong64 : GroupedGemmTiles::kCooperative128;
 }
@@ -208,15 +210,17 @@ GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t slots, int6
 
 // Whether the chunk takes the grouped path (MoeKernelConfig::grouped_gemm), and its
 // parameters; then the alignment runs in blocks of 16 (the grouped GEMMs take any row
-// count per expert, so the least padding), and no small-batch kernel.
+// count per expert, so the least padding), and no small-batch kernel. Adapters (16-bit
+// experts only; max_loras > 0): the segmented alignment, an expert's rows spanning its
+// max_loras + 1 groups, each GEMM's delta added into its rows by entry.
 void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args, const FusedExpertsOptions& options,
                        const WorkspaceLayout& layout, const FusedExpertsQuantParams& quant, int64_t E_global,
-                       int64_t H, int64_t I) {
+                       int64_t H, int64_t I, int64_t max_loras) {
 #ifdef MOELORA_WITH_CUDA
   const bool operands_16bit = experts_16bit(args.quant ? args.quant->scheme : QuantScheme{}, args.hidden_states.dtype);
   if (!(plan.quantized || operands_16bit) || !plan.config.grouped_gemm || !on_cuda(args.hidden_states) || layout.grouped_rows == 0 ||
-      args.lora || options.no_combine || options.apply_router_weight_on_input || args.w13.strides[2] != 1 ||
-      args.w2.strides[2] != 1) {
+      (args.lora && !operands_16bit) || options.no_combine || options.apply_router_weight_on_input ||
+      args.w13.strides[2] != 1 || args.w2.strides[2] != 1) {
     return;
   }
   void* ws = args.workspace.data;
@@ -225,6 +229,7 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.quant13 = quant.gemm1;
   g.quant2 = quant.gemm2;
   g.num_groups = E_global;
+  g.groups_per_expert = args.lora ? max_loras + 1 : 1;
   g.expert_map = args.expert_map ? static_cast<const int32_t*>(args.expert_map->data) : nullptr;
   g.group_entry_offsets = static_cast<int32_t*>(byte_offset(ws, layout.grouped_entry_offsets));
   g.group_sizes = static_cast<int32_t*>(byte_offset(ws, layout.grouped_sizes));
@@ -247,15 +252,15 @@ void plan_grouped_path(FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args
   g.args = byte_offset(ws, layout.grouped_args);
   g.cutlass_workspace = byte_offset(ws, layout.grouped_cutlass_workspace);
   g.cutlass_workspace_bytes = kGroupedExpertsCutlassWorkspaceBytes;
-  g.tiles1 = grouped_gemm_tiles(plan.config.grouped_tiles1, plan.slots, E_global);
-  g.tiles2 = grouped_gemm_tiles(plan.config.grouped_tiles2, plan.slots, E_global);
+  g.tiles1 = grouped_gemm_tiles(plan.config.grouped_tiles1, plan.slots, E_global, plan.quantized);
+  g.tiles2 = grouped_gemm_tiles(plan.config.grouped_tiles2, plan.slots, E_global, plan.quantized);
   plan.grouped = cuda::grouped_experts_supported(g);
   if (plan.grouped) {
     plan.config.block_size = 16;
     plan.config.small_batch = false;
   }
 #else
-  (void)plan, (void)args, (void)options, (void)layout, (void)quant, (void)E_global, (void)H, (void)I;
+  (void)plan, (void)args, (void)options, (void)layout, (void)quant, (void)E_global, (void)H, (void)I, (void)max_loras;
 #endif
 }
 
@@ -419,15 +424,16 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
     widen_capacity(block_size, groups);
   }
   // The grouped path (MoeKernelConfig::grouped_gemm) aligns with blocks of 16, whatever
-  // block size the caller fixed: its rows are the padded entries of that alignment.
+  // block size the caller fixed: its rows are the padded entries of that alignment (with
+  // adapters, of the (expert, adapter) groups').
   // 16-bit experts from grouped_16bit_min_slots (a caller's config asking for the path: from
-  // kGroupedMinSlots).
+  // kGroupedMinSlots), with or without adapters; 8-bit ones without.
   const bool grouped_16bit =
-      experts_16bit(s.quant, s.dtype) && s.max_loras == 0 &&
+      experts_16bit(s.quant, s.dtype) &&
       slots >= (o.config != nullptr && o.config->grouped_gemm ? kGroupedMinSlots : grouped_16bit_min_slots(s.num_experts));
   const bool grouped =
       (s.quant.enabled() && !s.quant.weight_only() && s.max_loras == 0 && slots >= kGroupedMinSlots) || grouped_16bit;
-  if (grouped) widen_capacity(16, s.num_experts);
+  if (grouped) widen_capacity(16, groups);
   int64_t at = 0;
   auto take = [&at](int64_t bytes) { const int64_t here = at; at += round_up(std::max<int64_t>(bytes, 1), 256); return here; };
   l.sorted_token_ids = take(l.capacity.max_num_tokens_padded * 4);
@@ -439,7 +445,7 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   // writes cache3 after GEMM1 has finished.
   l.sorted_input_rows =
       slots >= kSortedActivationMinSlots && chunk_tokens > 0 && may_sort_input(s, o, chunk_tokens) ? l.cache2_rows : 0;
-  l.grouped_rows = grouped ? align_capacity(slots, 16, s.num_experts).max_num_tokens_padded : 0;
+  l.grouped_rows = grouped ? align_capacity(slots, 16, groups).max_num_tokens_padded : 0;
   // Its GEMM outputs ([entries, 2I], then [entries, H]) share the region of cache1/cache3.
   l.cache1 = l.cache3 = l.sorted_input =
       take(std::max({slots * 2 * s.intermediate_size * elem, slots * s.hidden_size * elem,
@@ -492,8 +498,8 @@ WorkspaceLayout workspace_layout(const FusedExpertsShape& s, const FusedExpertsO
   }
   if (grouped) {
     const int64_t E = s.num_experts;
-    l.grouped_entry_offsets = take(E * 4);
-    l.grouped_sizes = take(E * 4);
+    l.grouped_entry_offsets = take(groups * 4);  // by alignment group (expert, or expert and adapter)
+    l.grouped_sizes = take(groups * 4);
     l.grouped_slot_entries = take(slots * 4);
     l.grouped_args = take(grouped_experts_args_bytes(E));
     l.grouped_cutlass_workspace = take(kGroupedExpertsCutlassWorkspaceBytes);
@@ -530,7 +536,7 @@ FusedExpertsChunkPlan plan_fused_experts_chunk(const FusedExpertsArgs& args, con
   // The weight-only aligned kernels take blocks of 16 (two n8 tiles).
   plan.weight_only_aligned = plan.weight_only && on_cuda(x) && layout.weight_only_path == WeightOnlyPath::kAligned;
   if (plan.weight_only_aligned) config.block_size = 16;
-  plan_grouped_path(plan, args, options, layout, quant, E_global, H, I);
+  plan_grouped_path(plan, args, options, layout, quant, E_global, H, I, args.lora ? lora13.max_loras : 0);
   const int64_t block_size = plan.block_size = config.block_size;
   const AlignCapacity cap = plan.capacity =
       align_capacity(slots, block_size, args.lora ? lora_groups(E_global, lora13.max_loras) : E_global);

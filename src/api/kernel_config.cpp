@@ -249,9 +249,9 @@ void check_kernel_config(const char* op, const char* what, const MoeKernelConfig
   const GroupedGemmTiles grouped_tiles[2] = {config.grouped_tiles1, config.grouped_tiles2};
   for (int i = 0; i < 2; ++i) {
     const int value = int(grouped_tiles[i]);
-    if (value < int(GroupedGemmTiles::kAuto) || value > int(GroupedGemmTiles::kPingpong64)) {
+    if (value < int(GroupedGemmTiles::kAuto) || value > int(GroupedGemmTiles::kCooperative128x256)) {
       fail(op, std::string("argument '") + what + ".grouped_tiles" + std::to_string(i + 1) +
-                   "' expected kAuto, kCooperative128 or kPingpong64, got " + std::to_string(value));
+                   "' expected kAuto, kCooperative128, kPingpong64 or kCooperative128x256, got " + std::to_string(value));
     }
   }
 }

@@ -55,8 +55,8 @@ struct AlignParams {
   // Segmented: the LoRA shrink's arrival counters, one per 16 entries of the blocks
   // [max_num_blocks * block_size / 16], zeroed here (LoraDeltaParams::shrink_counters).
   int32_t* lora_shrink_counters = nullptr;
-  // fused_experts' grouped path (CUDA, max_loras == 0): each expert's first entry and its
-  // slot count [num_experts].
+  // fused_experts' grouped path (CUDA; with max_loras > 0 on the segmented alignment): each
+  // group's first entry and its slot count [num_experts * (max_loras + 1)].
   int32_t* group_entry_offsets = nullptr;
   int32_t* group_sizes = nullptr;
 };
@@ -428,8 +428,13 @@ struct GroupedExpertsParams {
                                      // not enabled: 16-bit experts, operands in dtype
   int64_t num_groups;                // global experts
   const int32_t* expert_map;         // [num_groups] -> local expert or -1; null = identity
-  int32_t* group_entry_offsets;      // [num_groups]: written by the alignment (AlignParams'), read by the args
+  // [num_groups * groups_per_expert]: written by the alignment (AlignParams'), read by the
+  // args. With adapters the alignment's groups are (expert, adapter or none), an expert's
+  // groups_per_expert (max_loras + 1) of them packed in a row (the segmented alignment):
+  // the expert's rows span them all.
+  int32_t* group_entry_offsets;
   int32_t* group_sizes;
+  int64_t groups_per_expert = 1;
   int64_t H, I;
   const void* w13;                   // [E_local, 2I, H]
   int64_t w13_stride_expert, w13_stride_n;
@@ -576,6 +581,9 @@ void moe_lora_delta(const detail::LoraDeltaParams& p, Stream stream);
 // The shrink alone, by entry (on the segmented alignment, LoraDeltaParams::entry_lora_ids), for a GEMM with
 // the fused expand (GemmParams::lora_t).
 void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
+// The expand on the segmented alignment, added into out's rows by entry (t from
+// moe_lora_shrink, scaled): fused_experts' grouped path, whose GEMMs take no expand.
+void moe_lora_expand_entries(const detail::LoraDeltaParams& p, Stream stream);
 // Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
 // this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,

@@ -70,8 +70,10 @@ __global__ void grouped_experts_args_kernel(const GroupedExpertsParams p) {
   if (g < p.num_groups) {
     const int32_t local = p.expert_map ? p.expert_map[g] : int32_t(g);
     const int64_t expert = local >= 0 ? local : 0;
-    const int32_t rows = local >= 0 ? p.group_sizes[g] : 0;
-    const int64_t start = p.group_entry_offsets[g];
+    // The expert's alignment groups lie packed from its first one's first entry.
+    const int64_t first = g * p.groups_per_expert, last = first + p.groups_per_expert - 1;
+    const int64_t start = p.group_entry_offsets[first];
+    const int32_t rows = local >= 0 ? int32_t(p.group_entry_offsets[last] + p.group_sizes[last] - start) : 0;
     // d is bf16 / fp16 (grouped_experts_supported); a and the weights 8-bit, or d's type.
     const int64_t elem = 2, in = p.quant13.enabled ? 1 : elem, H = p.H, I = p.I;
     const GemmArrays g1 = gemm_arrays(p.args, p.num_groups, 1), g2 = gemm_arrays(p.args, p.num_groups, 2);
@@ -130,9 +132,14 @@ InstanceFn instance_for(DType out) {
 template <GroupedGemmTiles kTiles>
 InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q) {
   if (!q.enabled) return instance_for<GroupedGemmOperands::k16Bit, kTiles>(p.dtype);
-  if (q.w_scales == ScaleGranularity::kBlock) return instance_for<GroupedGemmOperands::kFp8Blockwise, kTiles>(p.dtype);
-  if (q.element == DType::kInt8) return instance_for<GroupedGemmOperands::kInt8Scaled, kTiles>(p.dtype);
-  return instance_for<GroupedGemmOperands::kFp8Scaled, kTiles>(p.dtype);
+  if constexpr (kTiles == GroupedGemmTiles::kCooperative128x256) {
+    // No 8-bit instance of these tiles: plan_grouped_path refuses the config first.
+    throw std::logic_error("moelora.fused_experts: 128 x 256 grouped tiles for 8-bit operands");
+  } else {
+    if (q.w_scales == ScaleGranularity::kBlock) return instance_for<GroupedGemmOperands::kFp8Blockwise, kTiles>(p.dtype);
+    if (q.element == DType::kInt8) return instance_for<GroupedGemmOperands::kInt8Scaled, kTiles>(p.dtype);
+    return instance_for<GroupedGemmOperands::kFp8Scaled, kTiles>(p.dtype);
+  }
 }
 #endif
 
@@ -186,8 +193,10 @@ void grouped_experts_gemm(const GroupedExpertsParams& p, int gemm, Stream stream
 #ifdef MOELORA_BUILD_SM90A
   const GroupedGemmTiles tiles = gemm == 1 ? p.tiles1 : p.tiles2;
   if (tiles == GroupedGemmTiles::kAuto) throw std::logic_error("moelora.fused_experts: grouped GEMM tiles not chosen");
-  const InstanceFn instance = tiles == GroupedGemmTiles::kPingpong64 ? instance_for<GroupedGemmTiles::kPingpong64>(p, q)
-                                                                       : instance_for<GroupedGemmTiles::kCooperative128>(p, q);
+  const InstanceFn instance =
+      tiles == GroupedGemmTiles::kPingpong64           ? instance_for<GroupedGemmTiles::kPingpong64>(p, q)
+      : tiles == GroupedGemmTiles::kCooperative128x256 ? instance_for<GroupedGemmTiles::kCooperative128x256>(p, q)
+                                                       : instance_for<GroupedGemmTiles::kCooperative128>(p, q);
   instance(run, static_cast<cudaStream_t>(stream));
 #else
   (void)run;

@@ -3,10 +3,12 @@
 // serves which scheme, the scale layouts, and the hazards (PDL off, NDEBUG, no host
 // problem shapes, so no per-group alignment checks: fused_experts checks them).
 //
-// Two tile shapes (GroupedGemmTiles, a template parameter: one instance per TU), K steps of
+// Three tile shapes (GroupedGemmTiles, a template parameter: one instance per TU), K steps of
 // 128 bytes (128 8-bit or 64 16-bit elements: one 128-byte swizzle row):
 //   kCooperative128: 128 x 128 tiles, both consumer warp groups on one tile, the
 //     epilogue after the tile's mainloop.
+//   kCooperative128x256 (16-bit operands only): 128 x 256, the same schedule, each warp
+//     group 64 x 256 (128 fp32 accumulators a thread); a K step's operands are 48 KB.
 //   kPingpong64: 64 x 128 tiles, each consumer warp group on its own tile, so one's
 //     epilogue runs under the other's mainloop (short K, where the epilogue is a large share
 //     of a tile), and half the padding for groups of few rows.
@@ -54,8 +56,10 @@ using LayoutD = cutlass::layout::RowMajor;     // [M, N]
 // NOTE: 1x2 clusters: the pair shares each A tile over two N tiles. The doc's probe
 // compiled the 128-row cooperative tiles with no spills for all three collectives.
 template <GroupedGemmTiles kTiles, int kTileK>
-using TileShapeOf = std::conditional_t<kTiles == GroupedGemmTiles::kPingpong64, Shape<_64, _128, Int<kTileK>>,
-                                       Shape<_128, _128, Int<kTileK>>>;
+using TileShapeOf = std::conditional_t<
+    kTiles == GroupedGemmTiles::kPingpong64, Shape<_64, _128, Int<kTileK>>,
+    std::conditional_t<kTiles == GroupedGemmTiles::kCooperative128x256, Shape<_128, _256, Int<kTileK>>,
+                       Shape<_128, _128, Int<kTileK>>>>;
 using ClusterShape = Shape<_1, _2, _1>;
 constexpr int kAlignmentD = 8;  // 16 bytes of bf16 / fp16
 
@@ -89,6 +93,8 @@ struct GroupedGemm {
   static constexpr bool kInt8 = std::is_same_v<ElementIn, int8_t>;
   static_assert(!(kInt8 && kScaling == Scaling::kBlockwise), "CUTLASS has no int8 blockwise mainloop");
   static_assert((kScaling == Scaling::kNone) == (sizeof(ElementIn) == 2), "16-bit operands are unscaled");
+  static_assert(kTiles != GroupedGemmTiles::kCooperative128x256 || kScaling == Scaling::kNone,
+                "128 x 256 tiles: 16-bit operands only");
   using ElementAccumulator = std::conditional_t<kInt8, int32_t, float>;
   // TMA: 16-byte rows; a K step of 128 bytes (one 128-byte swizzle row).
   static constexpr int kAlignmentAB = 16 / int(sizeof(ElementIn));
@@ -131,7 +137,9 @@ void run_grouped_gemm(const GroupedGemmRun& r, cudaStream_t stream, const char* 
   using G = GroupedGemm<ElementIn, ElementOut, kScaling, kTiles>;
   auto name = [&] {
     return std::string("grouped_gemm_sm90_") + operands + "_" + out +
-           (kTiles == GroupedGemmTiles::kPingpong64 ? "_m64" : "_m128");
+           (kTiles == GroupedGemmTiles::kPingpong64           ? "_m64"
+            : kTiles == GroupedGemmTiles::kCooperative128x256 ? "_m128n256"
+                                                              : "_m128");
   };
   using Gemm = typename G::Gemm;
   const DeviceInfo& device = current_device_info();

@@ -47,7 +47,8 @@ enum class GroupedGemmOperands { kFp8Blockwise, kFp8Scaled, kInt8Scaled, k16Bit 
 
 // The instances (sm_90a builds only; 1x2 clusters), defined in grouped_gemm_sm90.cuh and
 // instantiated one per TU, grouped_gemm_sm90_<operands>_<out>_<tiles>.cu: kOut bf16 or
-// fp16, tiles m128 (GroupedGemmTiles::kCooperative128) or m64 (kPingpong64).
+// fp16, tiles m128 (GroupedGemmTiles::kCooperative128), m64 (kPingpong64) or, 16-bit
+// operands only, m128n256 (kCooperative128x256).
 template <GroupedGemmOperands kOperands, DType kOut, GroupedGemmTiles kTiles>
 void grouped_gemm_sm90(const GroupedGemmRun& r, cudaStream_t stream);
 

@@ -28,27 +28,20 @@
 #include "cuda/device_info.h"
 #include "cuda/launch.cuh"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/moe_lora_tiles.cuh"
 #include "cuda/numeric.cuh"
 
 namespace moelora::cuda {
 namespace {
 
 using detail::LoraDeltaParams;
+using namespace lora_tiles;
 
-constexpr int kTileRows = 16;                 // slots per tile: the mma M
-constexpr int kMaxRankPadded = 128;           // kMaxLoraRank, padded to 16
 constexpr int kShrinkThreads = 256;           // 8 warps: one 16-column rank fragment each
-constexpr int kExpandColumns = 64;            // output columns per expand CTA
-constexpr int kExpandThreads = 128;           // 4 warps: one 16-column output fragment each
 
-template <typename T>
-constexpr bool kTensorCores = sizeof(T) == 2;
 // K elements a shrink stage holds: 128 bytes a row.
 template <typename T>
 constexpr int kShrinkK = 128 / int(sizeof(T));
-// Row pitch padding (elements) against shared-memory bank conflicts; keeps rows 16-byte
-// aligned for ldmatrix and the 16-byte copies.
-constexpr int kPad = 8;
 
 // The expert and adapter of one tile (its slots sit in shared memory; -1 marks an empty row).
 struct Tile {
@@ -82,12 +75,6 @@ __device__ __forceinline__ Tile slot_tile(const LoraDeltaParams& p, int64_t slot
   }
   t.active = tile_active(p, t);
   return t;
-}
-
-// Output element of slot s at column j of slice c.
-__device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {
-  const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
-  return s * p.out_stride_row + col * p.out_stride_n;
 }
 
 // The factor on slot s's delta: the adapter's scale (× the slot's routed weight).
@@ -129,54 +116,6 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
     if (threadIdx.x < kTileRows) slots[threadIdx.x] = threadIdx.x == 0 ? int(tile) : -1;
   }
   return true;
-}
-
-__host__ __device__ constexpr int round_up16(int v) { return (v + 15) / 16 * 16; }
-
-// Tensor-core tiles: acc (two mma.m16n8k16 C fragments, n 0-7 and n 8-15; lane holds rows
-// lane / 4 (+8) at columns 2 (lane % 4) (+1) of each) += a[16, k_extent] · b[16, k_extent]ᵀ,
-// both row-major in shared memory; a and b are this lane's ldmatrix.x4 row addresses
-// (mma_lane_a / mma_lane_b) as 32-bit shared offsets, k_extent a multiple of 16.
-// NOTE: WMMA's load_matrix_sync compiled to 32 generic 2-byte loads a fragment, and a
-// generic pointer converted per call costs 3 instructions; in the segmented shrink that
-// was its largest instruction cost (ncu, DeepSeek M = 512: 177 M instructions at 2.25 IPC
-// for 460 MB of lora_a in 343 us).
-template <typename T>
-__device__ __forceinline__ void mma_16x16_accumulate(float (&acc)[8], uint32_t a, uint32_t b, int k_extent) {
-  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
-                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
-#pragma unroll 4
-  for (int kk = 0; kk < k_extent; kk += 16) {
-    uint32_t a0, a1, a2, a3, b0, b1, b2, b3;
-    ldmatrix_x4(a + kk * sizeof(T), a0, a1, a2, a3);
-    ldmatrix_x4(b + kk * sizeof(T), b0, b1, b2, b3);
-    Mma::fma(acc[0], acc[1], acc[2], acc[3], a0, a1, a2, a3, b0, b1, acc[0], acc[1], acc[2], acc[3]);
-    Mma::fma(acc[4], acc[5], acc[6], acc[7], a0, a1, a2, a3, b2, b3, acc[4], acc[5], acc[6], acc[7]);
-  }
-}
-
-// This lane's ldmatrix.x4 element offset in a 16-row tile at pitch ld: for a, rows 0-7 /
-// 8-15 at k 0 / 8; for b, rows (n) 0-7 at k 0 / 8, then 8-15.
-__device__ __forceinline__ int mma_lane_a(int ld) {
-  const int lane = threadIdx.x % 32;
-  return (lane % 16) * ld + (lane / 16) * 8;
-}
-__device__ __forceinline__ int mma_lane_b(int ld) {
-  const int lane = threadIdx.x % 32;
-  return (lane % 8 + (lane / 16) * 8) * ld + (lane / 8 % 2) * 8;
-}
-
-// acc of mma_16x16_accumulate into a row-major fp32 [16, 16] tile at pitch ld.
-__device__ __forceinline__ void store_mma_16x16(float* tile, int ld, const float (&acc)[8]) {
-  const int lane = threadIdx.x % 32;
-  float* out = tile + (lane / 4) * ld + (lane % 4) * 2;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    out[h * 8] = acc[4 * h];
-    out[h * 8 + 1] = acc[4 * h + 1];
-    out[8 * ld + h * 8] = acc[4 * h + 2];
-    out[8 * ld + h * 8 + 1] = acc[4 * h + 3];
-  }
 }
 
 // ---- shrink -----------------------------------------------------------------------------

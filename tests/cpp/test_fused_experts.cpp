@@ -69,8 +69,8 @@ TEST_P(FusedExpertsTest, MatchesReference) {
 }
 
 // The workspace of the grouped path (no device needed): 16-bit experts reserve it from
-// grouped_16bit_min_slots, or from kGroupedMinSlots when the caller's config asks for it, never
-// with LoRA; and its alignment in blocks of 16 fits whatever block size the config fixes (a
+// grouped_16bit_min_slots, or from kGroupedMinSlots when the caller's config asks for it, with
+// LoRA too (by (expert, adapter) group); and its alignment in blocks of 16 fits whatever block size the config fixes (a
 // config of 64-row blocks held too few blocks for the path's 16-row ones).
 TEST(FusedExpertsLayout, ReservesTheGroupedPathFor16BitExperts) {
   const int64_t E = 64, H = 2048;
@@ -87,7 +87,10 @@ TEST(FusedExpertsLayout, ReservesTheGroupedPathFor16BitExperts) {
   const detail::WorkspaceLayout at_min = layout(min_tokens, nullptr);
   EXPECT_EQ(at_min.grouped_rows, detail::align_capacity(kGrouped16BitMinSlots, 16, E).max_num_tokens_padded);
   EXPECT_GT(at_min.total, layout(min_tokens - 1, nullptr).total);
-  EXPECT_EQ(layout(min_tokens, nullptr, /*max_loras=*/4).grouped_rows, 0) << "no grouped path with LoRA";
+  // With adapters: the segmented alignment's groups (expert, adapter or none), padded to 16.
+  const detail::WorkspaceLayout with_lora = layout(min_tokens, nullptr, /*max_loras=*/4);
+  EXPECT_EQ(with_lora.grouped_rows, detail::align_capacity(kGrouped16BitMinSlots, 16, E * 5).max_num_tokens_padded);
+  EXPECT_GE(with_lora.grouped_sizes - with_lora.grouped_entry_offsets, E * 5 * 4) << "a group offset per (expert, adapter)";
   MoeKernelConfig grouped_64;
   grouped_64.block_size = 64;
   grouped_64.grouped_gemm = true;
@@ -441,6 +444,9 @@ std::vector<LayerCase> layer_cases() {
   static const MoeKernelConfig kGrouped16M128{.grouped_gemm = true,
                                               .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
                                               .grouped_tiles2 = GroupedGemmTiles::kCooperative128};
+  static const MoeKernelConfig kGrouped16Wide{.grouped_gemm = true,
+                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128x256,
+                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128x256};
   {
     LayerCase g = c;
     g.M = 160;
@@ -449,7 +455,8 @@ std::vector<LayerCase> layer_cases() {
     g.I = 80;
     g.options.config = &kGrouped16;
     g.expect_grouped = true;
-    for (const auto& [tiles, config] : {std::pair{"m64", &kGrouped16M64}, std::pair{"m128", &kGrouped16M128}}) {
+    for (const auto& [tiles, config] : {std::pair{"m64", &kGrouped16M64}, std::pair{"m128", &kGrouped16M128},
+                                        std::pair{"m128n256", &kGrouped16Wide}}) {
       for (Activation activation : {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai}) {
         LayerCase x = g;
         x.options.config = config;

@@ -120,7 +120,7 @@ TEST_P(FusedExpertsBackendTest, RejectsBadArguments) {
   static const MoeKernelConfig kTilesWithoutBlockSize{0, {GemmKernel::kSm80, 16, 64}, {}};
   static const MoeKernelConfig kBlockSize24{24, {}, {}};
   static const MoeKernelConfig kGroupedTilesOutOfRange{.block_size = 16,
-                                                       .grouped_tiles2 = static_cast<GroupedGemmTiles>(3)};
+                                                       .grouped_tiles2 = static_cast<GroupedGemmTiles>(4)};
   auto with_config = [](const MoeKernelConfig& config) {
     return [&config](FusedExpertsArgs&, FusedExpertsOptions& o, LayerProblem&) { o.config = &config; };
   };

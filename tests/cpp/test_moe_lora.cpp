@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -13,6 +14,7 @@
 #include <cuda_runtime.h>
 #endif
 
+#include "api/fused_experts_plan.h"
 #include "lora_testing.h"
 #include "test_util.h"
 
@@ -289,6 +291,9 @@ struct LayerLoraCase {
   int w13_slices = 2;
   Activation activation = Activation::kSilu;
   FusedExpertsOptions options{};
+  // CUDA with sm_90a kernels: whether the grouped GEMMs must have run (their slot-to-entry
+  // table in the workspace written) or must not.
+  std::optional<bool> expect_grouped;
 };
 
 void PrintTo(const LayerLoraCase& c, std::ostream* os) { *os << c.name << "_" << backend_name(c.backend); }
@@ -415,6 +420,18 @@ TEST_P(FusedExpertsLoraTest, MatchesReference) {
         c.options.no_combine, c.options.routed_scaling_factor, nullptr);
     EXPECT_GT(ref::rel_error(no_lora, expected), 10 * ref::tolerance(c.dtype));
   }
+#ifdef MOELORA_WITH_CUDA
+  if (c.backend == Backend::kCUDA && c.expect_grouped.has_value() && cuda::current_device_facts().sm90_kernels) {
+    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
+    bool grouped = false;
+    if (layout.grouped_rows > 0) {
+      layer.workspace.download();
+      grouped = !layer.workspace.is_poison(layout.grouped_slot_entries / 4);
+    }
+    EXPECT_EQ(grouped, *c.expect_grouped) << (*c.expect_grouped ? "the tile kernels ran instead of the grouped GEMMs"
+                                                                 : "the grouped GEMMs ran");
+  }
+#endif
 }
 
 std::vector<LayerLoraCase> layer_cases() {
@@ -469,6 +486,57 @@ std::vector<LayerLoraCase> layer_cases() {
     small_on_input.options.apply_router_weight_on_input = true;
     cases.push_back(small_on_input);
     if (backend != Backend::kCUDA) continue;
+    // CUDA sm_90a: the grouped GEMMs (16-bit experts) with each GEMM's delta on the segmented
+    // alignment, added into its rows by entry (moe_lora_expand_entries). H and I multiples
+    // of 16 (TMA rows); ranks 1-128 (rank 128 with 2 slices: two column passes of the shrink),
+    // both tile shapes, interleaved and one-slice w13 stacks, fp16, disabled adapters and
+    // tokens without one, 16 and 64 adapters, chunks, and past 1024 slots the segmented MMA
+    // shrink (below it, the GEMVs over entries).
+    static const MoeKernelConfig grouped{.grouped_gemm = true};
+    static const MoeKernelConfig grouped_m64{.grouped_gemm = true,
+                                             .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
+                                             .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
+    static const MoeKernelConfig grouped_m128{.grouped_gemm = true,
+                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
+                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128};
+    {
+      std::vector<LayerLoraCase> g;
+      for (int64_t rank : {1, 16, 64, 128}) {
+        g.push_back({.name = "grouped16_rank" + std::to_string(rank), .backend = backend, .M = 160, .top_k = 4,
+                     .E = 8, .H = 272, .I = 80, .rank = rank});
+      }
+      g.push_back({.name = "grouped16_m64_share50_disabled", .backend = backend, .M = 160, .top_k = 4, .E = 16,
+                   .H = 272, .I = 80, .L = 16, .share = 0.5, .disable_some = true});
+      g.back().options.config = &grouped_m64;
+      g.push_back({.name = "grouped16_m128_adapters64", .backend = backend, .M = 160, .top_k = 4, .E = 8, .H = 272,
+                   .I = 80, .L = 64, .share = 1.0});
+      g.back().options.config = &grouped_m128;
+      g.push_back({.name = "grouped16_swiglu_oai", .backend = backend, .M = 160, .top_k = 4, .H = 272, .I = 80,
+                   .activation = Activation::kSwigluOai});
+      g.push_back({.name = "grouped16_swiglu_oai_one_slice", .backend = backend, .M = 160, .top_k = 4, .H = 272,
+                   .I = 80, .rank = 24, .w13_slices = 1, .activation = Activation::kSwigluOai});
+      g.push_back({.name = "grouped16_gelu_one_slice_fp16", .backend = backend, .dtype = DType::kFloat16, .M = 160,
+                   .top_k = 4, .H = 272, .I = 80, .rank = 32, .w13_slices = 1, .activation = Activation::kGelu});
+      g.push_back({.name = "grouped16_segmented_shrink_split_k", .backend = backend, .M = 300, .top_k = 4, .E = 16,
+                   .H = 1040, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
+      LayerLoraCase chunked{.name = "grouped16_chunks_scaled", .backend = backend, .M = 300, .top_k = 4, .H = 272,
+                            .I = 80};
+      chunked.options.chunk_size = 128;  // 512, 512 and 176 slots
+      chunked.options.routed_scaling_factor = 2.5f;
+      g.push_back(chunked);
+      for (LayerLoraCase& c : g) {
+        if (c.options.config == nullptr) c.options.config = &grouped;
+        c.expect_grouped = true;
+        cases.push_back(c);
+      }
+      // The calls the path does not take: no_combine and the routed weight on the input.
+      LayerLoraCase no_combine{.name = "grouped16_no_combine_takes_the_tiles", .backend = backend, .M = 160,
+                               .top_k = 4, .H = 272, .I = 80};
+      no_combine.options.config = &grouped;
+      no_combine.options.no_combine = true;
+      no_combine.expect_grouped = false;
+      cases.push_back(no_combine);
+    }
     // CUDA: both GEMMs on the tensor-core kernels, the LoRA expand fused into their K
     // loops (rank % 8 == 0; rank 1 falls back to the delta kernels). Tails in N (I = 48,
     // H = 136), up to 4 extra K steps (2 slices x rank 128), 2-CTA cluster tiles run as

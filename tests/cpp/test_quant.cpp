@@ -400,6 +400,10 @@ const MoeKernelConfig kGroupedM64{.grouped_gemm = true,
 const MoeKernelConfig kGroupedM128M64{.grouped_gemm = true,
                                       .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
                                       .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
+// ... asking for the 16-bit experts' 128 x 256 tiles: 8-bit experts take 128 x 128.
+const MoeKernelConfig kGroupedWide{.grouped_gemm = true,
+                                   .grouped_tiles1 = GroupedGemmTiles::kCooperative128x256,
+                                   .grouped_tiles2 = GroupedGemmTiles::kCooperative128x256};
 
 std::vector<QuantLayerCase> quant_layer_cases() {
   std::vector<QuantLayerCase> cases;
@@ -584,6 +588,9 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.num_global = 32;
     x.dropped_share = 0.1;
     add("grouped_m128_m64_expert_map_dropped", x, {Backend::kCUDA});
+    x = grouped;
+    x.options.config = &kGroupedWide;
+    add("grouped_asks_wide_tiles_takes_m128", x, {Backend::kCUDA});
     x = grouped;
     x.options.no_combine = true;  // not taken: the tile kernels write each slot's row
     x.expect_grouped = false;
