@@ -165,7 +165,8 @@ struct MoeKernelConfig {
   // the path does not take runs the tile kernels.
   bool grouped_gemm = false;
   // The grouped path's CUTLASS tiles for GEMM1 and GEMM2 (GroupedGemmTiles); kAuto: the
-  // heuristic (fused_experts_config).
+  // heuristic's: 64 x 128 pingpong up to 32 slots an expert, above that 128 x 256 for 16-bit
+  // experts and 128 x 128 for 8-bit ones.
   GroupedGemmTiles grouped_tiles1 = GroupedGemmTiles::kAuto, grouped_tiles2 = GroupedGemmTiles::kAuto;
 };
 // Fewest slots of a chunk for MoeKernelConfig::grouped_gemm: the workspace holds its

@@ -200,11 +200,17 @@ namespace {
 // Qwen3-30B M = 256, 16 an expert: 287 -> 276), level at 64 (Qwen3-30B M = 1024), slower
 // from 64 on the wide models (Mixtral M = 256: 612 -> 695) and at M >= 4096 on every model
 // (9-30%: the 128-row tiles read each weight tile half as often).
+// 16-bit experts take 128 x 256 tiles where 8-bit ones take 128 x 128: measured on an H200
+// (reports/gpu/2026-11-29-h200x2-8dc7e77-issue31.txt), both GEMMs on 128 x 256 against
+// 128 x 128, from 64 slots an expert: 0.88-1.00x on every model at M = 1024-4096 (Qwen3-30B
+// M = 4096 858 -> 779 us, Mixtral M = 1024 1721 -> 1464); at 32 an expert (DeepSeek-V3,
+// gpt-oss M = 1024) they lose to the 64-row tiles (1.02-1.08x), which keep those cells.
 // 8-bit experts asking for 128 x 256 tiles (16-bit only) take 128 x 128.
 GroupedGemmTiles grouped_gemm_tiles(GroupedGemmTiles chosen, int64_t slots, int64_t num_experts, bool quantized) {
   if (chosen == GroupedGemmTiles::kCooperative128x256 && quantized) return GroupedGemmTiles::kCooperative128;
   if (chosen != GroupedGemmTiles::kAuto) return chosen;
-  return slots <= 32 * num_experts ? GroupedGemmTiles::kPingpong64 : GroupedGemmTiles::kCooperative128;
+  if (slots <= 32 * num_experts) return GroupedGemmTiles::kPingpong64;
+  return quantized ? GroupedGemmTiles::kCooperative128 : GroupedGemmTiles::kCooperative128x256;
 }
 #endif
 
