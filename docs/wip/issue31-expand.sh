@@ -7,8 +7,8 @@
 #       joined to the activation). Prints the A/B table last.
 #   bash docs/wip/issue31-expand.sh proof  (~500 s, warm): the whole C++ suite in 16 shards, pytest beside memcheck,
 #       racecheck of the grouped LoRA tests, ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 and 4096
-#   bash docs/wip/issue31-expand.sh grids  (~350 s, warm): the report's grids (bf16, bf16 LoRA r16 and r64, w4a16
-#       LoRA, the searched peer at r16); make_report as in docs/wip/README.md
+#   bash docs/wip/issue31-expand.sh grids  (~400 s, warm): the report's grids (bf16, bf16 LoRA r16 and r64, r16 at
+#       share 0.5, w4a16 LoRA, the searched peer at r16); make_report as in docs/wip/README.md
 # The patch (branch wip/expand-activation):
 #  - moe_lora_expand_entries as 64 entries x 64 columns a CTA (both slices in the MMA's K), its index loads in one
 #    round trip, its output rows loaded before the MMAs, 16-byte accesses. The first version ran at ~12 ps an output
@@ -113,6 +113,9 @@ grids)
   timeout 75 $B/moelora_bench --device cuda --model all --tokens 1,4,16,64,256,1024,4096 --lora-rank 16,64 --adapters 4 \
     --lora-share 1.0 --no-check --ceilings --json $OUT/lorabf16.json > /tmp/lorabf16.log 2>&1
   echo "bf16 lora rc $? at $(el) s"
+  timeout 45 $B/moelora_bench --device cuda --model all --tokens 1,4,16,64,256,1024,4096 --lora-rank 16 --adapters 4 \
+    --lora-share 0.5 --no-check --ceilings --json $OUT/lorahalf.json > /tmp/lorahalf.log 2>&1
+  echo "bf16 lora share 0.5 rc $? at $(el) s"
   timeout 40 $B/quant_bench --device cuda --model all --scheme w4a16:g128 --tokens 16,256,1024 --lora-rank 16 \
     --ceilings --json $OUT/lora.json > /tmp/lora.log 2>&1; echo "w4a16 lora rc $? at $(el) s"
   mkdir -p /tmp/peer
