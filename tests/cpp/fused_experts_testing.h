@@ -12,10 +12,19 @@
 #include <string>
 #include <vector>
 
+#include "api/fused_experts_plan.h"
 #include "common/params.h"
 #include "test_util.h"
 
 namespace moelora::test {
+
+// Whether a fused_experts call took the grouped path: only it writes the alignment's
+// per-slot entries, so with the workspace poisoned before the call their first word tells.
+inline bool grouped_path_ran(const detail::WorkspaceLayout& layout, Buffer& workspace) {
+  if (layout.grouped_rows == 0) return false;
+  workspace.download();
+  return !workspace.is_poison(layout.grouped_slot_entries / 4);
+}
 
 struct LayerCase {
   std::string name;

@@ -54,13 +54,9 @@ TEST_P(FusedExpertsTest, MatchesReference) {
 #ifdef MOELORA_WITH_CUDA
   if (c.backend == Backend::kCUDA && c.M > 0 && c.expect_grouped.has_value() &&
       cuda::current_device_facts().sm90_kernels) {
-    const detail::WorkspaceLayout layout =
-        detail::workspace_layout({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local}, c.options);
-    bool grouped = false;
-    if (layout.grouped_rows > 0) {
-      problem.workspace.download();
-      grouped = !problem.workspace.is_poison(layout.grouped_slot_entries / 4);
-    }
+    const bool grouped = grouped_path_ran(
+        detail::workspace_layout({c.M, c.top_k, c.num_global, c.H, c.I, c.dtype, c.num_local}, c.options),
+        problem.workspace);
     EXPECT_EQ(grouped, *c.expect_grouped) << (*c.expect_grouped ? "the tile kernels ran instead of the grouped GEMMs"
                                                                  : "the grouped GEMMs ran");
   }

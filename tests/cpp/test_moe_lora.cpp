@@ -15,6 +15,7 @@
 #endif
 
 #include "api/fused_experts_plan.h"
+#include "fused_experts_testing.h"
 #include "lora_testing.h"
 #include "test_util.h"
 
@@ -422,12 +423,7 @@ TEST_P(FusedExpertsLoraTest, MatchesReference) {
   }
 #ifdef MOELORA_WITH_CUDA
   if (c.backend == Backend::kCUDA && c.expect_grouped.has_value() && cuda::current_device_facts().sm90_kernels) {
-    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
-    bool grouped = false;
-    if (layout.grouped_rows > 0) {
-      layer.workspace.download();
-      grouped = !layer.workspace.is_poison(layout.grouped_slot_entries / 4);
-    }
+    const bool grouped = grouped_path_ran(detail::workspace_layout(layer.shape(), c.options), layer.workspace);
     EXPECT_EQ(grouped, *c.expect_grouped) << (*c.expect_grouped ? "the tile kernels ran instead of the grouped GEMMs"
                                                                  : "the grouped GEMMs ran");
   }

@@ -12,6 +12,7 @@
 
 #include "api/fused_experts_plan.h"
 #include "common/params.h"
+#include "fused_experts_testing.h"
 #include "lora_testing.h"
 #include "quant_layer_testing.h"
 #include "test_util.h"
@@ -362,11 +363,7 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   // The grouped path is the only one that writes the alignment's per-slot entries.
   bool grouped = false;
   if (c.backend == Backend::kCUDA && c.M > 0) {
-    const detail::WorkspaceLayout layout = detail::workspace_layout(layer.shape(), c.options);
-    if (layout.grouped_rows > 0) {
-      layer.io.workspace.download();
-      grouped = !layer.io.workspace.is_poison(layout.grouped_slot_entries / 4);
-    }
+    grouped = grouped_path_ran(detail::workspace_layout(layer.shape(), c.options), layer.io.workspace);
 #ifdef MOELORA_WITH_CUDA
     if (c.expect_grouped.has_value() && cuda::current_device_facts().sm90_kernels) {
       EXPECT_EQ(grouped, *c.expect_grouped) << "the other path ran";
