@@ -133,7 +133,8 @@ template <GroupedGemmTiles kTiles>
 InstanceFn instance_for(const GroupedExpertsParams& p, const GemmQuantParams& q) {
   if (!q.enabled) return instance_for<GroupedGemmOperands::k16Bit, kTiles>(p.dtype);
   if constexpr (kTiles == GroupedGemmTiles::kCooperative128x256) {
-    // No 8-bit instance of these tiles: plan_grouped_path refuses the config first.
+    // No 8-bit instance of these tiles: grouped_gemm_tiles (fused_experts_plan.cpp) gives
+    // 8-bit operands asking for them 128 x 128.
     throw std::logic_error("moelora.fused_experts: 128 x 256 grouped tiles for 8-bit operands");
   } else {
     if (q.w_scales == ScaleGranularity::kBlock) return instance_for<GroupedGemmOperands::kFp8Blockwise, kTiles>(p.dtype);
