@@ -250,8 +250,9 @@ detail::SmallBatchMoeParams small_batch_params(const FusedExpertsArgs& args, con
 // slot's entry noted), GEMM1, the activation by entry (quantized, or rounded to the layer
 // dtype for 16-bit experts), GEMM2, and the weighted top-k sum through the entries.
 // With adapters (16-bit experts) `align` is the segmented alignment, and
-// add_lora(gemm, a, K, d, N) adds each GEMM's delta into its output rows d [entries, N] from
-// its input rows a [entries, K], both by entry.
+// add_lora(gemm, a, K, d, N, activation) adds each GEMM's delta into its output rows
+// d [entries, N] from its input rows a [entries, K], both by entry; for GEMM1 it also runs
+// `activation` (the delta then joins GEMM1's rows on their way through it).
 template <class AddLora>
 void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs& args,
                        const FusedExpertsOptions& options, ActivationKind kind, AlignParams align, AddLora&& add_lora,
@@ -290,21 +291,21 @@ void run_grouped_chunk(const FusedExpertsChunkPlan& plan, const FusedExpertsArgs
         stream);
   }
   cuda::grouped_experts_gemm(g, 1, stream);
-  if (args.lora) add_lora(1, g.a, H, g.d, 2 * I);
   const bool tensor = activation_scales == ScaleGranularity::kTensor;
-  cuda::moe_activation_quantize(
-      ActivationQuantizeParams{.dtype = g.dtype, .kind = kind, .alpha = options.swiglu_alpha,
-                               .limit = options.swiglu_limit, .input = g.d, .element = element, .out = g.a,
-                               .granularity = activation_scales,
-                               .scales = !scheme ? nullptr : tensor ? const_cast<float*>(g.act_tensor_scale) : g.a_scales,
-                               .static_scale = scheme && scheme->static_activation_scales, .amax = g.act_amax,
-                               .sorted_token_ids = sorted,
-                               .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data),
-                               .num_tokens_post_padded = ntpp, .max_num_tokens_padded = entries,
-                               .num_slots = plan.slots, .block_size = plan.block_size, .width = I},
-      stream);
+  const ActivationQuantizeParams activation{
+      .dtype = g.dtype, .kind = kind, .alpha = options.swiglu_alpha, .limit = options.swiglu_limit, .input = g.d,
+      .element = element, .out = g.a, .granularity = activation_scales,
+      .scales = !scheme ? nullptr : tensor ? const_cast<float*>(g.act_tensor_scale) : g.a_scales,
+      .static_scale = scheme && scheme->static_activation_scales, .amax = g.act_amax, .sorted_token_ids = sorted,
+      .expert_ids = static_cast<const int32_t*>(plan.expert_ids.data), .num_tokens_post_padded = ntpp,
+      .max_num_tokens_padded = entries, .num_slots = plan.slots, .block_size = plan.block_size, .width = I};
+  if (args.lora) {
+    add_lora(1, g.a, H, g.d, 2 * I, &activation);
+  } else {
+    cuda::moe_activation_quantize(activation, stream);
+  }
   cuda::grouped_experts_gemm(g, 2, stream);
-  if (args.lora) add_lora(2, g.a, I, g.d, H);
+  if (args.lora) add_lora(2, g.a, I, g.d, H, nullptr);
   const TensorView& weights = plan.topk_weights;
   cuda::moe_sum_reduce(SumReduceParams{.dtype = g.dtype, .input = g.d, .input_stride_token = 0, .input_stride_k = H,
                                        .out = plan.out, .out_stride_token = args.out.strides[0],
@@ -506,13 +507,23 @@ void fused_experts(const FusedExpertsArgs& call_args, const FusedExpertsOptions&
 #ifdef MOELORA_WITH_CUDA
     if (plan.grouped) {
       // Adapters: each GEMM's delta on the segmented alignment, added into its rows by entry.
-      auto add_lora = [&](int gemm, void* a, int64_t K, void* d, int64_t N) {
+      // GEMM1's shrink reads x by token rather than GEMM1's gathered rows: x is top_k times
+      // smaller and stays in L2 while the entries revisit its tokens (Qwen3-30B M = 4096:
+      // 16 MB against 134 MB), where the gathered rows were evicted by GEMM1's own traffic.
+      auto add_lora = [&](int gemm, void* a, int64_t K, void* d, int64_t N, const ActivationQuantizeParams* activation) {
         const int64_t entries = cap.max_num_tokens_padded;
-        const LoraDelta delta = segmented_delta(gemm == 1 ? lora13 : lora2, gemm == 1 && interleaved13,
-                                                view2d(a, dtype, entries, K, K, 1, device), 1, /*a_rows_by_entry=*/true,
-                                                view2d(d, dtype, entries, N, N, 1, device));
+        const LoraDelta delta =
+            gemm == 1 ? segmented_delta(lora13, interleaved13, x_chunk, top_k, /*a_rows_by_entry=*/false,
+                                        view2d(d, dtype, entries, N, N, 1, device))
+                      : segmented_delta(lora2, false, view2d(a, dtype, entries, K, K, 1, device), 1,
+                                        /*a_rows_by_entry=*/true, view2d(d, dtype, entries, N, N, 1, device));
         cuda::moe_lora_shrink(delta.p, stream);
-        cuda::moe_lora_expand_entries(delta.p, stream);
+        if (activation && cuda::lora_expand_activation_enabled()) {
+          cuda::moe_lora_expand_activation(delta.p, *activation, stream);
+        } else {
+          cuda::moe_lora_expand_entries(delta.p, stream);
+          if (activation) cuda::moe_activation_quantize(*activation, stream);
+        }
       };
       run_grouped_chunk(plan, args, options, kind, chunk_alignment(/*segmented=*/true), add_lora, stream);
       continue;

@@ -584,6 +584,15 @@ void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
 // The expand on the segmented alignment, added into out's rows by entry (t from
 // moe_lora_shrink, scaled): fused_experts' grouped path, whose GEMMs take no expand.
 void moe_lora_expand_entries(const detail::LoraDeltaParams& p, Stream stream);
+// GEMM1's expand and the gated activation in one pass (16-bit experts): act.input is p's
+// `out` (GEMM1's rows by entry); each row plus its delta goes through the activation into
+// act.out, GEMM1's rows are not written back. Replaces moe_activation_quantize there.
+void moe_lora_expand_activation(const detail::LoraDeltaParams& p, const detail::ActivationQuantizeParams& act,
+                                Stream stream);
+// moe_lora_expand_activation on/off for this process (default on, unless
+// $MOELORA_LORA_EXPAND_ACTIVATION=0): off, moe_lora_expand_entries writes GEMM1's rows back
+// and moe_activation_quantize reads them. For A/B timing.
+bool lora_expand_activation_enabled();
 // Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
 // this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,
