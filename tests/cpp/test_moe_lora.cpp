@@ -596,7 +596,9 @@ std::vector<LayerLoraCase> layer_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_cases()));
+// Named (CUDA_grouped16_rank16, ...) so that a sanitizer run can pick the cases of one path.
+INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_cases()),
+                         [](const auto& info) { return std::string(backend_name(info.param.backend)) + "_" + info.param.name; });
 
 // ---- one captured CUDA graph serves every adapter mix -------------------------------------
 
