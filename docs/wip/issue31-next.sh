@@ -3,7 +3,8 @@
 # H100), carry .deps, three calls within 30 s of each other:
 #   bash docs/wip/issue31-next.sh ab     (~520 s cold): build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters,
 #       M = 256-4096, every model); apply the shrink patch, rebuild, the grid; apply the expand patch, rebuild, the
-#       grid checked against float64. Prints the A/B table last.
+#       grid with MOELORA_LORA_EXPAND_STREAM=0 (rounds of pairs, a column tile a CTA), then the default (CTAs stream
+#       column tiles) checked against float64. Prints the A/B table last.
 #   bash docs/wip/issue31-next.sh proof  (~500 s, warm): the whole C++ suite in 16 shards, pytest beside memcheck of
 #       the LoRA layer tests, racecheck of the grouped LoRA ones (named since 933bb5d), ncu's kernel list of Qwen3-30B's
 #       LoRA layer at M = 256 and 4096 (min / median / max a kernel: the two shrinks and two expands apart)
@@ -12,10 +13,12 @@
 #  - shrink: the segmented shrink over 64-entry tiles, each run of rows with one (expert, adapter) a pass. On the
 #    grouped path's 16-row blocks it made 16-row passes, each re-reading its pair's lora_a (2x its rows' bytes at r16,
 #    2 slices) with 2 of 8 warps busy: GEMM1's shrink ~265 us at Qwen3-30B M = 4096 (peer 59).
-#  - expand: each round's lora_b tiles (4 pairs at r16; 2 for the activation's 128 columns) loaded at once, the
-#    output rows by cp.async into shared memory beside them and the t tile, the sums added there; 5 CTAs an SM
-#    (94-96 registers). Was: a pair at a time behind barriers (~9 pairs a tile at M = 256), 1.1 TB/s at M = 4096.
-# Prediction (Qwen3-30B LoRA r16): M = 4096 1557 -> ~1150-1250 us (shrink -190, expands -100..-150); M = 256
+#  - expand: the tile's pairs listed once; a CTA walks a stride of column tiles, reading its rows, pairs and t tile
+#    once; where the pairs fit a stage (2 at r16) the next column tile's output rows and lora_b tiles load by
+#    cp.async while this one computes, else each column tile's pairs load in rounds of 4 at once; sums added in
+#    shared memory. Was: a column tile a CTA, a pair at a time behind barriers (~9 pairs a tile at M = 256),
+#    1.1 TB/s at M = 4096.
+# Prediction (Qwen3-30B LoRA r16): M = 4096 1557 -> ~1050-1200 us (shrink -190, expands -150..-300); M = 256
 # 632 -> ~420-480 (expands 180 -> ~70, shrinks ~100 -> ~50). rel_err unchanged (same sums, same roundings).
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
@@ -46,21 +49,24 @@ ab)
   lora_grid /tmp/shrink.json --no-check
   git apply docs/wip/issue31-expand-pairs.patch || { echo "expand patch failed"; exit 1; }
   rebuild
+  export MOELORA_LORA_EXPAND_STREAM=0
+  lora_grid /tmp/rounds.json --no-check
+  unset MOELORA_LORA_EXPAND_STREAM
   lora_grid /tmp/both.json
-  cp /tmp/main.json /tmp/shrink.json /tmp/both.json $OUT/
+  cp /tmp/main.json /tmp/shrink.json /tmp/rounds.json /tmp/both.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
     try: return {(r["model"], r["M"], int((r.get("lora") or {}).get("rank", 0))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-a, b, c = load("/tmp/main.json"), load("/tmp/shrink.json"), load("/tmp/both.json")
-print("## bf16 us (CUDA-graph medians): main / + shrink runs / + expand pairs; shrink/main, both/main;")
-print("## % of floor (both); rel_err (both, <= 128 tokens against float64)")
+a, b, r, c = (load(f"/tmp/{n}.json") for n in ("main", "shrink", "rounds", "both"))
+print("## bf16 us (CUDA-graph medians): main / + shrink runs / + expand pairs, MOELORA_LORA_EXPAND_STREAM=0 /")
+print("## + expand pairs streamed (default); each / main; % of floor (default); rel_err (default, against float64)")
 for k in sorted(a):
-    if k in b and k in c:
-        x, y, z = a[k]["time_us"], b[k]["time_us"], c[k]["time_us"]
-        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:9.1f} {y:9.1f} {z:9.1f} {y / x:6.3f} {z / x:6.3f} "
-              f"{c[k]['pct_floor']:5.1f} {c[k].get('rel_err')}")
+    if k in b and k in r and k in c:
+        x, y, w, z = a[k]["time_us"], b[k]["time_us"], r[k]["time_us"], c[k]["time_us"]
+        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {w:8.1f} {z:8.1f} "
+              f"{y / x:6.3f} {w / x:6.3f} {z / x:6.3f} {c[k]['pct_floor']:5.1f} {c[k].get('rel_err')}")
 PY
   ;;
 proof)
