@@ -18,8 +18,9 @@
 #    cp.async while this one computes, else each column tile's pairs load in rounds of 4 at once; sums added in
 #    shared memory. Was: a column tile a CTA, a pair at a time behind barriers (~9 pairs a tile at M = 256),
 #    1.1 TB/s at M = 4096.
-# Prediction (Qwen3-30B LoRA r16): M = 4096 1557 -> ~1050-1200 us (shrink -190, expands -150..-300); M = 256
-# 632 -> ~420-480 (expands 180 -> ~70, shrinks ~100 -> ~50). rel_err unchanged (same sums, same roundings).
+# Prediction (Qwen3-30B LoRA r16): M = 4096 1557 -> ~1100-1250 us (shrink -130..-170, expands -150..-300); M = 256
+# 632 -> ~500 (expands 180 -> ~70; the shrink unchanged: its runs are ~5 rows there, as short as the blocks were).
+# rel_err unchanged (same sums, same roundings).
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
