@@ -10,17 +10,17 @@
 #       LoRA layer at M = 256 and 4096 (min / median / max a kernel: the two shrinks and two expands apart)
 #   bash docs/wip/issue31-next.sh grids  (~340 s, warm): the report's grids; make_report as in docs/wip/README.md
 # The patches (branches wip/shrink-runs, wip/expand-pairs; each applies to main alone):
-#  - shrink: the segmented shrink over 64-entry tiles, each run of rows with one (expert, adapter) a pass. On the
-#    grouped path's 16-row blocks it made 16-row passes, each re-reading its pair's lora_a (2x its rows' bytes at r16,
-#    2 slices) with 2 of 8 warps busy: GEMM1's shrink ~265 us at Qwen3-30B M = 4096 (peer 59).
+#  - shrink: the segmented shrink over 64-entry tiles; a pass takes up to 128 lora_a rows' worth of consecutive runs
+#    of one (expert, adapter). On the grouped path's 16-row blocks it made 16-row passes, each re-reading its pair's
+#    lora_a (2x its rows' bytes at r16, 2 slices) with 2 of 8 warps busy: GEMM1's shrink ~265 us at Qwen3-30B
+#    M = 4096 (peer 59); at M = 256 ~10 short runs a tile were ~10 passes.
 #  - expand: the tile's pairs listed once; a CTA walks a stride of column tiles, reading its rows, pairs and t tile
 #    once; where the pairs fit a stage (2 at r16) the next column tile's output rows and lora_b tiles load by
 #    cp.async while this one computes, else each column tile's pairs load in rounds of 4 at once; sums added in
 #    shared memory. Was: a column tile a CTA, a pair at a time behind barriers (~9 pairs a tile at M = 256),
 #    1.1 TB/s at M = 4096.
 # Prediction (Qwen3-30B LoRA r16): M = 4096 1557 -> ~1100-1250 us (shrink -130..-170, expands -150..-300); M = 256
-# 632 -> ~500 (expands 180 -> ~70; the shrink unchanged: its runs are ~5 rows there, as short as the blocks were).
-# rel_err unchanged (same sums, same roundings).
+# 632 -> ~470 (expands 180 -> ~70, shrinks -20..-40). rel_err unchanged (same sums, same roundings).
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
