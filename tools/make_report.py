@@ -300,27 +300,28 @@ def print_lora_peer(rows):
     base = {(r["model"], r["M"]): r for r in rows if r.get("lora") is None}  # the LoRA grid's own base rows last
     ratio = lambda r: r["time_us"] / r["peer_us"] if r.get("peer_us") else None
     fmt = lambda x: "-" if x is None else f"{x:.2f}"
+    # Points the LoRA row's % of the floor trails its base row's (None without a base row).
+    pts = lambda r: base[(r["model"], r["M"])]["pct_floor"] - r["pct_floor"] if (r["model"], r["M"]) in base else None
     print("Against the peer (o/p: ours / peer; pts: the LoRA row's % of floor below its base row's)")
     print(f"{'model':16} {'M':>5} {'lora':>12} | {'base_us':>8} {'peer':>8} {'o/p':>5} {'%fl':>5} | "
           f"{'lora_us':>8} {'peer':>8} {'o/p':>5} {'%fl':>5} | {'pts':>5}")
     for r in lora_rows:
         b = base.get((r["model"], r["M"]))
         lora = f"r{r['lora']['rank']} n{r['lora']['adapters']} s{r['lora']['share']}"
-        pts = b["pct_floor"] - r["pct_floor"] if b else None
         b_cols = (f"{b['time_us']:>8.1f} {(b.get('peer_us') or 0):>8.1f} {fmt(ratio(b)):>5} {b['pct_floor']:>5.1f}"
                   if b else f"{'-':>8} {'-':>8} {'-':>5} {'-':>5}")
         print(f"{r['model']:16} {r['M']:>5} {lora:>12} | {b_cols} | {r['time_us']:>8.1f} {r['peer_us']:>8.1f} "
-              f"{fmt(ratio(r)):>5} {r['pct_floor']:>5.1f} | {(f'{pts:.1f}' if pts is not None else '-'):>5}")
+              f"{fmt(ratio(r)):>5} {r['pct_floor']:>5.1f} | {(f'{pts(r):.1f}' if b else '-'):>5}")
     bases = [b for b in base.values() if b.get("peer_us")]
     if bases:
         print(f"base: within 2% of the peer or faster in {sum(ratio(b) <= 1.02 for b in bases)}/{len(bases)} cells")
     for setting in sorted({(r["lora"]["rank"], r["lora"]["adapters"], r["lora"]["share"]) for r in lora_rows}):
         cells = [r for r in lora_rows if (r["lora"]["rank"], r["lora"]["adapters"], r["lora"]["share"]) == setting]
-        small = [r for r in cells if r["M"] <= 256 and (r["model"], r["M"]) in base]
+        small = [r for r in cells if r["M"] <= 256 and pts(r) is not None]
         large = [r for r in cells if r["M"] >= 4096]
         print(f"LoRA r{setting[0]} n{setting[1]} s{setting[2]}: within 2% of the peer or faster in "
               f"{sum(ratio(r) <= 1.02 for r in cells)}/{len(cells)} cells; at M <= 256 within 5 points of the base "
-              f"in {sum(base[(r['model'], r['M'])]['pct_floor'] - r['pct_floor'] <= 5 for r in small)}/{len(small)}; "
+              f"in {sum(pts(r) <= 5 for r in small)}/{len(small)}; "
               f"at M >= 4096 >= 65% of the floor in {sum(r['pct_floor'] >= 65 for r in large)}/{len(large)}")
 
 

@@ -82,6 +82,11 @@ void set_late_waits_allowed(bool allowed) { g_late_waits_allowed.store(allowed);
 
 bool late_waits_enabled() { return g_late_waits_allowed.load(std::memory_order_relaxed); }
 
+bool lora_expand_activation_enabled() {
+  static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_ACTIVATION");
+  return enabled;
+}
+
 namespace {
 std::atomic<int> g_cta_smem_limit{0};
 }  // namespace

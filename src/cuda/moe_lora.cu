@@ -101,7 +101,7 @@ __device__ bool load_tile(const LoraDeltaParams& p, int64_t tile, int* slots, Ti
     const int64_t tiles_per_block = p.block_size / kTileRows;
     const int64_t block = tile / tiles_per_block;
     const int64_t entry0 = block * p.block_size + (tile - block * tiles_per_block) * kTileRows;
-    const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+    const int64_t used = used_entries(p);
     if (entry0 >= used) return false;
     t.expert = p.expert_ids[block];
     t.lora = p.block_lora_ids[block];
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
   const int64_t block = blockIdx.x;
   const int rows_in_group = split.group_rows;
   const int64_t entry0 = block * p.block_size + int64_t(blockIdx.z) * rows_in_group;  // the group's first entry
-  const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+  const int64_t used = used_entries(p);
   const int expert = entry0 < used ? p.expert_ids[block] : -1;
   const uint64_t block_mask = expert >= 0 && expert < p.num_experts ? p.block_lora_masks[block] : 0;
   if (block_mask == 0) return;  // the same in every split of the group: none counts
@@ -710,7 +710,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_ker
   wait_for_previous_kernel();
   allow_next_kernel_launch();  // as the segmented kernel's
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t used = min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+  const int64_t used = used_entries(p);
   const int64_t per_entry = p.num_slices * p.rank, t_cols = per_entry;
   const int64_t items = used * per_entry;
   for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;

@@ -27,8 +27,6 @@
 // moves 16 bytes an access where the rank, strides and pointers allow (kVectors).
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -75,11 +73,6 @@ struct TileBuffers {
   __device__ __forceinline__ TileBuffers(unsigned char* smem, int columns, int pitch)
       : t(reinterpret_cast<T*>(smem)), b(t + kRows * pitch), stage(reinterpret_cast<float*>(b + columns * pitch)) {}
 };
-
-// The entries the alignment filled (at most its capacity); call after the wait.
-__device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
-  return min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
-}
 
 // Output column j (of num_slices * N_slice) as its slice and the column within it.
 __device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j, int& c, int64_t& jn) {
@@ -417,14 +410,6 @@ void launch_expand(void (*kernel)(Args...), dim3 grid, int64_t smem, Stream stre
 }
 
 }  // namespace
-
-bool lora_expand_activation_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("MOELORA_LORA_EXPAND_ACTIVATION");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  return enabled;
-}
 
 void moe_lora_expand_entries(const LoraDeltaParams& p, Stream stream) {
   check_expand(p, "moe_lora_expand_entries");

@@ -73,6 +73,11 @@ __device__ __forceinline__ void store_mma_16x16(float* tile, int ld, const float
   }
 }
 
+// The entries the alignment filled (at most its capacity); call after the wait.
+__device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
+  return min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
+}
+
 // Output element of slot s at column j of slice c.
 __device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {
   const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
