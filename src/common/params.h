@@ -593,6 +593,10 @@ void moe_lora_expand_activation(const detail::LoraDeltaParams& p, const detail::
 // $MOELORA_LORA_EXPAND_ACTIVATION=0): off, moe_lora_expand_entries writes GEMM1's rows back
 // and moe_activation_quantize reads them. For A/B timing.
 bool lora_expand_activation_enabled();
+// Whether the expand kernels' CTAs may stream a stride of column tiles where the mean
+// (expert, adapter) run is long (default on, unless $MOELORA_LORA_EXPAND_STREAM=0: a CTA a
+// column tile, its pairs in rounds). For A/B timing.
+bool lora_expand_stream_enabled();
 // Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
 // this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,

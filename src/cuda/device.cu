@@ -87,6 +87,11 @@ bool lora_expand_activation_enabled() {
   return enabled;
 }
 
+bool lora_expand_stream_enabled() {
+  static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_STREAM");
+  return enabled;
+}
+
 namespace {
 std::atomic<int> g_cta_smem_limit{0};
 }  // namespace

@@ -6,7 +6,7 @@
 // already scaled by the adapter's scale). Other entries (no adapter, a disabled one,
 // padding, an expert not local) are not touched. moe_lora_expand_activation does GEMM1's
 // expand and the gated activation in one pass: it reads GEMM1's rows, adds their deltas in
-// registers and writes only the activation, where the expand alone would write GEMM1's rows
+// shared memory and writes only the activation, where the expand alone would write GEMM1's rows
 // back for the activation kernel to read again.
 //
 // A CTA takes 64 entries (four 16-row groups, one a warp; a group lies in one block of the
@@ -15,16 +15,22 @@
 // slice 1's rank], and an output column's lora_b row holds its own slice's values and
 // zeros in the other's, which serves the interleaved layout (gate and up alternating) and
 // the split one alike. A block's entries hold runs of a few adapters (the segmented
-// alignment pads only where an expert ends): the CTA takes each (expert, adapter) of its
-// groups in turn, one lora_b tile for every warp with rows of that pair, each warp masking
-// its other rows out of the MMA's A fragments.
+// alignment pads only where an expert ends): the CTA lists its (expert, adapter) pairs once,
+// and each warp with rows of a pair masks its other rows out of the MMA's A fragments. A
+// CTA walks several column tiles (a stride of them): its rows, pairs and t tile are read
+// once, and where its pairs fit a stage the next column tile's output rows and lora_b tiles
+// load (cp.async) while this one computes; the sums are added into the output rows in
+// shared memory, which leave as 16-byte rows.
 //
 // NOTE: the first version (16 entries x 64 columns of one slice a CTA, 2-byte loads and
 // read-modify-writes after a chain of index loads) ran at ~12 ps an output element on an
 // H200 (0.33 TB/s of read-modify-write: 1.4 ms of Qwen3-30B's LoRA layer at M = 4096,
-// reports/gpu/2026-11-29-h200x2-8dc7e77-issue31.txt). Here a CTA does 4x the outputs, reads
-// its index arrays in one round trip, issues its output rows' loads before its MMAs, and
-// moves 16 bytes an access where the rank, strides and pointers allow (kVectors).
+// reports/gpu/2026-11-29-h200x2-8dc7e77-issue31.txt). The second (this tiling, each pair's
+// lora_b tile loaded behind a barrier in turn, the output rows in registers) ran at
+// 1.1 TB/s at M = 4096 and ~12 us a CTA at M = 256, where a tile holds ~9 pairs
+// (reports/gpu/2026-11-29-h200-8bde123-issue31-lora-prefill.txt).
+#include <cute/arch/copy_sm80.hpp>
+
 #include <algorithm>
 #include <climits>
 #include <stdexcept>
@@ -32,6 +38,7 @@
 
 #include "common/params.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/moe_lora_tiles.cuh"
@@ -50,28 +57,61 @@ constexpr int kRows = 64;            // entries a CTA: four 16-row groups, one a
 constexpr int kThreads = 128;        // 4 warps
 constexpr int kGroups = kRows / 16;  // row groups (warps)
 constexpr int kOutColumns = 64;      // output columns a CTA (the activation's: 128 GEMM1 columns)
+// (expert, adapter) pairs a tile can hold: at most one a row.
+constexpr int kMaxPairs = kRows;
+// Shared memory for one stage's lora_b tiles (stage_pairs = this over one tile's bytes, at
+// least 1): 2 pairs at rank 16 with 2 slices, 64 columns for the expand, the activation's
+// 128. Two stages; a tile with more pairs takes them in rounds of both stages' tiles,
+// unstreamed. At prefill a 64-entry tile mostly straddles two (expert, adapter) runs.
+constexpr int64_t kStagePairBytesExpand = 12 * 1024;
+constexpr int64_t kStagePairBytesActivation = 20 * 1024;
+// CTAs a launch aims at when its CTAs stream column tiles (two to four waves).
+constexpr int kStreamCtasPerSm = 8;
+// Streaming pays where a tile holds few pairs: where the mean (expert, adapter) run,
+// num_slots / (num_experts * max_loras), is at least this. Below it most tiles take their
+// pairs in rounds and a column tile a CTA gives more CTAs. Measured on an H200 (LoRA r16,
+// 4 adapters; docs/PERF_NOTES.md, issue 31): streamed / a column tile a CTA = 0.85-0.97
+// at mean runs of 32-256 entries (M = 4096 on every model, OLMoE and Mixtral M = 1024),
+// 0.99-1.13 at 4-16 (M = 256 on every model but OLMoE, 1024 on gpt-oss and Qwen3-30B).
+constexpr int64_t kStreamMinMeanRun = kRows / 2;
 
 // Row pitch (elements) of the t and lora_b tiles: both slices' padded ranks, plus kPad.
 __host__ __device__ constexpr int tile_pitch(int rank, int slices) { return slices * round_up16(rank) + kPad; }
-// fp32 staging row pitch (words) of kColumns sums, against bank conflicts.
-__host__ __device__ constexpr int stage_pitch(int columns) { return columns + 4; }
-
-// Dynamic shared memory: the t tile [kRows][pitch] and the lora_b tile [kColumns][pitch]
-// of T, then the fp32 staging of the sums [kRows][stage_pitch].
-__host__ __device__ constexpr int64_t smem_bytes(int columns, int rank, int slices, int element_bytes) {
-  return int64_t(kRows + columns) * tile_pitch(rank, slices) * element_bytes +
-         int64_t(kRows) * stage_pitch(columns) * 4;
+// Row pitch (elements) of the output tile of `columns` (T, 16-byte rows).
+__host__ __device__ constexpr int out_pitch(int columns) { return columns + kPad; }
+// One pair's lora_b tile [columns][pitch] in bytes.
+__host__ __device__ constexpr int64_t pair_tile_bytes(int columns, int rank, int slices, int element_bytes) {
+  return int64_t(columns) * tile_pitch(rank, slices) * element_bytes;
 }
 
-// The dynamic shared memory's tiles (smem_bytes): t [kRows][pitch] and lora_b
-// [columns][pitch] of T, then the fp32 sums [kRows][stage_pitch(columns)].
+// How a launch walks its column tiles: CTA (x, y) takes column tiles y, y + gridDim.y, ...
+struct ExpandLaunch {
+  int column_tiles;  // of the kernel's columns
+  int stage_pairs;   // lora_b tiles a stage holds
+  bool stream;       // a tile's next column tile loads while it computes this one
+};
+
+// Dynamic shared memory: the t tile [kRows][pitch], two output tiles [kRows][out_pitch] (the
+// rows' current values, then their sums) and two stages of stage_pairs lora_b tiles
+// [columns][pitch], of T.
+__host__ __device__ constexpr int64_t smem_bytes(int columns, int rank, int slices, int stage_pairs,
+                                                 int element_bytes) {
+  return (int64_t(kRows) * tile_pitch(rank, slices) + 2 * int64_t(kRows) * out_pitch(columns)) * element_bytes +
+         2 * stage_pairs * pair_tile_bytes(columns, rank, slices, element_bytes);
+}
+
 template <typename T>
 struct TileBuffers {
-  T* t;
-  T* b;
-  float* stage;
+  T* t;          // [kRows][pitch]
+  T* out_tiles;  // [2][kRows][out_pitch(columns)]
+  T* b;          // [2 * stage_pairs][columns][pitch]
+  int out_elems;
   __device__ __forceinline__ TileBuffers(unsigned char* smem, int columns, int pitch)
-      : t(reinterpret_cast<T*>(smem)), b(t + kRows * pitch), stage(reinterpret_cast<float*>(b + columns * pitch)) {}
+      : t(reinterpret_cast<T*>(smem)),
+        out_tiles(t + kRows * pitch),
+        b(out_tiles + 2 * kRows * out_pitch(columns)),
+        out_elems(kRows * out_pitch(columns)) {}
+  __device__ __forceinline__ T* out(int stage) const { return out_tiles + stage * out_elems; }
 };
 
 // Output column j (of num_slices * N_slice) as its slice and the column within it.
@@ -86,12 +126,16 @@ __device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j
 }
 
 // The CTA's rows: each row's adapter (-1: nothing to add), and whether the row holds a slot
-// of a local expert at all (the activation's rows); each 16-row group's expert and adapters.
+// of a local expert at all (the activation's rows); each 16-row group's expert and adapters;
+// the tile's (expert, adapter) pairs, each once (build_pairs).
 struct TileRows {
   int lora[kRows];
   bool live[kRows];
   int group_expert[kGroups];
   unsigned long long group_adapters[kGroups];
+  int num_pairs;
+  int pair_expert[kMaxPairs];
+  int pair_lora[kMaxPairs];
 };
 
 // Reads the tile's index arrays (one round trip: the entries' slots and adapters, the
@@ -123,19 +167,33 @@ __device__ __forceinline__ bool load_tile_rows(const LoraDeltaParams& p, int64_t
   return any;  // group_adapters are read after the caller's next barrier
 }
 
-// One run of a tile row: a 16-byte vector (kVectors) or one element from src, or zeros
-// where !load (src is then not read).
+// The tile's (expert, adapter) pairs in group order, each once (a group's adapters less those
+// an earlier group of the same expert has). One thread; group_adapters visible.
+__device__ __forceinline__ void build_pairs(TileRows& rows) {
+  int n = 0;
+  for (int g = 0; g < kGroups; ++g) {
+    const int expert = rows.group_expert[g];
+    if (expert < 0) continue;
+    unsigned long long pending = rows.group_adapters[g];
+    for (int h = 0; h < g; ++h) {
+      if (rows.group_expert[h] == expert) pending &= ~rows.group_adapters[h];
+    }
+    for (; pending != 0; pending &= pending - 1) {
+      rows.pair_expert[n] = expert;
+      rows.pair_lora[n] = __ffsll(static_cast<long long>(pending)) - 1;
+      ++n;
+    }
+  }
+  rows.num_pairs = n;
+}
+
+// One run of a tile row into shared memory: a 16-byte vector (kVectors: cp.async, waited for
+// by the caller) or one element from src, or zeros where !load (src is then not read; it
+// must still be a valid address for the cp.async).
 template <typename T, bool kVectors>
 __device__ __forceinline__ void copy_or_zero(T* dst, const T* src, bool load) {
   if constexpr (kVectors) {
-    Vec16<T> v;
-    if (load) {
-      v = *reinterpret_cast<const Vec16<T>*>(src);
-    } else {
-#pragma unroll
-      for (int e = 0; e < Vec16<T>::kSize; ++e) v.v[e] = from_float<T>(0.f);
-    }
-    *reinterpret_cast<Vec16<T>*>(dst) = v;
+    cp_async_16_zfill(smem_addr(dst), src, load);
   } else {
     *dst = load ? *src : from_float<T>(0.f);
   }
@@ -154,98 +212,185 @@ __device__ __forceinline__ void load_t_tile(const LoraDeltaParams& p, int64_t en
     const int r = i / per_row, k = (i % per_row) * kStep;
     const int c = k / rank_padded, kr = k % rank_padded;
     const bool load = rows.lora[r] >= 0 && kr < rank;
-    copy_or_zero<T, kVectors>(t_tile + r * pitch + k, t + (entry0 + r) * t_cols + c * rank + kr, load);
+    copy_or_zero<T, kVectors>(t_tile + r * pitch + k, load ? t + (entry0 + r) * t_cols + c * rank + kr : t, load);
   }
 }
 
-// The tile's deltas into acc (warp w: rows 16w..16w+15, columns 16f..16f+15 in acc[f]):
-// each (expert, adapter) of the CTA's groups once, in group order (a group's adapters less
-// those an earlier group of the same expert took; uniform across the CTA). column(n) is the
-// stack column (of num_slices * N_slice) of the tile's column n, or -1 past the end.
-// Expects the t tile and rows.group_adapters visible (a barrier since they were written).
-template <typename T, bool kVectors, int kFragments, class Column>
-__device__ __forceinline__ void add_tile_deltas(const LoraDeltaParams& p, const TileRows& rows, const T* t_tile,
-                                                T* b_tile, Column column, float (&acc)[kFragments][8]) {
-  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
-                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
-  constexpr int kColumns = kFragments * 16;
+// lora_b rows of the tile's columns for (expert, l) into b_tile [columns][pitch], each in its
+// slice's K segment (zeros in the other's and past the rank). column(n) is the stack column
+// (of num_slices * N_slice) of tile column n, or -1 past the end.
+template <typename T, bool kVectors, int kColumns, class Column>
+__device__ __forceinline__ void load_b_tile(const LoraDeltaParams& p, int expert, int l, Column column, T* b_tile) {
   constexpr int kStep = kVectors ? Vec16<T>::kSize : 1;
   const int rank = int(p.rank), rank_padded = round_up16(rank);
   const int pitch = tile_pitch(rank, p.num_slices), k_extent = p.num_slices * rank_padded;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const uint32_t a_base = smem_addr(t_tile + warp * 16 * pitch + mma_lane_a(pitch));
-  const uint32_t b_base = smem_addr(b_tile + mma_lane_b(pitch));
-  for (int g = 0; g < kGroups; ++g) {
-    const int expert = rows.group_expert[g];
-    if (expert < 0) continue;
-    unsigned long long pending = rows.group_adapters[g];
-    for (int h = 0; h < g; ++h) {
-      if (rows.group_expert[h] == expert) pending &= ~rows.group_adapters[h];
+  const int per_row = k_extent / kStep;
+  for (int i = threadIdx.x; i < kColumns * per_row; i += kThreads) {
+    const int n = i / per_row, k = (i % per_row) * kStep;
+    const int seg = k / rank_padded, kr = k % rank_padded;
+    const int64_t j = column(n);
+    int c = 0;
+    int64_t jn = 0;
+    bool load = j >= 0 && kr < rank;
+    if (load) {
+      column_slice(p, j, c, jn);
+      load = c == seg;
     }
-    for (; pending != 0; pending &= pending - 1) {
-      const int l = __ffsll(static_cast<long long>(pending)) - 1;
-      // lora_b rows of the tile's columns for (expert, l), each in its slice's K segment.
-      const int per_row = k_extent / kStep;
-      for (int i = tid; i < kColumns * per_row; i += kThreads) {
-        const int n = i / per_row, k = (i % per_row) * kStep;
-        const int seg = k / rank_padded, kr = k % rank_padded;
-        const int64_t j = column(n);
-        int c = 0;
-        int64_t jn = 0;
-        bool load = j >= 0 && kr < rank;
-        if (load) {
-          column_slice(p, j, c, jn);
-          load = c == seg;
-        }
-        const detail::LoraSliceParams& sl = p.slices[c];
-        copy_or_zero<T, kVectors>(b_tile + n * pitch + k,
-                                  static_cast<const T*>(sl.lora_b) + l * sl.b_stride_lora +
-                                      expert * sl.b_stride_expert + jn * sl.b_stride_n + kr,
-                                  load);
-      }
-      __syncthreads();
-      // The warps of this expert with rows of l: MMAs with the other rows' A fragments zero
-      // (a0/a2 hold row lane / 4 of the 16, a1/a3 row lane / 4 + 8).
-      if (rows.group_expert[warp] == expert && (rows.group_adapters[warp] >> l & 1)) {
-        const bool low = rows.lora[warp * 16 + lane / 4] == l, high = rows.lora[warp * 16 + lane / 4 + 8] == l;
-        for (int kk = 0; kk < k_extent; kk += 16) {
-          uint32_t a0, a1, a2, a3;
-          ldmatrix_x4(a_base + kk * sizeof(T), a0, a1, a2, a3);
-          if (!low) a0 = a2 = 0;
-          if (!high) a1 = a3 = 0;
+    const detail::LoraSliceParams& sl = p.slices[c];
+    const T* b = static_cast<const T*>(sl.lora_b);
+    copy_or_zero<T, kVectors>(b_tile + n * pitch + k,
+                              load ? b + l * sl.b_stride_lora + expert * sl.b_stride_expert + jn * sl.b_stride_n + kr : b,
+                              load);
+  }
+}
+
+// Pairs q0 .. q0 + count - 1 of the tile into acc (warp w: rows 16w..16w+15, columns
+// 16f..16f+15 in acc[f]), pair q0 + q's lora_b tile at b_tiles + q tiles: each pair's MMAs on
+// the warps with rows of it, the warp's other rows masked out of the A fragments (a0/a2 hold
+// row lane / 4 of the 16, a1/a3 row lane / 4 + 8). Expects the tiles visible.
+template <typename T, int kFragments>
+__device__ __forceinline__ void mma_pairs(const LoraDeltaParams& p, const TileRows& rows, const T* t_tile,
+                                          const T* b_tiles, int q0, int count, float (&acc)[kFragments][8]) {
+  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
+  constexpr int kColumns = kFragments * 16;
+  const int rank = int(p.rank), rank_padded = round_up16(rank);
+  const int pitch = tile_pitch(rank, p.num_slices), k_extent = p.num_slices * rank_padded;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t a_base = smem_addr(t_tile + warp * 16 * pitch + mma_lane_a(pitch));
+  const int group_expert = rows.group_expert[warp];
+  const unsigned long long group_adapters = rows.group_adapters[warp];
+  const int low_lora = rows.lora[warp * 16 + lane / 4], high_lora = rows.lora[warp * 16 + lane / 4 + 8];
+  for (int q = 0; q < count; ++q) {
+    const int l = rows.pair_lora[q0 + q];
+    if (group_expert != rows.pair_expert[q0 + q] || !(group_adapters >> l & 1)) continue;
+    const bool low = low_lora == l, high = high_lora == l;
+    const uint32_t b_base = smem_addr(b_tiles + q * kColumns * pitch + mma_lane_b(pitch));
+    for (int kk = 0; kk < k_extent; kk += 16) {
+      uint32_t a0, a1, a2, a3;
+      ldmatrix_x4(a_base + kk * sizeof(T), a0, a1, a2, a3);
+      if (!low) a0 = a2 = 0;
+      if (!high) a1 = a3 = 0;
 #pragma unroll
-          for (int f = 0; f < kFragments; ++f) {
-            uint32_t b0, b1, b2, b3;
-            ldmatrix_x4(b_base + (f * 16 * pitch + kk) * sizeof(T), b0, b1, b2, b3);
-            Mma::fma(acc[f][0], acc[f][1], acc[f][2], acc[f][3], a0, a1, a2, a3, b0, b1, acc[f][0], acc[f][1],
-                     acc[f][2], acc[f][3]);
-            Mma::fma(acc[f][4], acc[f][5], acc[f][6], acc[f][7], a0, a1, a2, a3, b2, b3, acc[f][4], acc[f][5],
-                     acc[f][6], acc[f][7]);
-          }
-        }
+      for (int f = 0; f < kFragments; ++f) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(b_base + (f * 16 * pitch + kk) * sizeof(T), b0, b1, b2, b3);
+        Mma::fma(acc[f][0], acc[f][1], acc[f][2], acc[f][3], a0, a1, a2, a3, b0, b1, acc[f][0], acc[f][1],
+                 acc[f][2], acc[f][3]);
+        Mma::fma(acc[f][4], acc[f][5], acc[f][6], acc[f][7], a0, a1, a2, a3, b2, b3, acc[f][4], acc[f][5],
+                 acc[f][6], acc[f][7]);
       }
-      __syncthreads();  // the next pair's lora_b tile overwrites this one
     }
   }
 }
 
-// acc into the staging tile [kRows][stage_pitch(16 * kFragments)] (this warp's 16 rows).
-template <int kFragments>
-__device__ __forceinline__ void stage_sums(float* stage, const float (&acc)[kFragments][8]) {
-  constexpr int kPitch = stage_pitch(kFragments * 16);
-  const int warp = threadIdx.x / 32;
+// out_tile (this warp's 16 rows, row-major at out_pitch(16 * kFragments)) += acc, each sum
+// rounded to T as the expand's write to global memory would be.
+template <typename T, int kFragments>
+__device__ __forceinline__ void add_sums(T* out_tile, const float (&acc)[kFragments][8]) {
+  constexpr int kPitch = out_pitch(kFragments * 16);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  T* rows = out_tile + (warp * 16 + lane / 4) * kPitch + (lane % 4) * 2;
 #pragma unroll
-  for (int f = 0; f < kFragments; ++f) store_mma_16x16(stage + warp * 16 * kPitch + f * 16, kPitch, acc[f]);
+  for (int f = 0; f < kFragments; ++f) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // rows lane / 4 and lane / 4 + 8
+        T* at = rows + half * 8 * kPitch + f * 16 + h * 8;
+        at[0] = from_float<T>(to_float(at[0]) + acc[f][4 * h + 2 * half]);
+        at[1] = from_float<T>(to_float(at[1]) + acc[f][4 * h + 2 * half + 1]);
+      }
+    }
+  }
 }
 
-// Grid (entry tiles of kRows, column tiles of kOutColumns over both slices).
-// NOTE: at __launch_bounds__(kThreads) ptxas (CUDA 13.0) gave the fp16 kernel 80 registers
-// and 72 bytes of spills; asking for 4 CTAs an SM it takes 117-126 and spills nothing.
+// The CTA's column tiles (ExpandLaunch) for a tile whose rows, pairs and t tile copies are
+// in place (a barrier since build_pairs). column(ct, n): the stack column of column tile
+// ct's tile column n, or -1. load_out(ct, out_tile): issues the copies of the tile's output
+// rows (cp.async, or plain copies). finish(ct, out_tile): writes what the sums in out_tile
+// make. Streamed (at most stage_pairs pairs): column tile i + 1's output rows and lora_b
+// tiles load into the other stage while tile i computes. Otherwise each column tile in turn,
+// its pairs in rounds of both stages' lora_b tiles.
+template <typename T, bool kVectors, int kColumns, class Column, class LoadOut, class Finish>
+__device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, const TileRows& rows,
+                                                    const TileBuffers<T>& tiles, const ExpandLaunch& launch,
+                                                    Column column, LoadOut load_out, Finish finish) {
+  constexpr int kFragments = kColumns / 16;
+  const int b_elems = kColumns * tile_pitch(int(p.rank), p.num_slices);
+  const int num_pairs = rows.num_pairs, stride = int(gridDim.y);
+  if (launch.stream && num_pairs <= launch.stage_pairs) {
+    auto issue = [&](int ct, int stage) {
+      load_out(ct, tiles.out(stage));
+      for (int q = 0; q < num_pairs; ++q) {
+        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q], rows.pair_lora[q],
+                                           [&](int n) { return column(ct, n); },
+                                           tiles.b + (stage * launch.stage_pairs + q) * b_elems);
+      }
+      cute::cp_async_fence();
+    };
+    int stage = 0;
+    issue(int(blockIdx.y), 0);  // with the t tile's copies, issued before
+#pragma unroll 1
+    for (int ct = int(blockIdx.y); ct < launch.column_tiles; ct += stride, stage ^= 1) {
+      if (ct + stride < launch.column_tiles) {
+        issue(ct + stride, stage ^ 1);
+      } else {
+        cute::cp_async_fence();  // an empty group: the wait below still means this tile's
+      }
+      cute::cp_async_wait<1>();
+      __syncthreads();  // this stage's tiles
+      float acc[kFragments][8] = {};
+      mma_pairs<T, kFragments>(p, rows, tiles.t, tiles.b + stage * launch.stage_pairs * b_elems, 0, num_pairs, acc);
+      add_sums<T, kFragments>(tiles.out(stage), acc);
+      __syncthreads();  // the sums
+      finish(ct, tiles.out(stage));
+      __syncthreads();  // this stage is free for the tile after next
+    }
+    return;
+  }
+  const int round_pairs = 2 * launch.stage_pairs;
+#pragma unroll 1
+  for (int ct = int(blockIdx.y); ct < launch.column_tiles; ct += stride) {
+    load_out(ct, tiles.out(0));
+    float acc[kFragments][8] = {};
+    for (int q0 = 0; q0 < num_pairs; q0 += round_pairs) {
+      const int count = min(round_pairs, num_pairs - q0);
+      for (int q = 0; q < count; ++q) {
+        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q0 + q], rows.pair_lora[q0 + q],
+                                           [&](int n) { return column(ct, n); }, tiles.b + q * b_elems);
+      }
+      cute::cp_async_fence();
+      cute::cp_async_wait<0>();
+      __syncthreads();  // the round's tiles (and, in the first, the output rows and the t tile)
+      mma_pairs<T, kFragments>(p, rows, tiles.t, tiles.b, q0, count, acc);
+      __syncthreads();  // the next round's lora_b tiles overwrite these
+    }
+    cute::cp_async_fence();
+    cute::cp_async_wait<0>();  // the output rows, where no pair waited for them
+    __syncthreads();
+    add_sums<T, kFragments>(tiles.out(0), acc);
+    __syncthreads();  // the sums
+    finish(ct, tiles.out(0));
+    __syncthreads();  // the output tile is free for the next column tile
+  }
+}
+
+// Grid (entry tiles of kRows, column tile strides: ExpandLaunch) over the stack's columns.
+// The version before took one column tile a CTA and loaded its output rows (registers), then
+// the t tile, then each pair's lora_b tile in turn behind a barrier: ~12 us a CTA at
+// Qwen3-30B M = 256 (9 pairs a tile), 1.1 TB/s at M = 4096 (H200, ncu:
+// reports/gpu/2026-11-29-h200-8bde123-issue31-lora-prefill.txt). Here the rows, the pairs and
+// the t tile are read once for a CTA's column tiles, which stream (the next one's loads in
+// flight) where the pairs fit a stage. 5 CTAs an SM: 96 registers (sm_90a: no spills; the
+// sm_80 16-byte variant spills 4 bytes, and the grouped path runs on sm_90a), 44 KB of
+// shared memory at rank 16 with 2 slices.
 template <typename T, bool kVectors>
-__global__ void __launch_bounds__(kThreads, 4) moe_lora_expand_entries_kernel(const LoraDeltaParams p) {
+__global__ void __launch_bounds__(kThreads, 5) moe_lora_expand_entries_kernel(const LoraDeltaParams p,
+                                                                           const ExpandLaunch launch) {
   static_assert(kTensorCores<T>, "the grouped path runs 16-bit types");
-  constexpr int kFragments = kOutColumns / 16, kPitch = stage_pitch(kOutColumns);
-  constexpr int kVectorsPerThread = kRows * kOutColumns / 8 / kThreads;  // 16-byte output vectors
+  constexpr int kOutPitch = out_pitch(kOutColumns);
+  constexpr int kStep = kVectors ? Vec16<T>::kSize : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ TileRows rows;
   const TileBuffers<T> tiles(smem, kOutColumns, tile_pitch(int(p.rank), p.num_slices));
@@ -254,70 +399,63 @@ __global__ void __launch_bounds__(kThreads, 4) moe_lora_expand_entries_kernel(co
   wait_for_previous_kernel();
   const int64_t entry0 = int64_t(blockIdx.x) * kRows, used = used_entries(p);
   if (entry0 >= used) return;
-  const int64_t N = int64_t(p.num_slices) * p.N_slice;
-  const int64_t col0 = int64_t(blockIdx.y) * kOutColumns;
   if (!load_tile_rows(p, entry0, used, rows)) return;  // nothing to add here
-
-  // This thread's output vectors (row, 8 columns), loaded now so that their latency runs
-  // under the tiles' loads and the MMAs.
-  using Vec = Vec16<T>;
-  Vec prior[kVectorsPerThread];
-  T* out = static_cast<T*>(p.out);
-  if constexpr (kVectors) {
-#pragma unroll
-    for (int q = 0; q < kVectorsPerThread; ++q) {
-      const int v = tid + q * kThreads, r = v / (kOutColumns / 8);
-      const int64_t j = col0 + (v % (kOutColumns / 8)) * 8;
-      if (rows.lora[r] >= 0 && j < N) prior[q] = *reinterpret_cast<const Vec*>(out + (entry0 + r) * p.out_stride_row + j);
-    }
-  }
   load_t_tile<T, kVectors>(p, entry0, rows, tiles.t);
-  __syncthreads();  // the groups' adapters, the t tile
-
-  float acc[kFragments][8] = {};
-  add_tile_deltas<T, kVectors, kFragments>(
-      p, rows, tiles.t, tiles.b, [col0, N](int n) { return col0 + n < N ? col0 + n : int64_t(-1); }, acc);
-  stage_sums<kFragments>(tiles.stage, acc);
+  __syncthreads();  // the groups' adapters
+  if (tid == 0) build_pairs(rows);
   __syncthreads();
 
-  if constexpr (kVectors) {
-#pragma unroll
-    for (int q = 0; q < kVectorsPerThread; ++q) {
-      const int v = tid + q * kThreads, r = v / (kOutColumns / 8), n = (v % (kOutColumns / 8)) * 8;
-      const int64_t j = col0 + n;
-      if (rows.lora[r] < 0 || j >= N) continue;
-      Vec sum;
-#pragma unroll
-      for (int e = 0; e < Vec::kSize; ++e) sum.v[e] = from_float<T>(to_float(prior[q].v[e]) + tiles.stage[r * kPitch + n + e]);
-      *reinterpret_cast<Vec*>(out + (entry0 + r) * p.out_stride_row + j) = sum;
+  const int64_t N = int64_t(p.num_slices) * p.N_slice;
+  T* out = static_cast<T*>(p.out);
+  auto column = [N](int ct, int n) -> int64_t {
+    const int64_t j = int64_t(ct) * kOutColumns + n;
+    return j < N ? j : -1;
+  };
+  // The rows with an adapter (zeros elsewhere; N % 8 == 0 with kVectors: a run is all in or out).
+  auto load_out = [&](int ct, T* out_tile) {
+    for (int i = tid; i < kRows * (kOutColumns / kStep); i += kThreads) {
+      const int r = i / (kOutColumns / kStep), n = (i % (kOutColumns / kStep)) * kStep;
+      const int64_t j = column(ct, n);
+      const bool load = rows.lora[r] >= 0 && j >= 0;
+      copy_or_zero<T, kVectors>(out_tile + r * kOutPitch + n,
+                                load ? out + (entry0 + r) * p.out_stride_row + j * p.out_stride_n : out, load);
     }
-  } else {
-    for (int i = tid; i < kRows * kOutColumns; i += kThreads) {
-      const int r = i / kOutColumns, n = i % kOutColumns;
-      const int64_t j = col0 + n;
-      if (rows.lora[r] < 0 || j >= N) continue;
-      const int64_t at = (entry0 + r) * p.out_stride_row + j * p.out_stride_n;
-      out[at] = from_float<T>(to_float(out[at]) + tiles.stage[r * kPitch + n]);
+  };
+  auto finish = [&](int ct, const T* out_tile) {
+    for (int i = tid; i < kRows * (kOutColumns / kStep); i += kThreads) {
+      const int r = i / (kOutColumns / kStep), n = (i % (kOutColumns / kStep)) * kStep;
+      const int64_t j = column(ct, n);
+      if (rows.lora[r] < 0 || j < 0) continue;
+      T* at = out + (entry0 + r) * p.out_stride_row + j * p.out_stride_n;
+      if constexpr (kVectors) {
+        *reinterpret_cast<Vec16<T>*>(at) = *reinterpret_cast<const Vec16<T>*>(out_tile + r * kOutPitch + n);
+      } else {
+        *at = out_tile[r * kOutPitch + n];
+      }
     }
-  }
+  };
+  expand_column_tiles<T, kVectors, kOutColumns>(p, rows, tiles, launch, column, load_out, finish);
   allow_next_kernel_launch();
 }
 
 // GEMM1's rows [entries, 2I] (act.input; p describes the same rows as its `out`) plus their
 // deltas, through the gated activation into [entries, I] (act.out), each sum rounded to T
 // as the expand's write would, and the activation rounded to T as the activation kernel's.
-// Tile column n < 64 is gate output o0 + n, n >= 64 its up (split halves: GEMM1 columns
-// o0 + n and I + o0 + n - 64; swiglu_oai's interleaved pairs: 2 o0 + n, the activation's
-// gate and up then at 2i and 2i + 1). Grid (entry tiles of kRows, output tiles of 64).
-// 128 accumulator columns a warp: 149-153 registers at 3 CTAs an SM (the default bound
-// left 128 and spilled 12 bytes in swiglu_oai's).
+// Column tile ct's tile column n < 64 is gate output o0 + n (o0 = 64 ct), n >= 64 its up
+// (split halves: GEMM1 columns o0 + n and I + o0 + n - 64; swiglu_oai's interleaved pairs:
+// 2 o0 + n, the activation's gate and up then at 2i and 2i + 1). Grid (entry tiles of kRows,
+// column tile strides over the I outputs). GEMM1's rows come in by cp.async whatever
+// kVectors says (the launcher checks their 16-byte rows). 2 CTAs an SM: 128 accumulator
+// columns a warp take 203-206 registers (bounded to 3 CTAs an SM, 168, ptxas spilled), and
+// 79 KB of shared memory at rank 16 with 2 slices (two stages of 2 pairs).
 template <typename T, bool kVectors, ActivationKind kKind>
-__global__ void __launch_bounds__(kThreads, 3) moe_lora_expand_activation_kernel(const LoraDeltaParams p,
-                                                                              const ActivationQuantizeParams act) {
+__global__ void __launch_bounds__(kThreads, 2) moe_lora_expand_activation_kernel(const LoraDeltaParams p,
+                                                                              const ActivationQuantizeParams act,
+                                                                              const ExpandLaunch launch) {
   static_assert(kTensorCores<T>, "the grouped path runs 16-bit types");
-  constexpr int kColumns = 2 * kOutColumns, kFragments = kColumns / 16, kPitch = stage_pitch(kColumns);
+  constexpr int kColumns = 2 * kOutColumns, kOutPitch = out_pitch(kColumns);
   constexpr bool kPairs = kKind == ActivationKind::kSwigluOai;
-  constexpr int kVec = 8;  // outputs a thread and step (16-byte rows of T)
+  constexpr int kVec = Vec16<T>::kSize;  // columns a 16-byte copy and an activation step take
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ TileRows rows;
   const TileBuffers<T> tiles(smem, kColumns, tile_pitch(int(p.rank), p.num_slices));
@@ -326,44 +464,48 @@ __global__ void __launch_bounds__(kThreads, 3) moe_lora_expand_activation_kernel
   wait_for_previous_kernel();
   const int64_t entry0 = int64_t(blockIdx.x) * kRows, used = used_entries(p);
   if (entry0 >= used) return;
+  if (load_tile_rows(p, entry0, used, rows)) load_t_tile<T, kVectors>(p, entry0, rows, tiles.t);
+  __syncthreads();  // the groups' adapters (none: no pairs)
+  if (tid == 0) build_pairs(rows);
+  __syncthreads();
+
   const int64_t width = act.width;  // I
-  const int64_t o0 = int64_t(blockIdx.y) * kOutColumns;
-  const bool any_lora = load_tile_rows(p, entry0, used, rows);
-
-  float acc[kFragments][8] = {};
-  if (any_lora) {
-    load_t_tile<T, kVectors>(p, entry0, rows, tiles.t);
-    __syncthreads();  // the groups' adapters, the t tile
-    add_tile_deltas<T, kVectors, kFragments>(
-        p, rows, tiles.t, tiles.b,
-        [o0, width](int n) -> int64_t {
-          const int64_t o = o0 + (kPairs ? n / 2 : n % kOutColumns);  // the tile column's output
-          if (o >= width) return -1;
-          return kPairs ? 2 * o0 + n : (n < kOutColumns ? o : width + o);
-        },
-        acc);
-  }
-  stage_sums<kFragments>(tiles.stage, acc);
-  __syncthreads();  // the staging; rows.live (load_tile_rows' barrier when any_lora is false)
-
+  auto column = [width](int ct, int n) -> int64_t {
+    const int64_t o0 = int64_t(ct) * kOutColumns;
+    const int64_t o = o0 + (kPairs ? n / 2 : n % kOutColumns);  // the tile column's output
+    if (o >= width) return -1;
+    return kPairs ? 2 * o0 + n : (n < kOutColumns ? o : width + o);
+  };
+  // The live rows (a run of 8 tile columns is 8 consecutive GEMM1 columns, all in or all out
+  // as width % 8 == 0).
   const T* in = static_cast<const T*>(act.input);
-  T* out = static_cast<T*>(act.out);
-  for (int i = tid; i < kRows * (kOutColumns / kVec); i += kThreads) {
-    const int r = i / (kOutColumns / kVec), n = (i % (kOutColumns / kVec)) * kVec;
-    const int64_t o = o0 + n;
-    if (!rows.live[r] || o >= width) continue;
-    T gate[kVec], up[kVec];
-    load_gate_up<T, kKind, kVec>(in + (entry0 + r) * 2 * width, width, o, gate, up);
-    const float* sums = tiles.stage + r * kPitch;
-    T result[kVec];
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      const float g = to_float(from_float<T>(to_float(gate[e]) + sums[kPairs ? 2 * (n + e) : n + e]));
-      const float u = to_float(from_float<T>(to_float(up[e]) + sums[kPairs ? 2 * (n + e) + 1 : kOutColumns + n + e]));
-      result[e] = from_float<T>(gated_activation<kKind>(g, u, act.alpha, act.limit));
+  auto load_out = [&](int ct, T* out_tile) {
+    for (int i = tid; i < kRows * (kColumns / kVec); i += kThreads) {
+      const int r = i / (kColumns / kVec), n = (i % (kColumns / kVec)) * kVec;
+      const int64_t j = column(ct, n);
+      const bool load = rows.live[r] && j >= 0;
+      cp_async_16_zfill(smem_addr(out_tile + r * kOutPitch + n), load ? in + (entry0 + r) * 2 * width + j : in, load);
     }
-    *reinterpret_cast<Vec16<T>*>(out + (entry0 + r) * width + o) = *reinterpret_cast<const Vec16<T>*>(result);
-  }
+  };
+  T* out = static_cast<T*>(act.out);
+  auto finish = [&](int ct, const T* out_tile) {
+    const int64_t o0 = int64_t(ct) * kOutColumns;
+    for (int i = tid; i < kRows * (kOutColumns / kVec); i += kThreads) {
+      const int r = i / (kOutColumns / kVec), n = (i % (kOutColumns / kVec)) * kVec;
+      const int64_t o = o0 + n;
+      if (!rows.live[r] || o >= width) continue;
+      const T* sums = out_tile + r * kOutPitch;
+      T result[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const float g = to_float(sums[kPairs ? 2 * (n + e) : n + e]);
+        const float u = to_float(sums[kPairs ? 2 * (n + e) + 1 : kOutColumns + n + e]);
+        result[e] = from_float<T>(gated_activation<kKind>(g, u, act.alpha, act.limit));
+      }
+      *reinterpret_cast<Vec16<T>*>(out + (entry0 + r) * width + o) = *reinterpret_cast<const Vec16<T>*>(result);
+    }
+  };
+  expand_column_tiles<T, kVectors, kColumns>(p, rows, tiles, launch, column, load_out, finish);
   allow_next_kernel_launch();
 }
 
@@ -391,21 +533,37 @@ void check_expand(const LoraDeltaParams& p, const char* op) {
   }
 }
 
-// The grid (entry tiles, column tiles), with the fused_experts error for one too large.
-dim3 expand_grid(const LoraDeltaParams& p, int64_t output_columns) {
+// The grid (entry tiles, column tile strides) and how its CTAs walk the `output_columns`
+// (tiles of kOutColumns outputs, a tile `columns` wide), with the fused_experts error for
+// one too large. Streaming, the strides make about kStreamCtasPerSm CTAs an SM in all.
+dim3 expand_grid(const LoraDeltaParams& p, int64_t output_columns, int columns, int64_t stage_pair_bytes,
+                 int element_bytes, ExpandLaunch& launch) {
   const int64_t tiles = (p.max_num_tokens_padded + kRows - 1) / kRows;
   const int64_t column_tiles = (output_columns + kOutColumns - 1) / kOutColumns;
   if (tiles > INT32_MAX || column_tiles > 65535) {
     throw Error("moelora.fused_experts: too many LoRA rows or columns for the expand (" + std::to_string(tiles) +
                 " row tiles, " + std::to_string(column_tiles) + " column tiles)");
   }
-  return dim3(unsigned(std::max<int64_t>(tiles, 0)), unsigned(std::max<int64_t>(column_tiles, 0)));
+  launch.column_tiles = int(column_tiles);
+  launch.stage_pairs = int(std::clamp<int64_t>(
+      stage_pair_bytes / pair_tile_bytes(columns, int(p.rank), p.num_slices, element_bytes), 1, kMaxPairs));
+  const int64_t pairs = std::max<int64_t>(p.num_experts * p.adapters.max_loras, 1);
+  launch.stream = lora_expand_stream_enabled() && p.num_slots >= kStreamMinMeanRun * pairs;
+  int64_t strides = column_tiles;
+  if (launch.stream && tiles > 0) {
+    const int64_t target = int64_t(current_device_info().num_sms) * kStreamCtasPerSm;
+    strides = std::clamp<int64_t>((target + tiles - 1) / tiles, 1, column_tiles);
+  }
+  return dim3(unsigned(std::max<int64_t>(tiles, 0)), unsigned(std::max<int64_t>(strides, 0)));
 }
 
 template <class... Args>
 void launch_expand(void (*kernel)(Args...), dim3 grid, int64_t smem, Stream stream, const Args&... args) {
   if (grid.x == 0 || grid.y == 0) return;
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // The whole unified memory as shared memory where it helps: 5 expand CTAs of 44 KB an SM.
+  MOELORA_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   launch_kernel(kernel, grid, dim3(kThreads), size_t(smem), static_cast<cudaStream_t>(stream), args...);
 }
 
@@ -413,15 +571,16 @@ void launch_expand(void (*kernel)(Args...), dim3 grid, int64_t smem, Stream stre
 
 void moe_lora_expand_entries(const LoraDeltaParams& p, Stream stream) {
   check_expand(p, "moe_lora_expand_entries");
-  const dim3 grid = expand_grid(p, p.N_slice * p.num_slices);
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      const int64_t smem = smem_bytes(kOutColumns, int(p.rank), p.num_slices, int(sizeof(T)));
+      ExpandLaunch launch{};
+      const dim3 grid = expand_grid(p, p.N_slice * p.num_slices, kOutColumns, kStagePairBytesExpand, int(sizeof(T)), launch);
+      const int64_t smem = smem_bytes(kOutColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
       if (vectors_fit(p, int(sizeof(T)))) {
-        launch_expand(moe_lora_expand_entries_kernel<T, true>, grid, smem, stream, p);
+        launch_expand(moe_lora_expand_entries_kernel<T, true>, grid, smem, stream, p, launch);
       } else {
-        launch_expand(moe_lora_expand_entries_kernel<T, false>, grid, smem, stream, p);
+        launch_expand(moe_lora_expand_entries_kernel<T, false>, grid, smem, stream, p, launch);
       }
     }
   });
@@ -436,28 +595,29 @@ void moe_lora_expand_activation(const LoraDeltaParams& p, const ActivationQuanti
         "moelora.moe_lora_expand_activation: needs the expand's rows as the activation's input, 16-bit plain output, "
         "2 x width stack columns and 16-byte rows");
   }
-  const dim3 grid = expand_grid(p, act.width);
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      const int64_t smem = smem_bytes(2 * kOutColumns, int(p.rank), p.num_slices, int(sizeof(T)));
+      ExpandLaunch launch{};
+      const dim3 grid = expand_grid(p, act.width, 2 * kOutColumns, kStagePairBytesActivation, int(sizeof(T)), launch);
+      const int64_t smem = smem_bytes(2 * kOutColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
       const bool vectors = vectors_fit(p, int(sizeof(T)));
-      auto launch = [&](auto kind_tag) {
+      auto launch_kind = [&](auto kind_tag) {
         constexpr ActivationKind kKind = decltype(kind_tag)::value;
         if (vectors) {
-          launch_expand(moe_lora_expand_activation_kernel<T, true, kKind>, grid, smem, stream, p, act);
+          launch_expand(moe_lora_expand_activation_kernel<T, true, kKind>, grid, smem, stream, p, act, launch);
         } else {
-          launch_expand(moe_lora_expand_activation_kernel<T, false, kKind>, grid, smem, stream, p, act);
+          launch_expand(moe_lora_expand_activation_kernel<T, false, kKind>, grid, smem, stream, p, act, launch);
         }
       };
       switch (act.kind) {
         case ActivationKind::kSiluAndMul:
-          launch(std::integral_constant<ActivationKind, ActivationKind::kSiluAndMul>{});
+          launch_kind(std::integral_constant<ActivationKind, ActivationKind::kSiluAndMul>{});
           break;
         case ActivationKind::kGeluAndMul:
-          launch(std::integral_constant<ActivationKind, ActivationKind::kGeluAndMul>{});
+          launch_kind(std::integral_constant<ActivationKind, ActivationKind::kGeluAndMul>{});
           break;
-        default: launch(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{});
+        default: launch_kind(std::integral_constant<ActivationKind, ActivationKind::kSwigluOai>{});
       }
     }
   });

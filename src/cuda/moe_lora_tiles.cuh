@@ -1,5 +1,6 @@
-// The LoRA delta kernels' shared pieces (moe_lora.cu, moe_lora_expand_entries.cu): tile
-// constants, the mma.sync 16x16 tiles over shared memory, and the output element of a row.
+// The LoRA delta kernels' shared pieces (moe_lora.cu, moe_lora_shrink_segmented.cu,
+// moe_lora_expand_entries.cu): tile constants, the mma.sync 16x16 tiles over shared memory,
+// the output element of a row, and the shrink GEMVs' warp dot product.
 #pragma once
 
 #include <cute/arch/mma_sm80.hpp>
@@ -9,6 +10,7 @@
 
 #include "common/params.h"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/numeric.cuh"
 
 namespace moelora::cuda::lora_tiles {
 
@@ -82,6 +84,37 @@ __device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
 __device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {
   const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;
   return s * p.out_stride_row + col * p.out_stride_n;
+}
+
+// a_row · lora_row over K, 16-byte loads strided over the warp's lanes, reduced across the
+// warp (every lane gets the sum). K % Vec16 == 0 and 16-byte aligned rows (the launchers
+// check shrink_gemv_loadable).
+template <typename T>
+__device__ __forceinline__ float warp_dot_rows(const T* a_row, const T* lora_row, int64_t K, int lane) {
+  constexpr int kVec = Vec16<T>::kSize;
+  float acc = 0.f;
+  for (int64_t k = int64_t(lane) * kVec; k < K; k += 32 * kVec) {
+    const Vec16<T> x = *reinterpret_cast<const Vec16<T>*>(a_row + k);
+    const Vec16<T> w = *reinterpret_cast<const Vec16<T>*>(lora_row + k);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) acc = fmaf(to_float(x.v[v]), to_float(w.v[v]), acc);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  return acc;
+}
+
+// The shrink GEMV's 16-byte loads: K a multiple of the vector, every row start aligned.
+template <typename T>
+bool shrink_gemv_loadable(const LoraDeltaParams& p) {
+  constexpr int64_t kVec = Vec16<T>::kSize;
+  bool ok = p.K % kVec == 0 && p.a_stride_row % kVec == 0 && aligned16(p.a);
+  for (int c = 0; c < p.num_slices; ++c) {
+    const detail::LoraSliceParams& sl = p.slices[c];
+    ok = ok && aligned16(sl.lora_a) && sl.a_stride_lora % kVec == 0 && sl.a_stride_expert % kVec == 0 &&
+         sl.a_stride_rank % kVec == 0;
+  }
+  return ok;
 }
 
 }  // namespace moelora::cuda::lora_tiles

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The landing lease of the shrink runs and expand pairs (main with both patches applied and the streamed expand
+# only where the mean (expert, adapter) run is >= 32 entries): one warm H200, carry .deps, two calls back to back:
+#   bash docs/wip/issue31-land.sh tests  (~560 s cold): build into /tmp/bl, the C++ suite in 16 shards run
+#       directly (tools/gtest_shards.py's timeout is too short for the Mixtral quant cases' CPU reference), then
+#       pytest beside memcheck of the LoRA layer tests
+#   bash docs/wip/issue31-land.sh grids DEADLINE_S  (warm): racecheck of the grouped LoRA tests, the report's
+#       grids, the searched peer per model until DEADLINE_S, ncu of Qwen3-30B's LoRA at M = 4096
+set -uo pipefail
+t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
+B=/tmp/bl
+case "${1:-}" in
+tests)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  MOELORA_JOBS=16 MOELORA_BUILD_DIR=$B MOELORA_PTH=0 bash tools/build.sh -DMOELORA_CUDA=ON > /tmp/build.log 2>&1 ||
+    { grep -B2 -A12 "error" /tmp/build.log | head -60; exit 1; }
+  echo "build $(el) s"; grep -i "spill" /tmp/build.log | grep -v " 0 bytes spill" | grep -c spill
+  mkdir -p /tmp/sh && rm -f /tmp/sh/*
+  for i in $(seq 0 15); do
+    GTEST_TOTAL_SHARDS=16 GTEST_SHARD_INDEX=$i timeout 280 $B/moelora_tests --gtest_brief=1 \
+      --gtest_output=xml:/tmp/sh/s$i.xml > /tmp/sh/s$i.log 2>&1 &
+  done
+  wait
+  python3 - <<PY
+import glob, xml.etree.ElementTree as E
+root = E.Element("testsuites"); t = f = e = 0
+for x in sorted(glob.glob("/tmp/sh/s*.xml")):
+    r = E.parse(x).getroot(); t += int(r.get("tests")); f += int(r.get("failures")); e += int(r.get("errors"))
+    root.extend(list(r))
+for k, v in (("tests", t), ("failures", f), ("errors", e), ("name", "AllTests")): root.set(k, str(v))
+E.ElementTree(root).write("$OUT/ctest.xml"); print("shards: xml files", len(glob.glob("/tmp/sh/s*.xml")), "tests", t, "failed", f + e)
+PY
+  echo "shards at $(el) s"; grep -h -A8 "Failure\|FAILED" /tmp/sh/*.log | head -30
+  export MOELORA_EXT_DIR=$B PYTHONPATH=$PWD/python
+  left=$(( 585 - $(el) ))
+  timeout $left python3 -m pytest tests/python -q -n 14 --junitxml=$OUT/pytest.xml > /tmp/pytest.log 2>&1 &
+  PY=$!
+  timeout $(( left - 10 )) compute-sanitizer --tool memcheck --error-exitcode 9 $B/moelora_tests \
+    --gtest_filter='All/FusedExpertsLoraTest.*:All/LoraDeltaTest.*' > /tmp/memcheck.log 2>&1
+  echo "memcheck rc $? at $(el) s"; grep -E "ERROR SUMMARY|PASSED|FAILED" /tmp/memcheck.log | tail -2
+  tail -c 20000 /tmp/memcheck.log > $OUT/memcheck.log
+  wait $PY; echo "pytest rc $? at $(el) s"; tail -1 /tmp/pytest.log
+  ;;
+grids)
+  [ -x $B/moelora_bench ] || { echo "run 'tests' first"; exit 1; }
+  deadline=${2:-560}
+  timeout 80 compute-sanitizer --tool racecheck --error-exitcode 9 $B/moelora_tests \
+    --gtest_filter='All/FusedExpertsLoraTest.*CUDA_grouped16*' > /tmp/racecheck.log 2>&1
+  echo "racecheck rc $? at $(el) s"; grep -E "RACECHECK SUMMARY|ERROR SUMMARY|PASSED|FAILED" /tmp/racecheck.log | tail -2
+  tail -c 6000 /tmp/racecheck.log > $OUT/racecheck.log
+  timeout 110 $B/moelora_bench --device cuda --model all --tokens 1,2,4,8,16,32,64,256,1024,4096 --ceilings \
+    --json /tmp/bench.json > /tmp/bench.log 2>&1; echo "bf16 rc $? at $(el) s"
+  timeout 75 $B/moelora_bench --device cuda --model all --tokens 1,4,16,64,256,1024,4096 --lora-rank 16,64 --adapters 4 \
+    --lora-share 1.0 --no-check --ceilings --json /tmp/lorabf16.json > /tmp/lorabf16.log 2>&1
+  echo "bf16 lora rc $? at $(el) s"
+  timeout 45 $B/moelora_bench --device cuda --model all --tokens 1,4,16,64,256,1024,4096 --lora-rank 16 --adapters 4 \
+    --lora-share 0.5 --no-check --ceilings --json /tmp/lorahalf.json > /tmp/lorahalf.log 2>&1
+  echo "bf16 lora share 0.5 rc $? at $(el) s"
+  timeout 40 $B/quant_bench --device cuda --model all --scheme w4a16:g128 --tokens 16,256,1024 --lora-rank 16 \
+    --ceilings --json /tmp/lora.json > /tmp/lora.log 2>&1; echo "w4a16 lora rc $? at $(el) s"
+  timeout 30 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
+    $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 --adapters 4 --no-check \
+    --iters 3 > /tmp/ncu_4096.csv 2>/dev/null; echo "ncu rc $? at $(el) s"
+  mkdir -p /tmp/peer
+  for m in qwen3-30b-a3b olmoe-1b-7b deepseek-v3-tp8 mixtral-8x7b qwen3-235b-a22b gpt-oss-120b; do
+    left=$(( deadline - 5 - $(el) )); [ $left -gt 10 ] || break
+    timeout $left python3 benchmarks/triton_fused_moe_compare.py --model $m --tokens 1,4,16,64,256,1024,4096 \
+      --lora-rank 16 --adapters 4 --lora-share 1.0 --json /tmp/peer/$m.json >> /tmp/peer.log 2>&1
+    echo "peer $m rc $? at $(el) s"
+  done
+  python3 -c "import glob, json; json.dump([r for f in sorted(glob.glob('/tmp/peer/*.json')) for r in json.load(open(f))], open('/tmp/peer.json', 'w'))"
+  # $OUT takes at most 8 files: the grids in one archive.
+  tar czf $OUT/grids.tgz -C /tmp bench.json lorabf16.json lorahalf.json lora.json peer.json ncu_4096.csv
+  python3 - <<'PY' | tee $OUT/kernels.txt
+import csv, re, statistics
+print("## ncu, Qwen3-30B with LoRA r16 (4 adapters) M = 4096: ns per kernel name (min / median / max), launches")
+times = {}
+try:
+    lines = [l for l in open("/tmp/ncu_4096.csv") if l.startswith('"')]
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") == "gpu__time_duration.sum":
+            name = re.sub(r"\(.*", "", row["Kernel Name"]).replace("void ", "")[:90]
+            times.setdefault(name, []).append(float(row["Metric Value"].replace(",", "")))
+except Exception as e:
+    print("no ncu rows:", e)
+for name, v in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
+    print(f"{min(v):9.0f} {statistics.median(v):9.0f} {max(v):9.0f} n={len(v):<3d} {name}")
+PY
+  ;;
+*) echo "usage: bash docs/wip/issue31-land.sh tests | grids DEADLINE_S"; exit 2 ;;
+esac
+echo "done $(el) s"

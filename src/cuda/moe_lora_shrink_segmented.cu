@@ -1,0 +1,452 @@
+// moe_lora_shrink on CUDA: the LoRA shrink on the segmented alignment, t by entry, for
+// fused_experts' paths (the fused GEMMs' lora_t, the grouped path's moe_lora_expand_entries):
+//   t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i]ᵀ
+// Small chunks run as GEMVs over entries (moe_lora_shrink_entries_gemv_kernel), the rest as
+// row tiles of 64 entries split over K (moe_lora_shrink_segmented_kernel).
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "common/params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_info.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/moe_lora_tiles.cuh"
+#include "cuda/numeric.cuh"
+
+namespace moelora::cuda {
+namespace {
+
+using detail::LoraDeltaParams;
+using namespace lora_tiles;
+
+constexpr int kGemvThreads = 256;  // moe_lora_shrink_entries_gemv_kernel: a warp an item
+
+// ---- shrink on the segmented alignment (fused_experts' fused path) ------------------------
+// t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i]ᵀ for each entry of
+// an enabled adapter l (row = the entry with a_rows_by_entry, else slot / a_top_k).
+//
+// Grid (tiles of kSegGroupRows entries, K splits): a CTA takes 64 consecutive entries of the
+// alignment (several blocks where block_size < 64, as the grouped path's 16) and a K range.
+// Its rows fall in runs of one (expert, adapter) (the segmented alignment keeps an expert's
+// entries together and, inside it, each adapter's), and a pass takes a few consecutive runs:
+// [pass rows, runs * slices * rank_padded] = rows · [the runs' lora_a rows]ᵀ on mma.sync,
+// both operands through a cp.async ring, as deep as the pass's rows let kSegRingBytes be;
+// each row keeps its own run's columns.
+// With several splits each CTA writes fp32 partial sums, and the group's last CTA to
+// arrive adds them in split order (the result does not depend on arrival order), scales
+// and writes t.
+// NOTE: measured on H100 (docs/PERF_NOTES.md, issue 4 step 3): one CTA per 16 entries and
+// slice walking K in 64-element steps was latency-bound (Mixtral M = 64, r = 16: 2.97 ms
+// layer against 1.06 base); whole 128-row blocks per CTA with per-chunk address math
+// were instruction-bound (0.3 issues/cycle, 168 registers, 1 CTA/SM; Mixtral M = 4096
+// GEMM2 shrink 482 us for 240 MB). Hence 64-row groups, source rows resolved once per
+// pass, and splits that fill the SMs. A group was once one block's rows: on the grouped
+// path's 16-row blocks that made 16-row passes, each re-reading its pair's lora_a (twice
+// the bytes of its rows of a at rank 16 with 2 slices) with 2 of the 8 warps at work
+// (H200, Qwen3-30B M = 4096: ~265 us for GEMM1's shrink, the peer's 59;
+// reports/gpu/2026-11-29-h200-8bde123-issue31-lora-prefill.txt). Hence runs across blocks.
+constexpr int kSegThreads = 256;          // 8 warps, up to kSegFragsPerWarp accumulators each
+constexpr int kSegBK = 64;                // K elements a ring slot holds: 128 bytes of bf16
+constexpr int kSegLd = kSegBK + kPad;     // smem row pitch (elements)
+constexpr int kSegGroupRows = 64;         // rows a CTA takes: a pass is [64, 128] at most
+constexpr int kSegPassCols = 128;
+constexpr int kSegMaxPassPairs = kSegPassCols / 16;  // runs a pass takes at most (16 columns each)
+// The ring: 4 slots of the largest pass ([64 + 128 rows, kSegLd] of 16-bit), so two CTAs
+// fit an SM. A pass cuts it into as many slots as its rows allow (kSegMaxStages at most):
+// a run of a few rows and rank 16 has slots of 48 rows, 16 of them.
+constexpr size_t kSegRingBytes = size_t(4) * (kSegGroupRows + kSegPassCols) * kSegLd * 2;
+constexpr int kSegMaxStages = 16;
+constexpr int kSegFragsPerWarp = kSegGroupRows / 16 * kSegPassCols / 16 / (kSegThreads / 32);
+constexpr int kSegChunkRounds = (kSegGroupRows + kSegPassCols) / (kSegThreads / 8);  // 16-byte chunks per thread
+constexpr int kSegMaxBlockSize = 256;     // kMaxBlockSize
+constexpr int kSegMaxSplits = 32;
+constexpr int kSegMinSplitK = 256;        // K a split covers at least (amortises the group's setup)
+constexpr int kSegMaxAdapters = 64;       // kMaxLoraAdapters: bits of block_lora_masks
+
+struct SegmentedShrinkSplit {
+  int splits;       // CTAs per row group along K
+  int64_t k_chunk;  // K a split covers, a multiple of kSegBK
+};
+
+// The fp32 result tile of a pass takes the ring's place once the pass's K loop is done.
+static_assert(size_t(kSegGroupRows) * (kSegPassCols + 4) * sizeof(float) <= kSegRingBytes);
+
+// cp.async.wait_group takes an immediate: the ring's depth is chosen per pass.
+__device__ __forceinline__ void cp_async_wait_pending(int pending) {
+  switch (pending) {
+#define MOELORA_WAIT_CASE(n) \
+  case n:                    \
+    cute::cp_async_wait<n>(); \
+    break;
+    MOELORA_WAIT_CASE(1) MOELORA_WAIT_CASE(2) MOELORA_WAIT_CASE(3) MOELORA_WAIT_CASE(4) MOELORA_WAIT_CASE(5)
+    MOELORA_WAIT_CASE(6) MOELORA_WAIT_CASE(7) MOELORA_WAIT_CASE(8) MOELORA_WAIT_CASE(9) MOELORA_WAIT_CASE(10)
+    MOELORA_WAIT_CASE(11) MOELORA_WAIT_CASE(12) MOELORA_WAIT_CASE(13) MOELORA_WAIT_CASE(14)
+#undef MOELORA_WAIT_CASE
+    default:
+      cute::cp_async_wait<0>();
+  }
+}
+
+// 125-128 registers at 2 CTAs an SM; the !kAsync variants (operands not 16-byte aligned,
+// element copies) spill 4-28 bytes, the cp.async ones nothing (nvcc 13.0).
+template <typename T, bool kAsync>
+__global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kernel(const LoraDeltaParams p,
+                                                                               const SegmentedShrinkSplit split) {
+  static_assert(kTensorCores<T>, "the fused path runs 16-bit types");
+  constexpr int kVec = Vec16<T>::kSize, kChunksPerRow = kSegBK / kVec;
+  extern __shared__ __align__(128) unsigned char seg_smem[];
+  __shared__ int row_lora[kSegGroupRows];    // each group row's adapter, -1: none or padding
+  __shared__ int row_expert[kSegGroupRows];  // its expert (rows with an adapter)
+  __shared__ int row_a[kSegGroupRows];       // its row of a
+  __shared__ uint32_t run_bits[2][kSegGroupRows / 32];  // rows that begin [0] and end [1] a run
+  // The pass's runs (kSegMaxPassPairs at most): rows [begin, end), adapter, expert, scale;
+  // and each group row's run in the pass (-1: none).
+  __shared__ int pass_begin[kSegMaxPassPairs], pass_end[kSegMaxPassPairs];
+  __shared__ int pass_lora[kSegMaxPassPairs], pass_expert[kSegMaxPassPairs];
+  __shared__ float pass_scale[kSegMaxPassPairs];
+  __shared__ int row_pass_pair[kSegGroupRows];
+  __shared__ bool last_split;
+
+  wait_for_previous_kernel();
+  // The GEMM after this kernel may launch now: with GemmParams::lora_late_wait it streams
+  // its base K steps beside this shrink and waits before reading lora_t; without it, it
+  // waits at entry. Every kernel before this one has completed (the wait above).
+  allow_next_kernel_launch();
+  constexpr int rows_in_group = kSegGroupRows;
+  const int64_t entry0 = int64_t(blockIdx.x) * kSegGroupRows;  // the group's first entry
+  const int64_t used = used_entries(p);
+  if (entry0 >= used) return;  // the same in every split of the group: none counts
+  if (int(threadIdx.x) < rows_in_group) {
+    const int r = threadIdx.x;
+    const int64_t entry = entry0 + r;
+    int l = -1, expert = -1, slot = -1;
+    if (entry < used) {
+      const int64_t block = entry / p.block_size;
+      expert = p.expert_ids[block];
+      const uint64_t block_mask = expert >= 0 && expert < p.num_experts ? p.block_lora_masks[block] : 0;
+      slot = p.sorted_token_ids[entry];
+      l = slot >= 0 && slot < p.num_slots ? p.entry_lora_ids[entry] : -1;
+      l = l >= 0 && l < kSegMaxAdapters && (block_mask >> l & 1) ? l : -1;
+    }
+    row_lora[r] = l;
+    row_expert[r] = l < 0 ? -1 : expert;
+    row_a[r] = l < 0 ? -1 : p.a_rows_by_entry ? int(entry) : slot / int(p.a_top_k);
+  }
+  __syncthreads();
+  // Runs: maximal stretches of rows with one (expert, adapter). A pair split by other rows
+  // makes two runs (two passes), never a wrong row.
+  if (int(threadIdx.x) < rows_in_group) {
+    const int r = threadIdx.x, l = row_lora[r], e = row_expert[r];
+    const bool begins = l >= 0 && (r == 0 || row_lora[r - 1] != l || row_expert[r - 1] != e);
+    const bool ends = l >= 0 && (r + 1 == rows_in_group || row_lora[r + 1] != l || row_expert[r + 1] != e);
+    const uint32_t begin_bits = __ballot_sync(0xffffffffu, begins), end_bits = __ballot_sync(0xffffffffu, ends);
+    if (r % 32 == 0) run_bits[0][r / 32] = begin_bits, run_bits[1][r / 32] = end_bits;
+  }
+  __syncthreads();
+  static_assert(kSegGroupRows == 64 && kSegThreads >= kSegGroupRows, "the runs' bits are two warps' ballots");
+  uint64_t run_begins = uint64_t(run_bits[0][1]) << 32 | run_bits[0][0];
+  uint64_t run_ends = uint64_t(run_bits[1][1]) << 32 | run_bits[1][0];
+  if (run_begins == 0) return;  // the same in every split of the group
+
+  const int rank = int(p.rank), rank_padded = round_up16(rank);
+  const int cols = p.num_slices * rank_padded;  // t's columns, each slice padded to 16
+  const int t_cols = p.num_slices * rank;
+  const int64_t k_begin = int64_t(blockIdx.y) * split.k_chunk;
+  const int64_t k_end = min(p.K, k_begin + split.k_chunk);
+  const int num_k_tiles = int((k_end - k_begin + kSegBK - 1) / kSegBK);
+  const T* a = static_cast<const T*>(p.a);
+  T* t = static_cast<T*>(p.intermediate);
+  T* ring = reinterpret_cast<T*>(seg_smem);
+  uint32_t ring_addr = cute::cast_smem_ptr_to_uint(seg_smem);
+  asm volatile("" : "+r"(ring_addr));  // opaque, so ptxas keeps it rather than rebuilding it at every copy
+  float* result = reinterpret_cast<float*>(seg_smem);
+  const int warp = threadIdx.x / 32;
+  // Runs a pass takes: as many as their lora_a rows fit kSegPassCols (at rank 16: 4 with 2
+  // slices, 8 with one), so that short runs (a few rows each at M <= 1024 on 128 experts)
+  // share a pass's K loop; the rows between them load as zeros. Wider pairs take their
+  // column passes alone.
+  const int pairs_per_pass = cols <= kSegPassCols / 2 ? kSegPassCols / cols : 1;
+  // A thread copies the chunks at one K column of rows threadIdx.x / 8 + 32 j.
+  const int k_col = (threadIdx.x % kChunksPerRow) * kVec;
+  const int row_base = threadIdx.x / kChunksPerRow;
+  constexpr int kRowsPerRound = kSegThreads / kChunksPerRow;
+
+  while (run_begins != 0) {
+    // The pass: the next `count` runs, rows r0 .. r0 + rows - 1 (run q's lora_a rows are the
+    // pass's columns q * cols ..).
+    const int count = min(pairs_per_pass, __popcll(run_begins));
+    if (threadIdx.x == 0) {
+      uint64_t begins = run_begins, ends = run_ends;
+      for (int q = 0; q < count; ++q, begins &= begins - 1, ends &= ends - 1) {
+        const int b = __ffsll(static_cast<long long>(begins)) - 1;
+        pass_begin[q] = b;
+        pass_end[q] = __ffsll(static_cast<long long>(ends));
+        pass_lora[q] = row_lora[b];
+        pass_expert[q] = row_expert[b];
+        pass_scale[q] = p.adapters.adapter_scale ? p.adapters.adapter_scale[row_lora[b]] : 1.f;
+      }
+    }
+    // Every thread takes the pass's runs off its masks alike; r0 is the first run's first row,
+    // r0 + rows the last run's end.
+    const int r0 = __ffsll(static_cast<long long>(run_begins)) - 1;
+    for (int q = 1; q < count; ++q) run_begins &= run_begins - 1, run_ends &= run_ends - 1;
+    const int rows = __ffsll(static_cast<long long>(run_ends)) - r0, rows_padded = round_up16(rows);
+    run_begins &= run_begins - 1, run_ends &= run_ends - 1;
+    __syncthreads();  // the pass's runs
+    if (int(threadIdx.x) < rows_in_group) {
+      int pair = -1;
+      for (int q = 0; q < count; ++q) {
+        if (int(threadIdx.x) >= pass_begin[q] && int(threadIdx.x) < pass_end[q]) pair = q;
+      }
+      row_pass_pair[threadIdx.x] = pair;
+    }
+    __syncthreads();
+    const int total_cols = count * cols;
+    for (int c0 = 0; c0 < total_cols; c0 += kSegPassCols) {
+      const int pass_cols = min(kSegPassCols, total_cols - c0);
+      const int result_ld = pass_cols + 4;
+      const int frag_cols = pass_cols / 16, num_frags = rows_padded / 16 * frag_cols;
+      // A slot holds the run's rows of a, then the pass's lora_a rows.
+      const int stage_rows = rows_padded + pass_cols, stage_elems = stage_rows * kSegLd;
+      const int stages = min(kSegMaxStages, int(kSegRingBytes / (size_t(stage_elems) * sizeof(T))));
+      // Each chunk's source at k_begin and offset in a slot, resolved once for the pass, so
+      // a k-tile's copy is a pointer step, an add and the cp.async. has_src bit j: chunk j
+      // has a source (else zeros: src[j] is then row 0 of a, a valid address never read).
+      const T* src[kSegChunkRounds];
+      int dst[kSegChunkRounds];  // element offset in the slot, -1: no chunk
+      uint32_t has_src = 0;
+#pragma unroll
+      for (int j = 0; j < kSegChunkRounds; ++j) {
+        const int row = row_base + j * kRowsPerRound;
+        src[j] = a;
+        dst[j] = row < stage_rows ? row * kSegLd + k_col : -1;
+        if (row < rows_padded) {
+          if (row < rows && row_pass_pair[r0 + row] >= 0) {
+            src[j] = a + int64_t(row_a[r0 + row]) * p.a_stride_row + k_begin + k_col;
+            has_src |= 1u << j;
+          }
+        } else if (row < stage_rows) {
+          const int column = c0 + row - rows_padded, q = column / cols, n = column - q * cols;
+          const int c = n / rank_padded, i_rank = n - c * rank_padded;
+          const detail::LoraSliceParams& sl = p.slices[c];
+          if (i_rank < rank) {
+            src[j] = static_cast<const T*>(sl.lora_a) + pass_lora[q] * sl.a_stride_lora +
+                     pass_expert[q] * sl.a_stride_expert + i_rank * sl.a_stride_rank + k_begin + k_col;
+            has_src |= 1u << j;
+          }
+        }
+      }
+      const int k_left = int(k_end - k_begin) - k_col;  // K this thread's chunks have from k_begin + k_col
+      auto load_stage = [&](int slot, int k_tile) {
+        const int k = k_tile * kSegBK;
+        const bool k_in = k < k_left;  // K % 8 == 0: a chunk is all in or out
+        // The step is 0 past the end, so every address stays inside its row (never read then).
+        const int k_step = k_in ? k : 0;
+        const uint32_t slot_addr = ring_addr + uint32_t(slot * stage_elems * sizeof(T));
+#pragma unroll
+        for (int j = 0; j < kSegChunkRounds; ++j) {
+          if (dst[j] < 0) continue;
+          if constexpr (kAsync) {
+            cp_async_16_zfill(slot_addr + uint32_t(dst[j] * sizeof(T)), src[j] + k_step, (has_src >> j & 1) && k_in);
+          } else {
+            const int chunk_left = (has_src >> j & 1) ? k_left - k : 0;
+#pragma unroll
+            for (int v = 0; v < kVec; ++v) {
+              ring[slot * stage_elems + dst[j] + v] = v < chunk_left ? src[j][k + v] : from_float<T>(0.f);
+            }
+          }
+        }
+      };
+      // This warp's fragments: 16 x 16 tiles f = warp + 8 j of the pass's [rows_padded,
+      // pass_cols] result, each two mma.m16n8k16 (n halves) fed by ldmatrix.x4. Lane
+      // offsets: A's matrices are rows 0-7 / 8-15 at k 0 / 8, B's n 0-7 at k 0 / 8, then n 8-15.
+      const int a_lane = mma_lane_a(kSegLd), b_lane = rows_padded * kSegLd + mma_lane_b(kSegLd);
+      int a_off[kSegFragsPerWarp], b_off[kSegFragsPerWarp];
+      float acc[kSegFragsPerWarp][8];
+#pragma unroll
+      for (int j = 0; j < kSegFragsPerWarp; ++j) {
+        const int f = warp + 8 * j;
+        a_off[j] = (f / max(frag_cols, 1)) * 16 * kSegLd + a_lane;
+        b_off[j] = (f % max(frag_cols, 1)) * 16 * kSegLd + b_lane;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+      }
+
+      for (int stage = 0; stage < stages - 1; ++stage) {
+        if (stage < num_k_tiles) load_stage(stage, stage);
+        cute::cp_async_fence();
+      }
+      for (int k_tile = 0, slot = 0; k_tile < num_k_tiles; ++k_tile, slot = slot + 1 == stages ? 0 : slot + 1) {
+        cp_async_wait_pending(stages - 2);
+        __syncthreads();  // k_tile's slot is full; every warp is done with the slot refilled below
+        if (k_tile + stages - 1 < num_k_tiles) load_stage(slot == 0 ? stages - 1 : slot - 1, k_tile + stages - 1);
+        cute::cp_async_fence();
+        const uint32_t slot_addr = ring_addr + uint32_t(slot * stage_elems * sizeof(T));
+#pragma unroll
+        for (int j = 0; j < kSegFragsPerWarp; ++j) {
+          if (warp + 8 * j < num_frags) {
+            mma_16x16_accumulate<T>(acc[j], slot_addr + a_off[j] * sizeof(T), slot_addr + b_off[j] * sizeof(T), kSegBK);
+          }
+        }
+      }
+      cute::cp_async_wait<0>();
+      __syncthreads();  // the ring is idle: the result tile takes its place
+#pragma unroll
+      for (int j = 0; j < kSegFragsPerWarp; ++j) {
+        const int f = warp + 8 * j;
+        if (f < num_frags) {
+          store_mma_16x16(result + (f / frag_cols) * 16 * result_ld + (f % frag_cols) * 16, result_ld, acc[j]);
+        }
+      }
+      __syncthreads();
+      // Each row's own run's columns (the pass computed every run's for every row).
+      for (int i = threadIdx.x; i < rows * pass_cols; i += kSegThreads) {
+        const int row = i / pass_cols, n = i - row * pass_cols;
+        const int column = c0 + n, q = column / cols, nc = column - q * cols;
+        const int c = nc / rank_padded, i_rank = nc - c * rank_padded;
+        if (q != row_pass_pair[r0 + row] || i_rank >= rank) continue;
+        const int64_t at = (entry0 + r0 + row) * t_cols + c * rank + i_rank;
+        const float v = result[row * result_ld + n];
+        if (split.splits == 1) {
+          t[at] = from_float<T>(pass_scale[q] * v);
+        } else {
+          p.shrink_partials[int64_t(blockIdx.y) * p.segmented_entries * t_cols + at] = v;
+        }
+      }
+      __syncthreads();  // the next pass refills the ring
+    }
+  }
+  if (split.splits > 1) {
+    // The last CTA of the group: partial sums visible device-wide before the arrival.
+    int32_t& arrivals = p.shrink_counters[entry0 / 16];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      last_split = atomicAdd(&arrivals, 1) == split.splits - 1;
+      if (last_split) arrivals = 0;  // zero for the next shrink
+    }
+    __syncthreads();
+    if (last_split) {
+      __threadfence();
+      const int64_t split_stride = p.segmented_entries * t_cols;
+      for (int i = threadIdx.x; i < rows_in_group * t_cols; i += kSegThreads) {
+        const int r = i / t_cols;
+        const int l = row_lora[r];
+        if (l < 0) continue;
+        const int64_t at = (entry0 + r) * t_cols + (i - r * t_cols);
+        float sum = 0.f;
+        for (int s = 0; s < split.splits; ++s) sum += __ldcg(p.shrink_partials + s * split_stride + at);
+        t[at] = from_float<T>((p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f) * sum);
+      }
+    }
+  }
+}
+
+// K splits so that the row groups with work fill the SMs three times over (two CTAs fit
+// an SM; at small M a handful of blocks hold every entry: Mixtral M = 16 has at most 9),
+// each split at least kSegMinSplitK long and all of them within the partial-sum scratch.
+SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  SegmentedShrinkSplit s{};
+  // Groups holding entries: the slots' and at most block_size - 1 padding entries an expert.
+  const int64_t busy_groups =
+      ceil_div(p.num_slots + std::min(p.num_slots, p.num_experts) * (p.block_size - 1), kSegGroupRows);
+  int64_t splits = std::clamp<int64_t>(ceil_div(3 * current_device_info().num_sms, busy_groups), 1, kSegMaxSplits);
+  splits = std::min(splits, ceil_div(p.K, kSegMinSplitK));
+  splits = p.shrink_partials && p.shrink_counters && p.segmented_entries > 0
+               ? std::min(splits, p.shrink_partial_rows / p.segmented_entries)
+               : 1;
+  s.k_chunk = ceil_div(ceil_div(p.K, std::max<int64_t>(splits, 1)), kSegBK) * kSegBK;
+  s.splits = int(ceil_div(p.K, s.k_chunk));
+  return s;
+}
+
+// The segmented shrink as GEMVs over entries, a warp an item (entry, slice,
+// rank row): t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i], for the
+// entries the segmented kernel writes (a slot, an adapter in the block's mask, a local
+// expert). For small chunks, where the segmented kernel's CTAs walk K for a row or two
+// (Qwen3-30B M = 16: ~29 us for GEMM1's shrink, H100). The entry count is read on the
+// device: a persistent grid strides over the used entries' items. 16-byte loads
+// (shrink_gemv_loadable).
+template <typename T>
+__global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_kernel(const LoraDeltaParams p) {
+  wait_for_previous_kernel();
+  allow_next_kernel_launch();  // as the segmented kernel's
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t used = used_entries(p);
+  const int64_t per_entry = p.num_slices * p.rank, t_cols = per_entry;
+  const int64_t items = used * per_entry;
+  for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;
+       item += int64_t(gridDim.x) * (kGemvThreads / 32)) {
+    const int64_t entry = item / per_entry, ci = item - entry * per_entry;
+    const int c = int(ci / p.rank);
+    const int64_t i = ci - c * p.rank;
+    const int slot = p.sorted_token_ids[entry];
+    if (slot < 0 || slot >= p.num_slots) continue;
+    const int64_t block = entry / p.block_size;
+    const int expert = p.expert_ids[block];
+    if (expert < 0 || expert >= p.num_experts) continue;
+    const int l = p.entry_lora_ids[entry];
+    if (l < 0 || l >= kSegMaxAdapters || !(p.block_lora_masks[block] >> l & 1)) continue;
+    const detail::LoraSliceParams& sl = p.slices[c];
+    const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
+    const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
+                        i * sl.a_stride_rank;
+    const float acc = warp_dot_rows(a_row, lora_row, p.K, lane);
+    if (lane == 0) {
+      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
+      static_cast<T*>(p.intermediate)[entry * t_cols + c * p.rank + i] = from_float<T>(scale * acc);
+    }
+  }
+}
+
+// The largest chunk (slots) whose fused-path shrink runs as GEMVs over entries. H200, LoRA
+// r16, 4 adapters (reports/gpu/2026-11-29-h200-issue31-patches-ab.txt): 0.88-0.97x the
+// segmented kernel's layer time at 32-1024 slots, 0.98-0.99x at 2048 on DeepSeek-V3-TP8 and
+// Qwen3-30B but 1.08x on OLMoE, 1.05-1.36x at 4096-8192: each warp re-reads its row of A,
+// which the segmented kernel's tiles share.
+constexpr int64_t kShrinkEntriesGemvMaxSlots = 1024;
+
+}  // namespace
+
+void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
+  if (p.sorted_token_ids == nullptr || p.entry_lora_ids == nullptr || p.block_lora_masks == nullptr ||
+      p.block_size % kTileRows != 0 || p.block_size > kSegMaxBlockSize || p.rank > kMaxRankPadded ||
+      p.dtype == DType::kFloat32) {
+    throw std::logic_error("moelora.moe_lora_shrink: needs the segmented alignment, block_size % 16 == 0 (at most " +
+                           std::to_string(kSegMaxBlockSize) + "), rank <= 128 and a 16-bit type");
+  }
+  if (p.max_num_blocks <= 0) return;
+  if (p.max_num_blocks > INT32_MAX) {
+    throw Error("moelora.fused_experts: too many LoRA blocks (" + std::to_string(p.max_num_blocks) + ")");
+  }
+  const SegmentedShrinkSplit split = segmented_shrink_split(p);
+  dispatch_float(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (kTensorCores<T>) {
+      if (p.num_slots <= kShrinkEntriesGemvMaxSlots && shrink_gemv_loadable<T>(p)) {
+        // A persistent grid: the used entries are counted on the device.
+        const int64_t warps = p.max_num_tokens_padded * p.num_slices * p.rank;
+        const int64_t ctas = std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32),
+                                               int64_t(current_device_info().num_sms) * 8);
+        launch_kernel(moe_lora_shrink_entries_gemv_kernel<T>, dim3(unsigned(std::max<int64_t>(ctas, 1))),
+                      dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
+        return;
+      }
+      const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>
+                                                     : moe_lora_shrink_segmented_kernel<T, false>;
+      MOELORA_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSegRingBytes)));
+      const int64_t groups = (p.max_num_tokens_padded + kSegGroupRows - 1) / kSegGroupRows;
+      launch_kernel(kernel, dim3(unsigned(groups), unsigned(split.splits)), dim3(kSegThreads), kSegRingBytes,
+                    static_cast<cudaStream_t>(stream), p, split);
+    }
+  });
+}
+
+}  // namespace moelora::cuda
