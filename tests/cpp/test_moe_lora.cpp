@@ -578,7 +578,7 @@ std::vector<LayerLoraCase> layer_cases() {
       }
       fused.push_back({.name = tag + "split_k_sorted_activation_share50", .backend = backend, .M = 200, .top_k = 4,
                        .H = 1032, .I = 528, .L = 16, .share = 0.5, .disable_some = true});
-      // Past 1024 slots (kShrinkEntriesGemvMaxSlots, src/cuda/moe_lora.cu) the shrink is the
+      // Past 1024 slots (kShrinkEntriesGemvMaxSlots, src/cuda/moe_lora_shrink_segmented.cu) the shrink is the
       // segmented MMA kernel; the cases above take the GEMVs over entries.
       fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .rank = 16});
       fused.push_back({.name = tag + "segmented_shrink_split_k_share50", .backend = backend, .M = 272, .top_k = 4,

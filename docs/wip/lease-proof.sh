@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The landing lease of the shrink runs and expand pairs (main with both patches applied and the streamed expand
-# only where the mean (expert, adapter) run is >= 32 entries): one warm H200, carry .deps, two calls back to back:
-#   bash docs/wip/issue31-land.sh tests  (~560 s cold): build into /tmp/bl, the C++ suite in 16 shards run
-#       directly (tools/gtest_shards.py's timeout is too short for the Mixtral quant cases' CPU reference), then
-#       pytest beside memcheck of the LoRA layer tests
-#   bash docs/wip/issue31-land.sh grids DEADLINE_S  (warm): racecheck of the grouped LoRA tests, the report's
-#       grids, the searched peer per model until DEADLINE_S, ncu of Qwen3-30B's LoRA at M = 4096
+# A lease's proof of the tree as it is, in two calls back to back on one warm H200 (or H100), carry .deps
+# (written for 16542af's landing; reuse it for the next CUDA change):
+#   bash docs/wip/lease-proof.sh tests  (~560 s cold): build into /tmp/bl, the C++ suite in 16 shards run directly
+#       (tools/gtest_shards.py's timeout is too short for the Mixtral quant cases' CPU reference: the longest shard
+#       ~230 s), then pytest beside memcheck of the LoRA layer and delta tests. $OUT: ctest.xml, pytest.xml, memcheck.log
+#   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
+#       report's grids, ncu of Qwen3-30B's LoRA at M = 4096, the searched peer per model until DEADLINE_S s into the
+#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json; the ncu csv)
+# Then make_report as in docs/wip/README.md.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
@@ -42,7 +44,7 @@ PY
   wait $PY; echo "pytest rc $? at $(el) s"; tail -1 /tmp/pytest.log
   ;;
 grids)
-  [ -x $B/moelora_bench ] || { echo "run 'tests' first"; exit 1; }
+  [ -x $B/moelora_bench ] || { echo "run 'tests' first (same warm machine)"; exit 1; }
   deadline=${2:-560}
   timeout 80 compute-sanitizer --tool racecheck --error-exitcode 9 $B/moelora_tests \
     --gtest_filter='All/FusedExpertsLoraTest.*CUDA_grouped16*' > /tmp/racecheck.log 2>&1
@@ -87,6 +89,6 @@ for name, v in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
     print(f"{min(v):9.0f} {statistics.median(v):9.0f} {max(v):9.0f} n={len(v):<3d} {name}")
 PY
   ;;
-*) echo "usage: bash docs/wip/issue31-land.sh tests | grids DEADLINE_S"; exit 2 ;;
+*) echo "usage: bash docs/wip/lease-proof.sh tests | grids DEADLINE_S"; exit 2 ;;
 esac
 echo "done $(el) s"
