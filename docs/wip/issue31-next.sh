@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The next lease's A/B of docs/wip/issue31-expand-addr.patch (branch wip/expand-addr) on one warm H200 (or H100),
+# carry .deps, one call (~480 s cold):
+#   bash docs/wip/issue31-next.sh ab: build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters, M = 256-4096,
+#       every model) unchecked; ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 (main); apply the patch,
+#       rebuild (one TU); the grid checked against float64; ncu at M = 256 and 4096 (patched). Prints the A/B last.
+# Then, if it wins: land the patch, and docs/wip/lease-proof.sh tests / grids on the same warm machine.
+# The patch: the expands' lora_b tile copies took, for each pair and each 16-byte copy, two runtime divisions (row
+# and run), the column and its slice (a 64-bit division) and the address (~200 instructions a copy; ~10 pairs a
+# tile at M = 256). Now the slice and row offset are computed once a column tile, and a pair's copies are a pointer
+# and a compare each. Estimated from the code (no SASS here) that these copies were most of the expands' issued
+# instructions: at M = 4096, 6,336 column tiles x 4 warps x ~3,000 instructions ~ 76 M warp instructions for the
+# join alone, ~220 us at 1.5 IPC an SM (measured 253 us at 0.6 TB/s).
+# Prediction (Qwen3-30B LoRA r16): M = 256 599 -> ~500 us (expands ~150 -> ~50), M = 4096 1299 -> ~1150 (join 253 ->
+# ~150, GEMM2's expand 141 -> ~100). rel_err unchanged (the same copies).
+set -uo pipefail
+t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
+B=/tmp/bl
+lora_grid() {  # $1: json path, then moelora_bench's extra flags
+  local json=$1; shift
+  timeout 150 $B/moelora_bench --device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 \
+    --lora-share 1.0 --json "$json" "$@" > "$json.log" 2>&1
+  echo "lora grid $json rc $? at $(el) s"; tail -1 "$json.log"
+}
+ncu_list() {  # $1: M, $2: csv path
+  timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
+    $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens $1 --lora-rank 16 --adapters 4 --no-check \
+    --iters 3 > $2 2>/dev/null
+  echo "ncu M=$1 rc $? at $(el) s"
+}
+case "${1:-}" in
+ab)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  MOELORA_JOBS=16 MOELORA_BUILD_DIR=$B MOELORA_PTH=0 bash tools/build.sh -DMOELORA_CUDA=ON > /tmp/build.log 2>&1 ||
+    { grep -B2 -A12 "error" /tmp/build.log | head -60; exit 1; }
+  echo "build $(el) s"
+  lora_grid /tmp/main.json --no-check
+  ncu_list 256 /tmp/ncu_main_256.csv
+  git apply docs/wip/issue31-expand-addr.patch || { echo "patch failed"; exit 1; }
+  cmake --build $B -j 16 > /tmp/rebuild.log 2>&1 || { grep -B2 -A12 "error" /tmp/rebuild.log | head -60; exit 1; }
+  echo "rebuild $(el) s"
+  lora_grid /tmp/addr.json
+  ncu_list 256 /tmp/ncu_addr_256.csv
+  ncu_list 4096 /tmp/ncu_addr_4096.csv
+  cp /tmp/main.json /tmp/addr.json $OUT/
+  python3 - <<'PY' | tee $OUT/ab.txt
+import csv, json, re, statistics
+def load(n):
+    try: return {(r["model"], r["M"], int((r.get("lora") or {}).get("rank", 0))): r for r in json.load(open(n))["rows"]}
+    except Exception as e: print("missing", n, e); return {}
+a, b = load("/tmp/main.json"), load("/tmp/addr.json")
+print("## bf16 us (CUDA-graph medians): main / + expand-addr; ratio; % of floor and rel_err (patched, against float64)")
+for k in sorted(a):
+    if k in b:
+        x, y = a[k]["time_us"], b[k]["time_us"]
+        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {y / x:6.3f} "
+              f"{b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
+print("## ncu, Qwen3-30B LoRA r16 (4 adapters): ns per kernel name (min / median / max), launches")
+for tag in ("main_256", "addr_256", "addr_4096"):
+    times = {}
+    try:
+        lines = [l for l in open(f"/tmp/ncu_{tag}.csv") if l.startswith('"')]
+        for row in csv.DictReader(lines):
+            if row.get("Metric Name") == "gpu__time_duration.sum":
+                name = re.sub(r"\(.*", "", row["Kernel Name"]).replace("void ", "")[:90]
+                times.setdefault(name, []).append(float(row["Metric Value"].replace(",", "")))
+    except Exception as e:
+        print(tag, "no ncu rows:", e); continue
+    for name, v in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
+        print(f"{tag:9s} {min(v):9.0f} {statistics.median(v):9.0f} {max(v):9.0f} n={len(v):<3d} {name}")
+PY
+  ;;
+*) echo "usage: bash docs/wip/issue31-next.sh ab"; exit 2 ;;
+esac
+echo "done $(el) s"
