@@ -3,7 +3,8 @@
 # carry .deps, one call (~480 s cold):
 #   bash docs/wip/issue31-next.sh ab: build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters, M = 256-4096,
 #       every model) unchecked; ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 (main); apply the patch,
-#       rebuild (one TU); the grid checked against float64; ncu at M = 256 and 4096 (patched). Prints the A/B last.
+#       rebuild (one TU); the grid checked against float64, and unchecked with the
+#       expands unstreamed (the run-length rule's A/B after the change); ncu at M = 256 and 4096 (patched). Prints the A/B last.
 # Then, if it wins: land the patch, and docs/wip/lease-proof.sh tests / grids on the same warm machine.
 # The patch: the expands' lora_b tile copies took, for each pair and each 16-byte copy, two runtime divisions (row
 # and run), the column and its slice (a 64-bit division) and the address (~200 instructions a copy; ~10 pairs a
@@ -40,20 +41,22 @@ ab)
   cmake --build $B -j 16 > /tmp/rebuild.log 2>&1 || { grep -B2 -A12 "error" /tmp/rebuild.log | head -60; exit 1; }
   echo "rebuild $(el) s"
   lora_grid /tmp/addr.json
+  MOELORA_LORA_EXPAND_STREAM=0 lora_grid /tmp/addr_rounds.json --no-check
   ncu_list 256 /tmp/ncu_addr_256.csv
   ncu_list 4096 /tmp/ncu_addr_4096.csv
-  cp /tmp/main.json /tmp/addr.json $OUT/
+  cp /tmp/main.json /tmp/addr.json /tmp/addr_rounds.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import csv, json, re, statistics
 def load(n):
     try: return {(r["model"], r["M"], int((r.get("lora") or {}).get("rank", 0))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-a, b = load("/tmp/main.json"), load("/tmp/addr.json")
-print("## bf16 us (CUDA-graph medians): main / + expand-addr; ratio; % of floor and rel_err (patched, against float64)")
+a, b, r = load("/tmp/main.json"), load("/tmp/addr.json"), load("/tmp/addr_rounds.json")
+print("## bf16 us (CUDA-graph medians): main / + expand-addr / + expand-addr with MOELORA_LORA_EXPAND_STREAM=0;")
+print("## each / main; % of floor and rel_err (patched, default, against float64)")
 for k in sorted(a):
     if k in b:
-        x, y = a[k]["time_us"], b[k]["time_us"]
-        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {y / x:6.3f} "
+        x, y, z = a[k]["time_us"], b[k]["time_us"], r.get(k, {}).get("time_us", float("nan"))
+        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {z:8.1f} {y / x:6.3f} {z / x:6.3f} "
               f"{b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
 print("## ncu, Qwen3-30B LoRA r16 (4 adapters): ns per kernel name (min / median / max), launches")
 for tag in ("main_256", "addr_256", "addr_4096"):
