@@ -486,8 +486,8 @@ std::vector<LayerLoraCase> layer_cases() {
     // alignment, added into its rows by entry (moe_lora_expand_entries). H and I multiples
     // of 16 (TMA rows); ranks 1-128 (rank 128 with 2 slices: two column passes of the shrink),
     // both tile shapes, interleaved and one-slice w13 stacks, fp16, disabled adapters and
-    // tokens without one, 16 and 64 adapters, chunks, and past 1024 slots the segmented MMA
-    // shrink (below it, the GEMVs over entries).
+    // tokens without one, 16 and 64 adapters, chunks, past 1024 slots the segmented MMA
+    // shrink (below it, the GEMVs over entries), and long runs of one (expert, adapter).
     static const MoeKernelConfig grouped{.grouped_gemm = true};
     static const MoeKernelConfig grouped_m64{.grouped_gemm = true,
                                              .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
@@ -515,6 +515,14 @@ std::vector<LayerLoraCase> layer_cases() {
                    .top_k = 4, .H = 272, .I = 80, .rank = 32, .w13_slices = 1, .activation = Activation::kGelu});
       g.push_back({.name = "grouped16_segmented_shrink_split_k", .backend = backend, .M = 300, .top_k = 4, .E = 16,
                    .H = 1040, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
+      // Runs of one (expert, adapter) of 64 entries on average (num_slots / (E * L) >= 32): the
+      // expands' CTAs stream column tiles (kStreamMinMeanRun), a tile of more pairs than a stage
+      // holds taking its pairs in rounds in the same launch; rank 64 holds one pair a stage.
+      g.push_back({.name = "grouped16_long_runs_streamed", .backend = backend, .M = 256, .top_k = 4, .E = 8,
+                   .H = 272, .I = 80, .L = 2});
+      g.push_back({.name = "grouped16_long_runs_streamed_swiglu_oai_rank64_share50", .backend = backend, .M = 256,
+                   .top_k = 4, .E = 8, .H = 272, .I = 80, .L = 2, .rank = 64, .share = 0.5,
+                   .activation = Activation::kSwigluOai});
       LayerLoraCase chunked{.name = "grouped16_chunks_scaled", .backend = backend, .M = 300, .top_k = 4, .H = 272,
                             .I = 80};
       chunked.options.chunk_size = 128;  // 512, 512 and 176 slots
