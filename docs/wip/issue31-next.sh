@@ -4,7 +4,8 @@
 #   bash docs/wip/issue31-next.sh ab: build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters, M = 256-4096,
 #       every model) unchecked; ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 (main); apply the patch,
 #       rebuild (two TUs); the grid checked against float64, and unchecked with the
-#       expands unstreamed (the run-length rule's A/B after the change); ncu at M = 256 and 4096 (patched). Prints the A/B last.
+#       expands unstreamed (the run-length rule's A/B after the change); ncu at M = 256 and 4096 (patched), and at
+#       M = 16 (the small-batch LoRA path, which the patch does not touch). Prints the A/B last.
 # Then, if it wins: land the patch, and docs/wip/lease-proof.sh tests / grids on the same warm machine.
 # The patch (index math out of the per-element loops, estimated from the code, not measured; no SASS here):
 #  - expands: a lora_b tile copy took, for each pair and each 16-byte copy, two runtime divisions (row and run), the
@@ -47,6 +48,7 @@ ab)
   MOELORA_LORA_EXPAND_STREAM=0 lora_grid /tmp/patched_rounds.json --no-check
   ncu_list 256 /tmp/ncu_patched_256.csv
   ncu_list 4096 /tmp/ncu_patched_4096.csv
+  ncu_list 16 /tmp/ncu_patched_16.csv  # the small-batch LoRA path (untouched by the patch): where its ~37 us go
   cp /tmp/main.json /tmp/patched.json /tmp/patched_rounds.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import csv, json, re, statistics
@@ -62,7 +64,7 @@ for k in sorted(a):
         print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {z:8.1f} {y / x:6.3f} {z / x:6.3f} "
               f"{b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
 print("## ncu, Qwen3-30B LoRA r16 (4 adapters): ns per kernel name (min / median / max), launches")
-for tag in ("main_256", "patched_256", "patched_4096"):
+for tag in ("main_256", "patched_256", "patched_4096", "patched_16"):
     times = {}
     try:
         lines = [l for l in open(f"/tmp/ncu_{tag}.csv") if l.startswith('"')]
