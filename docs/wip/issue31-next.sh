@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next lease's A/B of docs/wip/issue31-lora-index-math.patch (branch wip/lora-index-math) on one warm H200 (or H100),
-# carry .deps, one call (~480 s cold):
+# carry .deps, one call (~550 s cold):
 #   bash docs/wip/issue31-next.sh ab: build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters, M = 256-4096,
 #       every model) unchecked; ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 (main); apply the patch,
 #       rebuild (two TUs); the grid checked against float64, and unchecked with the
