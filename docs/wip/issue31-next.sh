@@ -28,7 +28,7 @@ lora_grid() {  # $1: json path, then moelora_bench's extra flags
   echo "lora grid $json rc $? at $(el) s"; tail -1 "$json.log"
 }
 ncu_list() {  # $1: M, $2: csv path
-  timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
+  timeout 30 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
     $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens $1 --lora-rank 16 --adapters 4 --no-check \
     --iters 3 > $2 2>/dev/null
   echo "ncu M=$1 rc $? at $(el) s"
