@@ -16,11 +16,12 @@
 // zeros in the other's, which serves the interleaved layout (gate and up alternating) and
 // the split one alike. A block's entries hold runs of a few adapters (the segmented
 // alignment pads only where an expert ends): the CTA lists its (expert, adapter) pairs once,
-// and each warp with rows of a pair masks its other rows out of the MMA's A fragments. A
-// CTA walks several column tiles (a stride of them): its rows, pairs and t tile are read
-// once, and where its pairs fit a stage the next column tile's output rows and lora_b tiles
-// load (cp.async) while this one computes; the sums are added into the output rows in
-// shared memory, which leave as 16-byte rows.
+// and each warp with rows of a pair masks its other rows out of the MMA's A fragments.
+// Where the mean (expert, adapter) run is long (kStreamMinMeanRun), a CTA walks several
+// column tiles (a stride of them): its rows, pairs and t tile are read once, and where its
+// pairs fit a stage the next column tile's output rows and lora_b tiles load (cp.async)
+// while this one computes. Elsewhere a CTA takes one column tile, its pairs in rounds. The
+// sums are added into the output rows in shared memory, which leave as 16-byte rows.
 //
 // NOTE: the first version (16 entries x 64 columns of one slice a CTA, 2-byte loads and
 // read-modify-writes after a chain of index loads) ran at ~12 ps an output element on an
