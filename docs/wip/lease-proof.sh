@@ -6,8 +6,7 @@
 #       ~230 s), then pytest beside memcheck of the LoRA layer and delta tests. $OUT: ctest.xml, pytest.xml, memcheck.log
 #   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
 #       report's grids, ncu of Qwen3-30B's LoRA at M = 4096, the searched peer per model until DEADLINE_S s into the
-#       call, and topk_sum_ceiling (the top-k sum against reds into the output). $OUT: racecheck.log, kernels.txt,
-#       topk_sum.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json; the ncu csv)
+#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json; the ncu csv)
 # Then make_report as in docs/wip/README.md.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
@@ -64,9 +63,6 @@ grids)
   timeout 30 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
     $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 --adapters 4 --no-check \
     --iters 3 > /tmp/ncu_4096.csv 2>/dev/null; echo "ncu rc $? at $(el) s"
-  # docs/wip/design-topk-sum-in-gemm2.md's first measurement: the sum today against reds into the output.
-  { timeout 25 $B/topk_sum_ceiling --tokens 4096; timeout 15 $B/topk_sum_ceiling --tokens 1024; } > $OUT/topk_sum.txt 2>&1
-  echo "topk_sum_ceiling rc $? at $(el) s"; cat $OUT/topk_sum.txt
   mkdir -p /tmp/peer
   for m in qwen3-30b-a3b olmoe-1b-7b deepseek-v3-tp8 mixtral-8x7b qwen3-235b-a22b gpt-oss-120b; do
     left=$(( deadline - 5 - $(el) )); [ $left -gt 10 ] || break
