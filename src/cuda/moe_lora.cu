@@ -284,7 +284,6 @@ __global__ void __launch_bounds__(kExpandThreads) moe_lora_expand_kernel(const L
 // K in 64-element steps (Qwen3-30B M = 1: 88 us for the four delta launches, H100).
 // Here every (slot, slice, rank row) dot product is a warp of 16-byte loads over K, and
 // the expand a thread per output column.
-constexpr int kGemvThreads = 256;
 constexpr int kExpandGemvColumns = kGemvThreads;
 
 // Warp per item (slot, slice, rank row): intermediate[s, c, i] = a[s / a_top_k] · lora_a[c][l, e, i].

@@ -53,7 +53,6 @@ using detail::ActivationQuantizeParams;
 using detail::LoraDeltaParams;
 using namespace lora_tiles;
 
-constexpr int kMaxAdapters = 64;     // kMaxLoraAdapters: bits of block_lora_masks
 constexpr int kRows = 64;            // entries a CTA: four 16-row groups, one a warp
 constexpr int kThreads = 128;        // 4 warps
 constexpr int kGroups = kRows / 16;  // row groups (warps)

@@ -24,8 +24,6 @@ namespace {
 using detail::LoraDeltaParams;
 using namespace lora_tiles;
 
-constexpr int kGemvThreads = 256;  // moe_lora_shrink_entries_gemv_kernel: a warp an item
-
 // ---- shrink on the segmented alignment (fused_experts' fused path) ------------------------
 // t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i]ᵀ for each entry of
 // an enabled adapter l (row = the entry with a_rows_by_entry, else slot / a_top_k).
@@ -66,7 +64,6 @@ constexpr int kSegChunkRounds = (kSegGroupRows + kSegPassCols) / (kSegThreads / 
 constexpr int kSegMaxBlockSize = 256;     // kMaxBlockSize
 constexpr int kSegMaxSplits = 32;
 constexpr int kSegMinSplitK = 256;        // K a split covers at least (amortises the group's setup)
-constexpr int kSegMaxAdapters = 64;       // kMaxLoraAdapters: bits of block_lora_masks
 
 struct SegmentedShrinkSplit {
   int splits;       // CTAs per row group along K
@@ -131,7 +128,7 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       const uint64_t block_mask = expert >= 0 && expert < p.num_experts ? p.block_lora_masks[block] : 0;
       slot = p.sorted_token_ids[entry];
       l = slot >= 0 && slot < p.num_slots ? p.entry_lora_ids[entry] : -1;
-      l = l >= 0 && l < kSegMaxAdapters && (block_mask >> l & 1) ? l : -1;
+      l = l >= 0 && l < kMaxAdapters && (block_mask >> l & 1) ? l : -1;
     }
     row_lora[r] = l;
     row_expert[r] = l < 0 ? -1 : expert;
@@ -392,7 +389,7 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_ker
     const int expert = p.expert_ids[block];
     if (expert < 0 || expert >= p.num_experts) continue;
     const int l = p.entry_lora_ids[entry];
-    if (l < 0 || l >= kSegMaxAdapters || !(p.block_lora_masks[block] >> l & 1)) continue;
+    if (l < 0 || l >= kMaxAdapters || !(p.block_lora_masks[block] >> l & 1)) continue;
     const detail::LoraSliceParams& sl = p.slices[c];
     const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
     const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +

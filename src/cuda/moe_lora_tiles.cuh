@@ -20,6 +20,10 @@ constexpr int kTileRows = 16;                 // slots per tile: the mma M
 constexpr int kMaxRankPadded = 128;           // kMaxLoraRank, padded to 16
 constexpr int kExpandColumns = 64;            // output columns per expand CTA
 constexpr int kExpandThreads = 128;           // 4 warps: one 16-column output fragment each
+constexpr int kGemvThreads = 256;             // the GEMV kernels: a warp an item
+// Adapters the segmented alignment tracks: the bits of block_lora_masks.
+constexpr int kMaxAdapters = int(kMaxLoraAdapters);
+static_assert(kMaxAdapters <= 64, "block_lora_masks holds an adapter a bit");
 
 template <typename T>
 constexpr bool kTensorCores = sizeof(T) == 2;
