@@ -2,10 +2,10 @@
 # The next lease's A/B of docs/wip/issue31-lora-index-math.patch (branch wip/lora-index-math) on one warm H200 (or H100),
 # carry .deps, one call (~550 s cold):
 #   bash docs/wip/issue31-next.sh ab: build main into /tmp/bl; the bf16 LoRA grid (r16, 4 adapters, M = 256-4096,
-#       every model) unchecked; ncu's kernel list of Qwen3-30B's LoRA layer at M = 256 (main); apply the patch,
+#       every model) unchecked; Qwen3-30B's LoRA layer kernel by kernel at M = 256 (main; tools/profile_layer.sh); apply the patch,
 #       rebuild (two TUs); the grid checked against float64, and unchecked with the
-#       expands unstreamed (the run-length rule's A/B after the change); ncu at M = 256 and 4096 (patched), and at
-#       M = 16 (the small-batch LoRA path, which the patch does not touch). Prints the A/B last.
+#       expands unstreamed (the run-length rule's A/B after the change); the kernels at M = 256 and 4096 (patched).
+#       Prints the A/B last.
 # Then, if it wins: land the patch, and docs/wip/lease-proof.sh tests / grids on the same warm machine.
 # The patch (index math out of the per-element loops, estimated from the code, not measured; no SASS here):
 #  - expands: a lora_b tile copy took, for each pair and each 16-byte copy, two runtime divisions (row and run), the
@@ -27,11 +27,10 @@ lora_grid() {  # $1: json path, then moelora_bench's extra flags
     --lora-share 1.0 --json "$json" "$@" > "$json.log" 2>&1
   echo "lora grid $json rc $? at $(el) s"; tail -1 "$json.log"
 }
-ncu_list() {  # $1: M, $2: csv path
-  timeout 30 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
-    $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens $1 --lora-rank 16 --adapters 4 --no-check \
-    --iters 3 > $2 2>/dev/null
-  echo "ncu M=$1 rc $? at $(el) s"
+kernels() {  # $1: M, $2: output text; the project's per-kernel profile (tools/profile_layer.sh, ncu_summary.py)
+  timeout 50 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens $1 --lora-rank 16 \
+    --adapters 4 > $2 2>&1
+  echo "kernels M=$1 rc $? at $(el) s"
 }
 case "${1:-}" in
 ab)
@@ -40,18 +39,17 @@ ab)
     { grep -B2 -A12 "error" /tmp/build.log | head -60; exit 1; }
   echo "build $(el) s"
   lora_grid /tmp/main.json --no-check
-  ncu_list 256 /tmp/ncu_main_256.csv
+  kernels 256 /tmp/kernels_main_256.txt
   git apply docs/wip/issue31-lora-index-math.patch || { echo "patch failed"; exit 1; }
   cmake --build $B -j 16 > /tmp/rebuild.log 2>&1 || { grep -B2 -A12 "error" /tmp/rebuild.log | head -60; exit 1; }
   echo "rebuild $(el) s"
   lora_grid /tmp/patched.json
   MOELORA_LORA_EXPAND_STREAM=0 lora_grid /tmp/patched_rounds.json --no-check
-  ncu_list 256 /tmp/ncu_patched_256.csv
-  ncu_list 4096 /tmp/ncu_patched_4096.csv
-  ncu_list 16 /tmp/ncu_patched_16.csv  # the small-batch LoRA path (untouched by the patch): where its ~37 us go
+  kernels 256 /tmp/kernels_patched_256.txt
+  kernels 4096 /tmp/kernels_patched_4096.txt
   cp /tmp/main.json /tmp/patched.json /tmp/patched_rounds.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
-import csv, json, re, statistics
+import json
 def load(n):
     try: return {(r["model"], r["M"], int((r.get("lora") or {}).get("rank", 0))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
@@ -63,20 +61,10 @@ for k in sorted(a):
         x, y, z = a[k]["time_us"], b[k]["time_us"], r.get(k, {}).get("time_us", float("nan"))
         print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {z:8.1f} {y / x:6.3f} {z / x:6.3f} "
               f"{b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
-print("## ncu, Qwen3-30B LoRA r16 (4 adapters): ns per kernel name (min / median / max), launches")
-for tag in ("main_256", "patched_256", "patched_4096", "patched_16"):
-    times = {}
-    try:
-        lines = [l for l in open(f"/tmp/ncu_{tag}.csv") if l.startswith('"')]
-        for row in csv.DictReader(lines):
-            if row.get("Metric Name") == "gpu__time_duration.sum":
-                name = re.sub(r"\(.*", "", row["Kernel Name"]).replace("void ", "")[:90]
-                times.setdefault(name, []).append(float(row["Metric Value"].replace(",", "")))
-    except Exception as e:
-        print(tag, "no ncu rows:", e); continue
-    for name, v in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
-        print(f"{tag:9s} {min(v):9.0f} {statistics.median(v):9.0f} {max(v):9.0f} n={len(v):<3d} {name}")
 PY
+  for tag in main_256 patched_256 patched_4096; do
+    echo "## kernels, Qwen3-30B LoRA r16 (4 adapters), $tag (tools/profile_layer.sh)"; cat /tmp/kernels_$tag.txt
+  done | tee -a $OUT/ab.txt
   ;;
 *) echo "usage: bash docs/wip/issue31-next.sh ab"; exit 2 ;;
 esac

@@ -5,8 +5,8 @@
 #       (tools/gtest_shards.py's timeout is too short for the Mixtral quant cases' CPU reference: the longest shard
 #       ~230 s), then pytest beside memcheck of the LoRA layer and delta tests. $OUT: ctest.xml, pytest.xml, memcheck.log
 #   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
-#       report's grids, ncu of Qwen3-30B's LoRA at M = 4096, the searched peer per model until DEADLINE_S s into the
-#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json; the ncu csv)
+#       report's grids, Qwen3-30B's LoRA at M = 4096 and 16 kernel by kernel (tools/profile_layer.sh), the searched peer per model until DEADLINE_S s into the
+#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json)
 # Then make_report as in docs/wip/README.md.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
@@ -60,9 +60,11 @@ grids)
   echo "bf16 lora share 0.5 rc $? at $(el) s"
   timeout 40 $B/quant_bench --device cuda --model all --scheme w4a16:g128 --tokens 16,256,1024 --lora-rank 16 \
     --ceilings --json /tmp/lora.json > /tmp/lora.log 2>&1; echo "w4a16 lora rc $? at $(el) s"
-  timeout 30 ncu --clock-control none --metrics gpu__time_duration.sum --csv --launch-count 300 \
-    $B/moelora_bench --device cuda --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 --adapters 4 --no-check \
-    --iters 3 > /tmp/ncu_4096.csv 2>/dev/null; echo "ncu rc $? at $(el) s"
+  timeout 50 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 \
+    --adapters 4 > $OUT/kernels.txt 2>&1; echo "kernels rc $? at $(el) s"
+  # And M = 16: the small-batch LoRA path (~37 us of LoRA over the base at 16542af), kernel by kernel.
+  timeout 30 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 16 --lora-rank 16 \
+    --adapters 4 >> $OUT/kernels.txt 2>&1; echo "kernels M=16 rc $? at $(el) s"; cat $OUT/kernels.txt
   mkdir -p /tmp/peer
   for m in qwen3-30b-a3b olmoe-1b-7b deepseek-v3-tp8 mixtral-8x7b qwen3-235b-a22b gpt-oss-120b; do
     left=$(( deadline - 5 - $(el) )); [ $left -gt 10 ] || break
@@ -72,22 +74,7 @@ grids)
   done
   python3 -c "import glob, json; json.dump([r for f in sorted(glob.glob('/tmp/peer/*.json')) for r in json.load(open(f))], open('/tmp/peer.json', 'w'))"
   # $OUT takes at most 8 files: the grids in one archive.
-  tar czf $OUT/grids.tgz -C /tmp bench.json lorabf16.json lorahalf.json lora.json peer.json ncu_4096.csv
-  python3 - <<'PY' | tee $OUT/kernels.txt
-import csv, re, statistics
-print("## ncu, Qwen3-30B with LoRA r16 (4 adapters) M = 4096: ns per kernel name (min / median / max), launches")
-times = {}
-try:
-    lines = [l for l in open("/tmp/ncu_4096.csv") if l.startswith('"')]
-    for row in csv.DictReader(lines):
-        if row.get("Metric Name") == "gpu__time_duration.sum":
-            name = re.sub(r"\(.*", "", row["Kernel Name"]).replace("void ", "")[:90]
-            times.setdefault(name, []).append(float(row["Metric Value"].replace(",", "")))
-except Exception as e:
-    print("no ncu rows:", e)
-for name, v in sorted(times.items(), key=lambda kv: -statistics.median(kv[1])):
-    print(f"{min(v):9.0f} {statistics.median(v):9.0f} {max(v):9.0f} n={len(v):<3d} {name}")
-PY
+  tar czf $OUT/grids.tgz -C /tmp bench.json lorabf16.json lorahalf.json lora.json peer.json
   ;;
 *) echo "usage: bash docs/wip/lease-proof.sh tests | grids DEADLINE_S"; exit 2 ;;
 esac
