@@ -216,31 +216,72 @@ __device__ __forceinline__ void load_t_tile(const LoraDeltaParams& p, int64_t en
   }
 }
 
-// lora_b rows of the tile's columns for (expert, l) into b_tile [columns][pitch], each in its
-// slice's K segment (zeros in the other's and past the rank). column(n) is the stack column
-// (of num_slices * N_slice) of tile column n, or -1 past the end.
-template <typename T, bool kVectors, int kColumns, class Column>
-__device__ __forceinline__ void load_b_tile(const LoraDeltaParams& p, int expert, int l, Column column, T* b_tile) {
+// lora_b tiles: kBRowThreads threads a tile row (column), so that two adjacent threads copy
+// the two 16-byte halves of a rank-16 row (one 32-byte sector); each thread takes
+// kBRows<kColumns> rows, every kThreads / kBRowThreads-th.
+constexpr int kBRowThreads = 2;
+template <int kColumns>
+constexpr int kBRows = kColumns * kBRowThreads / kThreads;
+
+// A thread's tile rows of a column tile's lora_b tiles (b_rows): each row's slice (-1: past
+// the stack's columns) and its offset in that slice's stacks. The same for every pair, so
+// computed once a column tile: a column's slice takes a 64-bit division.
+template <int kColumns>
+struct BRows {
+  static_assert(kColumns * kBRowThreads % kThreads == 0, "whole rows a thread");
+  int slice[kBRows<kColumns>];
+  int64_t offset[kBRows<kColumns>];  // jn * b_stride_n
+};
+
+__device__ __forceinline__ int b_row(int i) { return i * (kThreads / kBRowThreads) + int(threadIdx.x) / kBRowThreads; }
+
+// column(n): the stack column (of num_slices * N_slice) of tile column n, or -1 past the end.
+template <int kColumns, class Column>
+__device__ __forceinline__ BRows<kColumns> b_rows(const LoraDeltaParams& p, Column column) {
+  BRows<kColumns> rows;
+#pragma unroll
+  for (int i = 0; i < kBRows<kColumns>; ++i) {
+    const int64_t j = column(b_row(i));
+    rows.slice[i] = -1;
+    rows.offset[i] = 0;
+    if (j >= 0) {
+      int64_t jn = 0;
+      column_slice(p, j, rows.slice[i], jn);
+      rows.offset[i] = jn * p.slices[rows.slice[i]].b_stride_n;
+    }
+  }
+  return rows;
+}
+
+// (expert, l)'s lora_b rows of the tile's columns into b_tile [columns][pitch], each in its
+// slice's K segment (zeros in the other's and past the rank); the thread's rows (b_rows).
+// NOTE: this was, for each pair and each 16-byte copy, the copy's row and run (two runtime
+// divisions), its column and slice (a 64-bit division) and its address: ~200 instructions
+// a copy, with ~10 pairs a tile at Qwen3-30B M = 256 (estimated from the code as most of the
+// expands' instructions; not yet measured).
+template <typename T, bool kVectors, int kColumns>
+__device__ __forceinline__ void load_b_tile(const LoraDeltaParams& p, int expert, int l, const BRows<kColumns>& rows,
+                                            T* b_tile) {
   constexpr int kStep = kVectors ? Vec16<T>::kSize : 1;
   const int rank = int(p.rank), rank_padded = round_up16(rank);
   const int pitch = tile_pitch(rank, p.num_slices), k_extent = p.num_slices * rank_padded;
-  const int per_row = k_extent / kStep;
-  for (int i = threadIdx.x; i < kColumns * per_row; i += kThreads) {
-    const int n = i / per_row, k = (i % per_row) * kStep;
-    const int seg = k / rank_padded, kr = k % rank_padded;
-    const int64_t j = column(n);
-    int c = 0;
-    int64_t jn = 0;
-    bool load = j >= 0 && kr < rank;
-    if (load) {
-      column_slice(p, j, c, jn);
-      load = c == seg;
+  const T* fallback = static_cast<const T*>(p.slices[0].lora_b);  // a valid address where nothing is read
+  const int k0 = int(threadIdx.x) % kBRowThreads * kStep;
+#pragma unroll
+  for (int i = 0; i < kBRows<kColumns>; ++i) {
+    const T* src = fallback;
+    int segment = k_extent;  // past the end: zeros
+    if (rows.slice[i] >= 0) {
+      const detail::LoraSliceParams& sl = p.slices[rows.slice[i]];
+      src = static_cast<const T*>(sl.lora_b) + l * sl.b_stride_lora + expert * sl.b_stride_expert + rows.offset[i];
+      segment = rows.slice[i] * rank_padded;
     }
-    const detail::LoraSliceParams& sl = p.slices[c];
-    const T* b = static_cast<const T*>(sl.lora_b);
-    copy_or_zero<T, kVectors>(b_tile + n * pitch + k,
-                              load ? b + l * sl.b_stride_lora + expert * sl.b_stride_expert + jn * sl.b_stride_n + kr : b,
-                              load);
+    T* dst = b_tile + b_row(i) * pitch;
+    for (int k = k0; k < k_extent; k += kBRowThreads * kStep) {
+      const int kr = k - segment;
+      const bool load = kr >= 0 && kr < rank;
+      copy_or_zero<T, kVectors>(dst + k, load ? src + kr : fallback, load);
+    }
   }
 }
 
@@ -322,9 +363,9 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
   if (launch.stream && num_pairs <= launch.stage_pairs) {
     auto issue = [&](int ct, int stage) {
       load_out(ct, tiles.out(stage));
+      const BRows<kColumns> b_tile_rows = b_rows<kColumns>(p, [&](int n) { return column(ct, n); });
       for (int q = 0; q < num_pairs; ++q) {
-        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q], rows.pair_lora[q],
-                                           [&](int n) { return column(ct, n); },
+        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q], rows.pair_lora[q], b_tile_rows,
                                            tiles.b + (stage * launch.stage_pairs + q) * b_elems);
       }
       cute::cp_async_fence();
@@ -353,12 +394,13 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
 #pragma unroll 1
   for (int ct = int(blockIdx.y); ct < launch.column_tiles; ct += stride) {
     load_out(ct, tiles.out(0));
+    const BRows<kColumns> b_tile_rows = b_rows<kColumns>(p, [&](int n) { return column(ct, n); });
     float acc[kFragments][8] = {};
     for (int q0 = 0; q0 < num_pairs; q0 += round_pairs) {
       const int count = min(round_pairs, num_pairs - q0);
       for (int q = 0; q < count; ++q) {
-        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q0 + q], rows.pair_lora[q0 + q],
-                                           [&](int n) { return column(ct, n); }, tiles.b + q * b_elems);
+        load_b_tile<T, kVectors, kColumns>(p, rows.pair_expert[q0 + q], rows.pair_lora[q0 + q], b_tile_rows,
+                                           tiles.b + q * b_elems);
       }
       cute::cp_async_fence();
       cute::cp_async_wait<0>();

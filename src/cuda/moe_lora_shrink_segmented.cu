@@ -70,6 +70,7 @@ struct SegmentedShrinkSplit {
   int64_t k_chunk;  // K a split covers, a multiple of kSegBK
 };
 
+static_assert(kSegThreads % kSegPassCols == 0, "whole rows of threads over a pass's columns");
 // The fp32 result tile of a pass takes the ring's place once the pass's K loop is done.
 static_assert(size_t(kSegGroupRows) * (kSegPassCols + 4) * sizeof(float) <= kSegRingBytes);
 
@@ -301,18 +302,32 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
         }
       }
       __syncthreads();
-      // Each row's own run's columns (the pass computed every run's for every row).
-      for (int i = threadIdx.x; i < rows * pass_cols; i += kSegThreads) {
-        const int row = i / pass_cols, n = i - row * pass_cols;
+      // Each row's own run's columns (the pass computed every run's for every row). A thread
+      // keeps one column of the pass (its run, slice and rank index: divisions once a pass)
+      // and takes every kResultRowStep-th row.
+      // NOTE: this was a (row, column) pair a step, each with three runtime divisions: ~90
+      // instructions an element, 32 elements a thread in a pass of 4 runs at rank 16 (~3
+      // passes a tile at Qwen3-30B M = 256). Estimated from the code, not yet measured.
+      constexpr int kResultRowStep = kSegThreads / kSegPassCols;
+      const int n = int(threadIdx.x) % kSegPassCols;
+      if (n < pass_cols) {
         const int column = c0 + n, q = column / cols, nc = column - q * cols;
         const int c = nc / rank_padded, i_rank = nc - c * rank_padded;
-        if (q != row_pass_pair[r0 + row] || i_rank >= rank) continue;
-        const int64_t at = (entry0 + r0 + row) * t_cols + c * rank + i_rank;
-        const float v = result[row * result_ld + n];
-        if (split.splits == 1) {
-          t[at] = from_float<T>(pass_scale[q] * v);
-        } else {
-          p.shrink_partials[int64_t(blockIdx.y) * p.segmented_entries * t_cols + at] = v;
+        if (i_rank < rank) {
+          const int64_t column_at = int64_t(c) * rank + i_rank;
+          const float scale = pass_scale[q];
+          float* partials =
+              split.splits == 1 ? nullptr : p.shrink_partials + int64_t(blockIdx.y) * p.segmented_entries * t_cols;
+          for (int row = int(threadIdx.x) / kSegPassCols; row < rows; row += kResultRowStep) {
+            if (row_pass_pair[r0 + row] != q) continue;
+            const int64_t at = (entry0 + r0 + row) * t_cols + column_at;
+            const float v = result[row * result_ld + n];
+            if (partials == nullptr) {
+              t[at] = from_float<T>(scale * v);
+            } else {
+              partials[at] = v;
+            }
+          }
         }
       }
       __syncthreads();  // the next pass refills the ring
