@@ -48,7 +48,7 @@ grids)
   timeout 45 $B/moelora_bench --device cuda --model all --tokens 1,4,16,64,256,1024,4096 --lora-rank 16 --adapters 4 \
     --lora-share 0.5 --no-check --ceilings --json /tmp/lorahalf.json > /tmp/lorahalf.log 2>&1
   echo "bf16 lora share 0.5 rc $? at $(el) s"
-  timeout 40 $B/quant_bench --device cuda --model all --scheme w4a16:g128 --tokens 16,256,1024 --lora-rank 16 \
+  timeout 90 $B/quant_bench --device cuda --model all --scheme w4a16:g128 --tokens 16,256,1024 --lora-rank 16 \
     --ceilings --json /tmp/lora.json > /tmp/lora.log 2>&1; echo "w4a16 lora rc $? at $(el) s"
   timeout 50 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 \
     --adapters 4 > $OUT/kernels.txt 2>&1; echo "kernels rc $? at $(el) s"
