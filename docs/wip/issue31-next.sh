@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab    (~380 s cold) applies docs/wip/issue31-warp-tile-shrink.patch, builds into
-#       /tmp/bl (tests and bench), runs the LoRA layer tests, then the bf16 LoRA r16 grid (4 adapters, share 1.0,
-#       M = 256, 1024, 4096, every model) with the warp-tile shrink (checked against float64) and with
-#       MOELORA_LORA_SHRINK_WARP_TILES=0 (the segmented kernel, i.e. main's shrink), and Qwen3-30B's and DeepSeek-V3's
-#       LoRA kernels one by one (tools/profile_layer.sh) at M = 256 / 1024 with the warp tiles. Prints the A/B last.
+#   bash docs/wip/issue31-next.sh ab    (~480 s cold) applies docs/wip/issue31-warp-tiles.patch, builds into /tmp/bl
+#       (tests and bench), runs the LoRA layer tests, then the bf16 LoRA r16 grid (4 adapters, share 1.0,
+#       M = 256, 1024, 4096, every model) with the warp tiles (checked against float64), with
+#       MOELORA_LORA_SHRINK_WARP_TILES=0, with MOELORA_LORA_EXPAND_WARP_TILES=0 and with both off (main's kernels),
+#       and Qwen3-30B's and DeepSeek-V3's LoRA kernels one by one (tools/profile_layer.sh) at M = 256 / 1024 with
+#       the warp tiles. Prints the A/B last.
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
-# If the warp tiles win: land the patch (git apply), then docs/wip/lease-proof.sh tests and grids.
-# The patch: moe_lora_shrink_warp_tiles_kernel, a warp an mma.m16n8k16 tile of 16 entries x one adapter x up to 32
-# lora_a rows over all of K, operands from global memory straight into fragments, where the mean (expert, adapter)
-# run is < 32 entries and K <= 4096. Measured once (forty-third session, 21 LoRA tests pass, rel_err unchanged):
-# Qwen3-30B LoRA M = 256 521 -> 498 us, M = 1024 647 -> 617; OLMoE M = 256 392 -> 381; DeepSeek-V3 (K 7168, before
-# the K bound) M = 256 1146 -> 1133, M = 1024 1430 -> 1512 (hence the bound, not yet measured).
+# If the warp tiles win (either knob's half alone may): land what wins (git apply, drop the losing half), then
+# docs/wip/lease-proof.sh tests and grids.
+# The patch, where the mean (expert, adapter) run num_slots / (E * max_loras) is under 32 entries:
+#  - moe_lora_shrink_warp_tiles_kernel (also K <= 4096): a warp an mma.m16n8k16 tile of 16 entries x one adapter x
+#    up to 32 lora_a rows over all of K, operands from global memory straight into fragments. Measured once
+#    (forty-third session, without the K bound; 21 LoRA tests pass, rel_err unchanged): Qwen3-30B LoRA M = 256
+#    521 -> 498 us, M = 1024 647 -> 617; OLMoE M = 256 392 -> 381; DeepSeek-V3 (K 7168) M = 256 1146 -> 1133,
+#    M = 1024 1430 -> 1512 (hence the bound, not yet measured).
+#  - moe_lora_expand_{entries,activation}_warp_tiles_kernel (rank % 8 == 0, 16-byte rows): a warp a 16-entry tile x
+#    64 stack columns (the join: 32 outputs' gate and up), every adapter of the tile on mma fragments loaded the
+#    same way, the sums added into the output rows (or through the activation) in registers. Not yet run: the
+#    tests in the patch take it at M = 160-300 (rank 16-128, interleaved, one slice, fp16, swiglu_oai).
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
@@ -25,35 +32,41 @@ build() {
 case "${1:-}" in
 ab)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  git apply docs/wip/issue31-warp-tile-shrink.patch || { echo "patch failed"; exit 1; }
+  git apply docs/wip/issue31-warp-tiles.patch || { echo "patch failed"; exit 1; }
   build
   timeout 90 $B/moelora_tests --gtest_filter='All/FusedExpertsLoraTest.*:All/LoraDeltaTest.*' > $OUT/tests.log 2>&1
   echo "LoRA tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
   timeout 150 $B/moelora_bench --device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 \
     --lora-share 1.0 --json /tmp/tiles.json > /tmp/tiles.log 2>&1; echo "warp tiles grid rc $? at $(el) s"
   tail -1 /tmp/tiles.log
-  MOELORA_LORA_SHRINK_WARP_TILES=0 timeout 100 $B/moelora_bench --device cuda --model all --tokens 256,1024,4096 \
-    --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check --json /tmp/seg.json > /tmp/seg.log 2>&1
-  echo "segmented grid rc $? at $(el) s"
+  for v in shrink_off:MOELORA_LORA_SHRINK_WARP_TILES expand_off:MOELORA_LORA_EXPAND_WARP_TILES; do
+    env ${v#*:}=0 timeout 60 $B/moelora_bench --device cuda --model all --tokens 256,1024,4096 --lora-rank 16 \
+      --adapters 4 --lora-share 1.0 --no-check --json /tmp/${v%%:*}.json > /tmp/${v%%:*}.log 2>&1
+    echo "${v%%:*} grid rc $? at $(el) s"
+  done
+  MOELORA_LORA_SHRINK_WARP_TILES=0 MOELORA_LORA_EXPAND_WARP_TILES=0 timeout 60 $B/moelora_bench --device cuda \
+    --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check --json /tmp/main.json \
+    > /tmp/main.log 2>&1; echo "both off (main's kernels) grid rc $? at $(el) s"
   for cell in "qwen3-30b-a3b 256" "deepseek-v3-tp8 1024"; do
     set -- $cell
     timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
   done
-  cp /tmp/tiles.json /tmp/seg.json $OUT/
+  cp /tmp/tiles.json /tmp/shrink_off.json /tmp/expand_off.json /tmp/main.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
     try: return {(r["model"], r["M"], bool(r.get("lora"))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-a, b = load("/tmp/seg.json"), load("/tmp/tiles.json")
-print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): segmented shrink (MOELORA_LORA_SHRINK_WARP_TILES=0) /")
-print("## warp tiles where the rule takes them; ratio; % of floor and rel_err of the warp-tile run (against float64)")
+m, s, e, b = (load(f"/tmp/{n}.json") for n in ("main", "shrink_off", "expand_off", "tiles"))
+print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): both off (main's kernels) / expand warp tiles only")
+print("## (shrink off) / shrink warp tiles only (expand off) / both; each / main; % of floor, rel_err of 'both'")
 for k in sorted(b):
-    if k in a:
-        x, y = a[k]["time_us"], b[k]["time_us"]
-        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} {y:8.1f} {y / x:6.3f} "
-              f"{b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
+    if k in m:
+        x = m[k]["time_us"]
+        y = [d.get(k, {}).get("time_us", float("nan")) for d in (s, e, b)]
+        print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} " + " ".join(f"{v:8.1f}" for v in y) +
+              " " + " ".join(f"{v / x:6.3f}" for v in y) + f" {b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
 PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
   ;;
