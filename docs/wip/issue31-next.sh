@@ -12,11 +12,12 @@
 # If the warp tiles win (either knob's half alone may): land what wins (git apply, drop the losing half), then
 # docs/wip/lease-proof.sh tests and grids.
 # The patch, where the mean (expert, adapter) run num_slots / (E * max_loras) is under 32 entries:
-#  - moe_lora_shrink_warp_tiles_kernel (also K <= 4096): a warp an mma.m16n8k16 tile of 16 entries x one adapter x
-#    up to 32 lora_a rows over all of K, operands from global memory straight into fragments. Measured once
-#    (forty-third session, without the K bound; 21 LoRA tests pass, rel_err unchanged): Qwen3-30B LoRA M = 256
-#    521 -> 498 us, M = 1024 647 -> 617; OLMoE M = 256 392 -> 381; DeepSeek-V3 (K 7168) M = 256 1146 -> 1133,
-#    M = 1024 1430 -> 1512 (hence the bound, not yet measured).
+#  - moe_lora_shrink_warp_tiles_kernel: a CTA an mma.m16n8k16 tile of 16 entries x one adapter x up to 32 lora_a
+#    rows, its four warps a quarter of K each (summed in shared memory), operands from global memory straight into
+#    fragments. A first version (a warp over all of K) measured once (forty-third session; 21 LoRA tests pass,
+#    rel_err unchanged): Qwen3-30B LoRA M = 256 521 -> 498 us, M = 1024 647 -> 617; OLMoE M = 256 392 -> 381;
+#    DeepSeek-V3 (K 7168) M = 256 1146 -> 1133, M = 1024 1430 -> 1512 (long warps in 1.5 waves: hence K quarters,
+#    not yet measured).
 #  - moe_lora_expand_{entries,activation}_warp_tiles_kernel (rank % 8 == 0, 16-byte rows): a warp a 16-entry tile x
 #    64 stack columns (the join: 32 outputs' gate and up), every adapter of the tile on mma fragments loaded the
 #    same way, the sums added into the output rows (or through the activation) in registers. Not yet run: the
