@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab    (~480 s cold) applies docs/wip/issue31-warp-tiles.patch, builds into /tmp/bl
+#   bash docs/wip/issue31-next.sh ab    (~510 s cold) applies docs/wip/issue31-warp-tiles.patch, builds into /tmp/bl
 #       (tests and bench), runs the LoRA layer tests, then the bf16 LoRA r16 grid (4 adapters, share 1.0,
 #       M = 256, 1024, 4096, every model) with the warp tiles (checked against float64), with
-#       MOELORA_LORA_SHRINK_WARP_TILES=0, with MOELORA_LORA_EXPAND_WARP_TILES=0 and with both off (main's kernels),
+#       MOELORA_LORA_SHRINK_WARP_TILES=0, with MOELORA_LORA_EXPAND_WARP_TILES=0, with both off (main's kernels) and
+#       with both =2 (the warp tiles at every run length),
 #       and Qwen3-30B's and DeepSeek-V3's LoRA kernels one by one (tools/profile_layer.sh) at M = 256 / 1024 with
 #       the warp tiles. Prints the A/B last.
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
@@ -48,24 +49,29 @@ ab)
   MOELORA_LORA_SHRINK_WARP_TILES=0 MOELORA_LORA_EXPAND_WARP_TILES=0 timeout 60 $B/moelora_bench --device cuda \
     --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check --json /tmp/main.json \
     > /tmp/main.log 2>&1; echo "both off (main's kernels) grid rc $? at $(el) s"
+  # The warp tiles at every run length (2): whether the run-length switch (32 entries) is where it pays.
+  MOELORA_LORA_SHRINK_WARP_TILES=2 MOELORA_LORA_EXPAND_WARP_TILES=2 timeout 60 $B/moelora_bench --device cuda \
+    --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check --json /tmp/always.json \
+    > /tmp/always.log 2>&1; echo "warp tiles always grid rc $? at $(el) s"
   for cell in "qwen3-30b-a3b 256" "deepseek-v3-tp8 1024"; do
     set -- $cell
     timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
   done
-  cp /tmp/tiles.json /tmp/shrink_off.json /tmp/expand_off.json /tmp/main.json $OUT/
+  cp /tmp/tiles.json /tmp/shrink_off.json /tmp/expand_off.json /tmp/main.json /tmp/always.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
     try: return {(r["model"], r["M"], bool(r.get("lora"))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-m, s, e, b = (load(f"/tmp/{n}.json") for n in ("main", "shrink_off", "expand_off", "tiles"))
+m, s, e, b, a = (load(f"/tmp/{n}.json") for n in ("main", "shrink_off", "expand_off", "tiles", "always"))
 print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): both off (main's kernels) / expand warp tiles only")
-print("## (shrink off) / shrink warp tiles only (expand off) / both; each / main; % of floor, rel_err of 'both'")
+print("## (shrink off) / shrink warp tiles only (expand off) / both (where runs are short) / both at every run")
+print("## length (=2); each / main; % of floor, rel_err of 'both'")
 for k in sorted(b):
     if k in m:
         x = m[k]["time_us"]
-        y = [d.get(k, {}).get("time_us", float("nan")) for d in (s, e, b)]
+        y = [d.get(k, {}).get("time_us", float("nan")) for d in (s, e, b, a)]
         print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} " + " ".join(f"{v:8.1f}" for v in y) +
               " " + " ".join(f"{v / x:6.3f}" for v in y) + f" {b[k]['pct_floor']:5.1f} {b[k].get('rel_err')}")
 PY
