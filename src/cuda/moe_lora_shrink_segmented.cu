@@ -307,7 +307,9 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
       // and takes every kResultRowStep-th row.
       // NOTE: this was a (row, column) pair a step, each with three runtime divisions: ~90
       // instructions an element, 32 elements a thread in a pass of 4 runs at rank 16 (~3
-      // passes a tile at Qwen3-30B M = 256). Estimated from the code, not yet measured.
+      // passes a tile at Qwen3-30B M = 256). Measured with the expands' change below (H200,
+      // LoRA r16; reports/gpu/2026-11-30-h200-bbb4215-issue31-lora-index-math.txt): the two
+      // shrinks 68 -> 61 and 31 -> 26 us at Qwen3-30B M = 256.
       constexpr int kResultRowStep = kSegThreads / kSegPassCols;
       const int n = int(threadIdx.x) % kSegPassCols;
       if (n < pass_cols) {
