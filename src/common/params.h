@@ -597,6 +597,13 @@ bool lora_expand_activation_enabled();
 // (expert, adapter) run is long (default on, unless $MOELORA_LORA_EXPAND_STREAM=0: a CTA a
 // column tile, its pairs in rounds). For A/B timing.
 bool lora_expand_stream_enabled();
+// Where moe_lora_shrink takes its warp-tile kernel ($MOELORA_LORA_SHRINK_WARP_TILES): 0 never
+// (the segmented shrink), 1 (the default) where the mean (expert, adapter) run is short and K
+// is at most 4096, 2 at every run length and K past the GEMVs' slot counts. For A/B timing.
+enum class WarpTilesUse : int { kNever = 0, kShortRuns = 1, kAlways = 2 };
+WarpTilesUse lora_shrink_warp_tiles_use();
+// For this process, over the environment's (tests take the fallback with kNever).
+void set_lora_shrink_warp_tiles_use(WarpTilesUse use);
 // Whether p's tile (kSm80, or kSm90 where available) can run with the fused expand of
 // this stack: 16-bit types, rank % 8 == 0, lora_b rows 16-byte aligned.
 bool fused_moe_lora_expand_supported(const detail::GemmParams& p, int64_t rank, int num_slices,

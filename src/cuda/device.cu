@@ -93,6 +93,20 @@ bool lora_expand_stream_enabled() {
 }
 
 namespace {
+// $MOELORA_LORA_SHRINK_WARP_TILES as 0, 1 or 2 (anything else, or unset: 1).
+WarpTilesUse shrink_warp_tiles_from_env() {
+  const char* env = std::getenv("MOELORA_LORA_SHRINK_WARP_TILES");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return WarpTilesUse::kNever;
+  if (env != nullptr && std::strcmp(env, "2") == 0) return WarpTilesUse::kAlways;
+  return WarpTilesUse::kShortRuns;
+}
+std::atomic<WarpTilesUse> g_shrink_warp_tiles{shrink_warp_tiles_from_env()};
+}  // namespace
+
+WarpTilesUse lora_shrink_warp_tiles_use() { return g_shrink_warp_tiles.load(std::memory_order_relaxed); }
+void set_lora_shrink_warp_tiles_use(WarpTilesUse use) { g_shrink_warp_tiles.store(use); }
+
+namespace {
 std::atomic<int> g_cta_smem_limit{0};
 }  // namespace
 

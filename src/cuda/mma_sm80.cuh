@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cute/arch/util.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace moelora::cuda {
 
@@ -50,6 +52,17 @@ __device__ __forceinline__ void mma_fp16_16x8x16(float (&c)[4], uint32_t a0, uin
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The same for T (__half or __nv_bfloat16).
+template <class T>
+__device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                            uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    mma_fp16_16x8x16(c, a0, a1, a2, a3, b0, b1);
+  } else {
+    mma_bf16_16x8x16(c, a0, a1, a2, a3, b0, b1);
+  }
 }
 
 // c[4] += a[16x32] · b[32x8], 8-bit operands (mma.m16n8k32 fragments: a0 row g k 4q..4q+3,

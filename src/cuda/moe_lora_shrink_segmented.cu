@@ -380,6 +380,158 @@ SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
   return s;
 }
 
+// ---- shrink by warp tiles (short runs) ----------------------------------------------------
+// A CTA takes one 16-entry tile of the alignment (inside one block: one expert), one of the
+// tile's adapters and up to kWarpTileColTiles * 8 of one slice's lora_a rows; its four warps
+// take a quarter of K each with both operands loaded from global memory straight into
+// mma.m16n8k16 fragments, and add their sums in shared memory in warp order (the result does
+// not depend on timing). No K loop over shared memory, no partial sums in global memory; t is
+// written once, for the tile's rows of that adapter only.
+// The fragments from 16-byte loads: mma_rows_32k (moe_lora_tiles.cuh).
+// NOTE: why not the segmented kernel at short runs (ncu, H200, Qwen3-30B LoRA r16 M = 256,
+// 2048 slots, mean run 4 entries; docs/perf_notes/issues-31-33.md): its GEMM1 shrink took
+// 61.7 us for ~70 MB (1.16 TB/s), SMs active 60% of the time, 0.36 issues a cycle a
+// scheduler at 22% occupancy: 7 K splits x ~3 passes a 64-entry group, each pass with its
+// prologue, barriers, result tile and partial sums for 5 k-tiles of work. A first version
+// (a warp a tile and adapter over all of K) measured 0.955x of the layer at Qwen3-30B
+// M = 256 and 1024 but 1.058x at DeepSeek-V3-TP8 M = 1024, whose K = 7168 made ~3,200 long
+// warps, 1.5 waves by estimate: hence K over the CTA's warps (4x the warps, each a quarter
+// as long). That (this kernel) measured, H200, LoRA r16 x 4 adapters, layer time against the
+// segmented shrink: at M = 256 Qwen3-30B 0.942x, OLMoE 0.914x, Qwen3-235B 0.986x, gpt-oss and
+// Mixtral 0.999x, at M = 1024 0.97-1.00x; but DeepSeek-V3-TP8 (K = 7168) still 1.021x at M = 256 and
+// 1.063x at M = 1024 (its GEMM1 shrink 308 us): hence kWarpTilesMaxK.
+constexpr int kWarpTileWarps = 4;         // K quarters
+constexpr int kWarpTileThreads = kWarpTileWarps * 32;
+constexpr int kWarpTileAdapterWays = 4;   // grid z: CTA z takes its tile's adapters z, z + 4, ...
+constexpr int kWarpTileColTiles = 4;      // n8 column tiles a CTA takes at most (32 lora_a rows)
+// The warp tiles where the mean (expert, adapter) run num_slots / (num_experts * max_loras)
+// is below this: longer runs fill the segmented kernel's 64-entry groups and passes, whose
+// shared lora_a tiles then serve many rows. At M = 4096 (mean runs 32-512) the layer took
+// 1.08-1.47x with warp-tile kernels at every run length (H200; this shrink with warp-tile
+// expands, which lost everywhere and were dropped: docs/perf_notes/issues-31-33.md).
+constexpr int64_t kWarpTilesMaxMeanRun = 32;
+// And where K is at most this (measured above: K = 7168 loses). Why is not measured; likely
+// each tile an (expert, adapter) run spans reads its 14 KB lora_a rows again, where the
+// segmented kernel reads them once a 64-entry group through a cp.async pipeline.
+constexpr int64_t kWarpTilesMaxK = 4096;
+
+// Grid (16-entry tiles, slices x column chunks, adapter ways). Needs shrink_gemv_loadable
+// (16-byte rows, K % 8 == 0) and block_size % 16 == 0.
+template <typename T, int kColTiles, int kSteps>
+__global__ void __launch_bounds__(kWarpTileThreads) moe_lora_shrink_warp_tiles_kernel(const LoraDeltaParams p) {
+  static_assert(kTensorCores<T>, "mma.m16n8k16 on 16-bit types");
+  __shared__ float partial_sums[kWarpTileWarps - 1][kColTiles * 4][32];  // warps 1-3's, lane-major
+  wait_for_previous_kernel();
+  allow_next_kernel_launch();  // as the segmented kernel's
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t entry0 = int64_t(blockIdx.x) * kTileRows;
+  const int64_t used = used_entries(p);
+  if (entry0 >= used) return;  // the CTA's
+  const WarpTileRows tile = load_warp_tile_rows(p, entry0, used);
+  if (tile.expert < 0) return;  // the CTA's
+  const int expert = tile.expert, row_lora = tile.lora;
+  // Lanes 0-15: their entry's row of a.
+  const int row_a = tile.slot < 0 ? 0 : p.a_rows_by_entry ? int(entry0 + lane) : tile.slot / int(p.a_top_k);
+  uint64_t adapters = tile.adapters;
+  for (unsigned skip = 0; skip < blockIdx.z; ++skip) adapters &= adapters - 1;
+  if (adapters == 0) return;  // the CTA's (every warp read the same rows)
+
+  const int rank = int(p.rank), col_chunks = ((rank + 7) / 8 + kColTiles - 1) / kColTiles;
+  const int slice = int(blockIdx.y) / col_chunks, n0 = (int(blockIdx.y) - slice * col_chunks) * kColTiles * 8;
+  const detail::LoraSliceParams& sl = p.slices[slice];
+  const int g = lane / 4, c = lane % 4;
+  const int lora_g = __shfl_sync(0xffffffffu, row_lora, g), lora_g8 = __shfl_sync(0xffffffffu, row_lora, g + 8);
+  const int a_g = __shfl_sync(0xffffffffu, row_a, g), a_g8 = __shfl_sync(0xffffffffu, row_a, g + 8);
+  const T* a = static_cast<const T*>(p.a);
+  T* t = static_cast<T*>(p.intermediate);
+  const int64_t t_cols = int64_t(p.num_slices) * rank;
+  const int k_lane = 8 * c;  // this lane's K offset in a 32-element step
+  // This warp's quarter of K, whole 32-element steps but the last quarter's end.
+  const int64_t k_quarter = (p.K + 32 * kWarpTileWarps - 1) / (32 * kWarpTileWarps) * 32;
+  const int64_t k_begin = min(p.K, warp * k_quarter), k_end = min(p.K, k_begin + k_quarter);
+  while (adapters != 0) {
+    const int l = __ffsll(static_cast<long long>(adapters)) - 1;
+    for (unsigned drop = 0; drop < gridDim.z && adapters != 0; ++drop) adapters &= adapters - 1;
+    // A row of A or B that has no operand (another adapter's row, a column past the rank)
+    // loads another row, one that another lane of the same instruction reads (the tile's first
+    // row of adapter l, lora_a's last row of the rank: no extra sectors): its products land
+    // only in rows or columns of the result that are not written. So the loads need no
+    // predicate and the compiler keeps kSteps steps of them in flight.
+    const int first = __ffs(__ballot_sync(0xffffffffu, lane < kTileRows && row_lora == l)) - 1;
+    const int a_first = __shfl_sync(0xffffffffu, row_a, first);
+    const bool has_row[2] = {lora_g == l, lora_g8 == l};
+    const T* a_rows[2] = {a + int64_t(has_row[0] ? a_g : a_first) * p.a_stride_row + k_lane,
+                          a + int64_t(has_row[1] ? a_g8 : a_first) * p.a_stride_row + k_lane};
+    const T* lora = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert + k_lane;
+    const T* b_rows[kColTiles];
+#pragma unroll
+    for (int j = 0; j < kColTiles; ++j) b_rows[j] = lora + min(n0 + 8 * j + g, rank - 1) * sl.a_stride_rank;
+    float acc[kColTiles][4] = {};
+    auto load = [](const T* row, int64_t k) { return __ldg(reinterpret_cast<const uint4*>(row + k)); };
+    int64_t k = k_begin;
+    for (; k + 32 * kSteps <= k_end; k += 32 * kSteps) {
+      // kSteps steps' loads first (the warp's bytes in flight), then their MMAs.
+      uint4 av[kSteps][2], bv[kSteps][kColTiles];
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) av[s][h] = load(a_rows[h], k + 32 * s);
+#pragma unroll
+        for (int j = 0; j < kColTiles; ++j) bv[s][j] = load(b_rows[j], k + 32 * s);
+      }
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) mma_rows_32k<T, kColTiles>(acc, av[s], bv[s]);
+    }
+    // The quarter's last steps one at a time; past its end both operands are zeros (k_end is
+    // a multiple of 32 or K, and K % 8 == 0: a lane's 8 elements are all in or out).
+    for (; k < k_end; k += 32) {
+      const bool in = k + k_lane < k_end;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      uint4 av[2], bv[kColTiles];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) av[h] = in ? load(a_rows[h], k) : zero;
+#pragma unroll
+      for (int j = 0; j < kColTiles; ++j) bv[j] = in ? load(b_rows[j], k) : zero;
+      mma_rows_32k<T, kColTiles>(acc, av, bv);
+    }
+    // Warps 1-3's sums through shared memory; warp 0 adds them in warp order and writes t.
+    if (warp > 0) {
+#pragma unroll
+      for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+        for (int v = 0; v < 4; ++v) partial_sums[warp - 1][4 * j + v][lane] = acc[j][v];
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int w = 0; w < kWarpTileWarps - 1; ++w) {
+#pragma unroll
+        for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[j][v] += partial_sums[w][4 * j + v][lane];
+        }
+      }
+      // acc[j]: rows g (0, 1) and g + 8 (2, 3), columns n0 + 8j + 2c (+1).
+      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (!has_row[h]) continue;
+        T* t_row = t + (entry0 + g + 8 * h) * t_cols + int64_t(slice) * rank;
+#pragma unroll
+        for (int j = 0; j < kColTiles; ++j) {
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const int n = n0 + 8 * j + 2 * c + v;
+            if (n < rank) t_row[n] = from_float<T>(scale * acc[j][2 * h + v]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the partial sums are read before the next adapter's
+  }
+}
+
 // The segmented shrink as GEMVs over entries, a warp an item (entry, slice,
 // rank row): t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i], for the
 // entries the segmented kernel writes (a slot, an adapter in the block's mask, a local
@@ -450,6 +602,23 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
                                                int64_t(current_device_info().num_sms) * 8);
         launch_kernel(moe_lora_shrink_entries_gemv_kernel<T>, dim3(unsigned(std::max<int64_t>(ctas, 1))),
                       dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
+        return;
+      }
+      const int64_t pairs = p.num_experts * std::max<int64_t>(p.adapters.max_loras, 1);
+      const WarpTilesUse use = lora_shrink_warp_tiles_use();
+      const bool short_runs = p.num_slots < kWarpTilesMaxMeanRun * pairs && p.K <= kWarpTilesMaxK;
+      if (shrink_gemv_loadable<T>(p) &&
+          (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && short_runs))) {
+        // Every 16-entry tile of the capacity (the used ones are read on the device).
+        const int64_t tiles = (p.max_num_tokens_padded + kTileRows - 1) / kTileRows;
+        const int ways = int(std::clamp<int64_t>(p.adapters.max_loras, 1, kWarpTileAdapterWays));
+        // Rank <= 16: two column tiles a CTA, four K steps' loads in flight a warp; else four, two.
+        const int col_tiles = int((p.rank + 7) / 8), cta_col_tiles = col_tiles <= 2 ? 2 : kWarpTileColTiles;
+        const auto kernel = cta_col_tiles == 2 ? moe_lora_shrink_warp_tiles_kernel<T, 2, 4>
+                                               : moe_lora_shrink_warp_tiles_kernel<T, kWarpTileColTiles, 2>;
+        const int col_chunks = (col_tiles + cta_col_tiles - 1) / cta_col_tiles;
+        launch_kernel(kernel, dim3(unsigned(tiles), unsigned(p.num_slices * col_chunks), unsigned(ways)),
+                      dim3(kWarpTileThreads), 0, static_cast<cudaStream_t>(stream), p);
         return;
       }
       const auto kernel = shrink_gemv_loadable<T>(p) ? moe_lora_shrink_segmented_kernel<T, true>

@@ -84,6 +84,57 @@ __device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
   return min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
 }
 
+// acc[j] += A[16 rows, 32 K] · B_j[32 K, 8]ᵀ for the warp-tile kernels, each operand row one
+// 16-byte load a lane: lane (g = lane / 4, c = lane % 4) holds K elements k + 8c .. k + 8c + 7
+// of A rows g and g + 8 (a[0], a[1]) and of B_j's row (column) g, and gives elements 0-1 / 2-3
+// to the first k16 step's fragment positions 2c / 2c + 8, 4-5 / 6-7 to the second's. A
+// position's K element depends only on c, the same lanes in A and in B, so the products pair
+// the same K elements: a permutation of the sum over K. acc[j]: rows g (0, 1) and g + 8 (2, 3),
+// columns 2c (+1) of column tile j.
+template <typename T, int kColTiles>
+__device__ __forceinline__ void mma_rows_32k(float (&acc)[kColTiles][4], const uint4 (&a)[2],
+                                             const uint4 (&b)[kColTiles]) {
+#pragma unroll
+  for (int j = 0; j < kColTiles; ++j) {
+    mma_16x8x16<T>(acc[j], a[0].x, a[1].x, a[0].y, a[1].y, b[j].x, b[j].y);
+    mma_16x8x16<T>(acc[j], a[0].z, a[1].z, a[0].w, a[1].w, b[j].z, b[j].w);
+  }
+}
+
+// A 16-entry tile of the segmented alignment in a warp (block_size % 16 == 0: one block, one
+// expert), for the warp-tile kernels: the tile's expert (-1: none or not local; then nothing
+// else is read), lanes 0-15 their entry's slot (-1: none, padding or past `used`) and adapter
+// (-1: none, or not in the block's mask, as the segmented shrink), and the tile's adapters.
+// Warp-uniform but for the lanes' own entries. Call after the wait.
+struct WarpTileRows {
+  int expert = -1;
+  int slot = -1;
+  int lora = -1;
+  uint64_t adapters = 0;
+};
+__device__ __forceinline__ WarpTileRows load_warp_tile_rows(const LoraDeltaParams& p, int64_t entry0, int64_t used) {
+  WarpTileRows rows;
+  const int lane = threadIdx.x % 32;
+  const int64_t block = entry0 / p.block_size;
+  const int expert = p.expert_ids[block];
+  if (expert < 0 || expert >= p.num_experts) return rows;
+  rows.expert = expert;
+  if (lane < kTileRows && entry0 + lane < used) {
+    const int64_t entry = entry0 + lane;
+    const int slot = p.sorted_token_ids[entry];
+    if (slot >= 0 && slot < p.num_slots) {
+      rows.slot = slot;
+      const int l = p.entry_lora_ids[entry];
+      rows.lora = l >= 0 && l < kMaxAdapters && (p.block_lora_masks[block] >> l & 1) ? l : -1;
+    }
+  }
+  static_assert(kMaxAdapters <= 64, "a tile's adapters as two 32-bit halves");
+  const uint32_t low = __reduce_or_sync(0xffffffffu, rows.lora >= 0 && rows.lora < 32 ? 1u << rows.lora : 0u);
+  const uint32_t high = __reduce_or_sync(0xffffffffu, rows.lora >= 32 ? 1u << (rows.lora - 32) : 0u);
+  rows.adapters = uint64_t(high) << 32 | low;
+  return rows;
+}
+
 // Output element of slot s at column j of slice c.
 __device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {
   const int64_t col = p.interleaved_slices ? j * p.num_slices + c : c * p.N_slice + j;

@@ -43,16 +43,6 @@ __host__ __device__ constexpr int weight_only_steps(int K) {
   return (K + kWeightsPerStep<kBits> - 1) / kWeightsPerStep<kBits>;
 }
 
-template <class T>
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                            uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    mma_fp16_16x8x16(c, a0, a1, a2, a3, b0, b1);
-  } else {
-    mma_bf16_16x8x16(c, a0, a1, a2, a3, b0, b1);
-  }
-}
-
 // One warp's 16-row product over steps [step_begin, step_end) of the packed K: rows
 // row_lo (g) and row_hi (g + 8) of `expert`, against kTiles n8 tiles of vectors (the
 // lane's vector g of each: vec[t], never null: a lane with no vector of its own passes

@@ -398,9 +398,9 @@ struct LoraLayer {
   FusedExpertsLora lora;
 };
 
-TEST_P(FusedExpertsLoraTest, MatchesReference) {
-  LayerLoraCase c = GetParam();
-  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+// One case's layer against the float64 reference (and, with adapters, far from the layer
+// without them); on CUDA, whether the grouped GEMMs ran where the case says.
+void expect_layer_matches_reference(LayerLoraCase c) {
   c.options.activation = c.activation;
   std::mt19937 rng(777 + uint32_t(c.rank * 31 + c.L * 7 + c.M));
   LoraLayer layer(c, rng);
@@ -428,6 +428,11 @@ TEST_P(FusedExpertsLoraTest, MatchesReference) {
                                                                  : "the grouped GEMMs ran");
   }
 #endif
+}
+
+TEST_P(FusedExpertsLoraTest, MatchesReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(GetParam().backend);
+  expect_layer_matches_reference(GetParam());
 }
 
 std::vector<LayerLoraCase> layer_cases() {
@@ -486,8 +491,9 @@ std::vector<LayerLoraCase> layer_cases() {
     // alignment, added into its rows by entry (moe_lora_expand_entries). H and I multiples
     // of 16 (TMA rows); ranks 1-128 (rank 128 with 2 slices: two column passes of the shrink),
     // both tile shapes, interleaved and one-slice w13 stacks, fp16, disabled adapters and
-    // tokens without one, 16 and 64 adapters, chunks, past 1024 slots the segmented MMA
-    // shrink (below it, the GEMVs over entries), and long runs of one (expert, adapter).
+    // tokens without one, 16 and 64 adapters, chunks, past 1024 slots the warp-tile shrink
+    // (below it, the GEMVs over entries), and long runs of one (expert, adapter) with the
+    // segmented shrink and the streamed expands.
     static const MoeKernelConfig grouped{.grouped_gemm = true};
     static const MoeKernelConfig grouped_m64{.grouped_gemm = true,
                                              .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
@@ -513,14 +519,24 @@ std::vector<LayerLoraCase> layer_cases() {
                    .I = 80, .rank = 24, .w13_slices = 1, .activation = Activation::kSwigluOai});
       g.push_back({.name = "grouped16_gelu_one_slice_fp16", .backend = backend, .dtype = DType::kFloat16, .M = 160,
                    .top_k = 4, .H = 272, .I = 80, .rank = 32, .w13_slices = 1, .activation = Activation::kGelu});
-      g.push_back({.name = "grouped16_segmented_shrink_split_k", .backend = backend, .M = 300, .top_k = 4, .E = 16,
+      // Past 1024 slots with runs of one (expert, adapter) shorter than 32 entries on average
+      // (slots / (E * L)): the warp-tile shrink; ranks 64, 128 (two slices: 8 column chunks), 8
+      // (one column tile of two, rank 16's variant) and 24 (a partial column tile) in fp16.
+      g.push_back({.name = "grouped16_warp_tile_shrink", .backend = backend, .M = 300, .top_k = 4, .E = 16,
                    .H = 1040, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
-      // Runs of one (expert, adapter) of 64 entries on average (num_slots / (E * L) >= 32): the
+      g.push_back({.name = "grouped16_warp_tile_shrink_rank128", .backend = backend, .M = 300, .top_k = 4, .E = 16,
+                   .H = 272, .I = 80, .rank = 128});
+      g.push_back({.name = "grouped16_warp_tile_shrink_rank8", .backend = backend, .M = 300, .top_k = 4, .E = 16,
+                   .H = 272, .I = 80, .rank = 8});
+      g.push_back({.name = "grouped16_warp_tile_shrink_rank24_one_slice_fp16", .backend = backend,
+                   .dtype = DType::kFloat16, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80, .rank = 24,
+                   .w13_slices = 1, .activation = Activation::kGelu});
+      // Runs of 75 entries on average (>= 32): the segmented shrink split over K, and the
       // expands' CTAs stream column tiles (kStreamMinMeanRun), a tile of more pairs than a stage
       // holds taking its pairs in rounds in the same launch; rank 64 holds one pair a stage.
-      g.push_back({.name = "grouped16_long_runs_streamed", .backend = backend, .M = 256, .top_k = 4, .E = 8,
-                   .H = 272, .I = 80, .L = 2});
-      g.push_back({.name = "grouped16_long_runs_streamed_swiglu_oai_rank64_share50", .backend = backend, .M = 256,
+      g.push_back({.name = "grouped16_long_runs_streamed", .backend = backend, .M = 300, .top_k = 4, .E = 8,
+                   .H = 1040, .I = 528, .L = 2});
+      g.push_back({.name = "grouped16_long_runs_streamed_swiglu_oai_rank64_share50", .backend = backend, .M = 300,
                    .top_k = 4, .E = 8, .H = 272, .I = 80, .L = 2, .rank = 64, .share = 0.5,
                    .activation = Activation::kSwigluOai});
       LayerLoraCase chunked{.name = "grouped16_chunks_scaled", .backend = backend, .M = 300, .top_k = 4, .H = 272,
@@ -588,9 +604,16 @@ std::vector<LayerLoraCase> layer_cases() {
                        .H = 1032, .I = 528, .L = 16, .share = 0.5, .disable_some = true});
       // Past 1024 slots (kShrinkEntriesGemvMaxSlots, src/cuda/moe_lora_shrink_segmented.cu) the shrink is the
       // segmented MMA kernel; the cases above take the GEMVs over entries.
+      // Below a mean (expert, adapter) run of 32 entries (slots / (E * L)) it is the warp-tile
+      // kernel: 1200 / 32 and 1088 / 32 take the segmented one, 1088 / 128 and 1200 / 128 the warp tiles
+      // (tails in K: 1032 and 528 are not multiples of its 128-element steps).
       fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .rank = 16});
       fused.push_back({.name = tag + "segmented_shrink_split_k_share50", .backend = backend, .M = 272, .top_k = 4,
+                       .H = 1032, .I = 528, .rank = 64, .share = 0.5, .disable_some = true});
+      fused.push_back({.name = tag + "warp_tile_shrink_share50", .backend = backend, .M = 272, .top_k = 4,
                        .H = 1032, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
+      fused.push_back({.name = tag + "warp_tile_shrink_rank16", .backend = backend, .M = 300, .top_k = 4,
+                       .H = 1032, .I = 528, .L = 16, .rank = 16});
       LayerLoraCase no_combine{.name = tag + "no_combine_chunked", .backend = backend, .M = 70, .share = 0.5};
       no_combine.options.no_combine = true;
       no_combine.options.chunk_size = 32;
@@ -632,9 +655,11 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
     c.H = 1032;
     c.I = 528;
   }
-  // Past 1024 slots: the segmented MMA shrink and its arrival counters, which the
-  // alignment zeroes in every replay (below that, the GEMVs over entries).
-  if (GetParam() == 3) c.M = 300;
+  // Past 1024 slots: with long runs (1200 slots / (8 x 4) pairs >= 32) the segmented MMA
+  // shrink and its arrival counters, which the alignment zeroes in every replay; with short
+  // ones (1200 / (16 x 8)) the warp-tile shrink. Below that, the GEMVs over entries.
+  if (GetParam() == 3) c.M = 300, c.E = 8, c.L = 4;
+  if (GetParam() == 4) c.M = 300;
   std::mt19937 rng(4242);
   LoraLayer layer(c, rng);
   TestStream stream(Backend::kCUDA);
@@ -661,7 +686,28 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
 }
-INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2, 3, 4));
+
+// Short runs through the segmented shrink, as with MOELORA_LORA_SHRINK_WARP_TILES=0 (and as
+// at K > 4096): the fallback the default rule no longer takes there (grouped path, 1200 slots /
+// (16 x 4) pairs).
+TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  struct Restore {
+    cuda::WarpTilesUse use = cuda::lora_shrink_warp_tiles_use();
+    ~Restore() { cuda::set_lora_shrink_warp_tiles_use(use); }
+  } restore;
+  cuda::set_lora_shrink_warp_tiles_use(cuda::WarpTilesUse::kNever);
+  static const MoeKernelConfig grouped{.grouped_gemm = true};
+  for (int64_t rank : {16, 64}) {
+    LayerLoraCase c{.name = "warp_tiles_off", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
+                    .I = 80, .rank = rank, .share = 0.5};
+    c.options.config = &grouped;
+    c.expect_grouped = true;
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    expect_layer_matches_reference(c);
+  }
+}
 
 // An adapter id past the slots (or below -1) sets kRoutingBadAdapterId in the routing
 // status word (issue 33), on the small-batch path (M = 6) and the aligned one (M = 200);
