@@ -6,6 +6,8 @@
 #   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
 #       report's grids, Qwen3-30B's LoRA at M = 4096 and 16 kernel by kernel (tools/profile_layer.sh), the searched peer per model until DEADLINE_S s into the
 #       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json)
+#   bash docs/wip/lease-proof.sh pytest [TIMEOUT_S]  (warm, after tests): pytest alone, --durations=20, $OUT/pytest.log
+#       and pytest.xml (pytest beside memcheck in 'tests' did not finish at b56ac77).
 # Then make_report as in docs/wip/README.md.
 # Why not tools/gpu_report.sh SKIP_BENCH=1 TEST_SHARDS=16: it runs pytest after the shards and the sanitizers after
 # pytest; with a fresh build (~170-196 s on the H200) that is ~600 s, past a call's limit. Here pytest runs beside
@@ -66,6 +68,14 @@ grids)
   # $OUT takes at most 8 files: the grids in one archive.
   tar czf $OUT/grids.tgz -C /tmp bench.json lorabf16.json lorahalf.json lora.json peer.json
   ;;
-*) echo "usage: bash docs/wip/lease-proof.sh tests | grids DEADLINE_S"; exit 2 ;;
+pytest)
+  # pytest alone with its 20 slowest tests and its whole log: at b56ac77 (forty-fourth session) it reached [100%]
+  # but had not exited 170 s into a run alone (and ~130 s beside memcheck), where bbb4215's finished beside memcheck.
+  [ -d $B ] || { echo "run 'tests' first (same warm machine)"; exit 1; }
+  MOELORA_EXT_DIR=$B PYTHONPATH=$PWD/python timeout ${2:-400} python3 -m pytest tests/python -q -n 14 --durations=20 \
+    --junitxml=$OUT/pytest.xml > $OUT/pytest.log 2>&1
+  echo "pytest rc $? at $(el) s"; tail -30 $OUT/pytest.log
+  ;;
+*) echo "usage: bash docs/wip/lease-proof.sh tests | grids DEADLINE_S | pytest [TIMEOUT_S]"; exit 2 ;;
 esac
 echo "done $(el) s"
