@@ -7,7 +7,7 @@
 #       MOELORA_LORA_EXPAND_ACTIVATION=0 (no join: GEMM1's expand into its rows, then the activation kernel, as the
 #       peer does); MOELORA_LORA_SHRINK_WARP_TILES=2 (the warp-tile shrink at every run length, alone: the
 #       forty-fourth session's "=2" run had the warp-tile expands with it); and the LoRA kernels one by one (Qwen3-30B
-#       at M = 4096 and 256, DeepSeek-V3 at 1024) with the patch. Prints the A/B last.
+#       at M = 4096, 1024 and 256, DeepSeek-V3 at 1024) with the patch. Prints the A/B last.
 #   (The first 'ab', of docs/wip/issue31-warp-tiles.patch, ran in the forty-fourth session: the shrink half landed in
 #   b56ac77, the expand half lost; docs/perf_notes/issues-31-33.md.)
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
@@ -38,7 +38,7 @@ ab)
   done
   # Qwen3-30B at M = 4096 and 256, and DeepSeek-V3 at 1024 (LoRA 1.31x of the peer at b56ac77; no kernel profile of
   # main's kernels there yet).
-  for cell in "qwen3-30b-a3b 4096" "qwen3-30b-a3b 256" "deepseek-v3-tp8 1024"; do
+  for cell in "qwen3-30b-a3b 4096" "qwen3-30b-a3b 1024" "qwen3-30b-a3b 256" "deepseek-v3-tp8 1024"; do
     set -- $cell
     timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
