@@ -82,8 +82,10 @@ PYTEST_PARALLEL=()
 if [ "${PYTEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   PYTEST_PARALLEL=(-n "${PYTEST_WORKERS:-8}")
 fi
+# --durations: the slowest tests in the log (at b56ac77 a run reached [100%] but had not exited
+# 170 s in; docs/perf_notes/issues-31-33.md).
 MOELORA_EXT_DIR="$PWD/$BUILD_DIR" PYTHONPATH="$PWD/python" python3 -m pytest tests/python -q -rs "${PYTEST_PARALLEL[@]}" \
-  --junitxml="$OUT_DIR/pytest.xml" >>"$LOG" 2>&1
+  --durations=15 --junitxml="$OUT_DIR/pytest.xml" >>"$LOG" 2>&1
 tail -3 "$LOG"
 
 if [ -n "${SANITIZE_FILTER:-}" ]; then
