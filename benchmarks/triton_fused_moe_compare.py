@@ -86,6 +86,8 @@ def parse_args(argv=None):
                    "channel, per token)")
     p.add_argument("--iters", type=int, default=30, help="timed graph replays per cell and GEMM")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--configs", help="an earlier --json of this script on the same GPU kind: each cell it has runs "
+                   "the configs chosen there instead of a search (cells it lacks are searched)")
     p.add_argument("--ours", help="moelora_bench --json output to compare with")
     p.add_argument("--load", help="do not run: read rows from an earlier --json and print/compare")
     p.add_argument("--report", help="with --ours: write a reports/gpu-style JSON (the brief's keys) of both")
@@ -215,17 +217,26 @@ def tune(name, menu, make_launches, iters):
     return best[0], time_graph(make_launches(best[0]), iters)
 
 
+def chosen_configs(args, name, M, scheme, lora):
+    """The row of --configs for this cell (cell_key), or None."""
+    key = (name, M, scheme, None if not lora else (lora["rank"], lora["adapters"], float(lora["share"])))
+    return args.chosen.get(key)
+
+
 def bench_cell(name, M, w13, w2, args, scheme="bf16"):
     """w13, w2: the scheme's weights (quant_weights). Inputs are quantized outside the graphs."""
     E, top_k, H, I, _ = MODELS[name]
     dev = w13.q.device if isinstance(w13, Q8) else w13.device
     rots = [make_inputs(M, E, top_k, H, 1000 + 31 * r + M, dev) for r in range(ROTATIONS)]
-    menu = menu_for(M, E, top_k, args.quick, scheme)
-    # Correctness before timing, with the heuristic config for both GEMMs.
+    menu1 = menu2 = menu_for(M, E, top_k, args.quick, scheme)
+    earlier = chosen_configs(args, name, M, scheme, None)
+    if earlier:
+        menu1, menu2 = [earlier["gemm1_config"]], [earlier["gemm2_config"]]
+    # Correctness before timing, with the heuristic (or earlier) configs.
     x0, ids0, wts0 = rots[0]
-    err = rel_err(x0, w13, w2, ids0, wts0, menu[0], menu[0], scheme)
+    err = rel_err(x0, w13, w2, ids0, wts0, menu1[0], menu2[0], scheme)
     if not err <= 2e-2:
-        sys.exit(f"FAILED: {name} {scheme} M={M} rel_err {err:.3e} > 2e-2 (config {menu[0]})")
+        sys.exit(f"FAILED: {name} {scheme} M={M} rel_err {err:.3e} > 2e-2 (configs {menu1[0]} / {menu2[0]})")
     xs = [quant_act(x, scheme) for x, _, _ in rots]
     c1 = [torch.empty(M * top_k, 2 * I, dtype=torch.bfloat16, device=dev) for _ in rots]
     c2 = [torch.empty(M * top_k, H, dtype=torch.bfloat16, device=dev) for _ in rots]
@@ -240,7 +251,7 @@ def bench_cell(name, M, w13, w2, args, scheme="bf16"):
         return [gemm_launcher(xs[r], w13, c1[r], align(r, c["BLOCK_SIZE_M"]), top_k, c)
                 for r in range(len(rots))]
 
-    cfg1, us1 = tune("gemm1", menu, launches1, args.iters)
+    cfg1, us1 = tune("gemm1", menu1, launches1, args.iters)
     for f in launches1(cfg1):  # GEMM2's real input: the activation of GEMM1's output
         f()
     acts = [quant_act(silu_mul(c), scheme) for c in c1]
@@ -250,8 +261,8 @@ def bench_cell(name, M, w13, w2, args, scheme="bf16"):
         return [gemm_launcher(acts[r], w2, c2[r], align(r, c["BLOCK_SIZE_M"]), 1, c, flat_w[r])
                 for r in range(len(rots))]
 
-    cfg2, us2 = tune("gemm2", menu, launches2, args.iters)
-    if (cfg1, cfg2) != (menu[0], menu[0]):  # the winners are checked too
+    cfg2, us2 = tune("gemm2", menu2, launches2, args.iters)
+    if (cfg1, cfg2) != (menu1[0], menu2[0]):  # the winners are checked too
         err = max(err, rel_err(x0, w13, w2, ids0, wts0, cfg1, cfg2, scheme))
         if not err <= 2e-2:
             sys.exit(f"FAILED: {name} {scheme} M={M} rel_err {err:.3e} > 2e-2 ({cfg1} / {cfg2})")
@@ -311,10 +322,13 @@ def bench_lora_cell(name, M, w13, w2, rots, acts, c1, c2, base, args):
             out.append(pair[which])
         return out
 
+    earlier = chosen_configs(args, name, M, "bf16", {"rank": rank, "adapters": L, "share": args.lora_share})
     chosen, times = [], {}
     for gemm in (1, 2):
         for which, menu in ((0, LORA_SHRINK_MENU), (1, LORA_EXPAND_MENU)):
             menu = [quick[which]] if args.quick else menu
+            if earlier:
+                menu = [earlier["lora_configs"][len(chosen)]]
             # The expand reads the shrink's output: the shrink of the pick runs first.
             pick = chosen[-1] if which == 1 else None
 
@@ -327,7 +341,7 @@ def bench_lora_cell(name, M, w13, w2, rots, acts, c1, c2, base, args):
             c, us = tune(f"lora{gemm} {'shrink' if which == 0 else 'expand'}", menu, make, args.iters)
             chosen.append(c)
             times[f"lora{gemm}_{'shrink' if which == 0 else 'expand'}_us"] = us
-    if not args.quick and tuple(chosen) != quick * 2:
+    if tuple(chosen) != quick * 2:
         err = max(err, lora_rel_err(x0, w13, w2, ids0, wts0, adapters[0], base["gemm1_config"],
                                     base["gemm2_config"], chosen))
         if not err <= 2e-2:
@@ -621,9 +635,14 @@ def main(args):
         if n not in MODELS:
             sys.exit(f"unknown model {n}; known: {', '.join(MODELS)}")
     tokens = [int(t) for t in args.tokens.split(",")]
+    args.chosen = {}
+    if args.configs:
+        with open(args.configs) as f:
+            args.chosen = {cell_key(r): r for r in json.load(f)}
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference is true float32
     print(f"triton {triton.__version__} torch {torch.__version__} on {torch.cuda.get_device_name()}"
-          f" | {'quick heuristic configs' if args.quick else 'per-cell config search'}")
+          f" | {'quick heuristic configs' if args.quick else 'per-cell config search'}"
+          f"{f' (configs of {args.configs} where it has the cell)' if args.configs else ''}")
     rows = []
     for name in names:
         E, top_k, H, I, _ = MODELS[name]
