@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab    (~450 s cold) applies docs/wip/issue31-join-narrow.patch (the expand-activation
-#       join in tiles of 32 outputs, 4 CTAs an SM, instead of 64 outputs at 2), builds into /tmp/bl (tests and bench),
-#       runs the LoRA layer tests, then the bf16 LoRA r16 grid (4 adapters, share 1.0, M = 256, 1024, 4096, every
-#       model): the patch's default (checked against float64); MOELORA_LORA_JOIN_OUTPUTS=64 (main's join);
+#   bash docs/wip/issue31-next.sh ab    (~480 s cold) applies docs/wip/issue31-narrow-expands.patch (the expand-activation
+#       join in tiles of 32 outputs, 4 CTAs an SM, instead of 64 outputs at 2; GEMM2's expand in 32 columns at 6 CTAs
+#       an SM behind a knob), builds into /tmp/bl (tests and bench), runs the LoRA layer tests, then the bf16 LoRA r16
+#       grid (4 adapters, share 1.0, M = 256, 1024, 4096, every model): the patch's default (checked against
+#       float64); MOELORA_LORA_JOIN_OUTPUTS=64 (main's join); MOELORA_LORA_EXPAND_COLUMNS=32 (with the join in 32);
 #       MOELORA_LORA_EXPAND_ACTIVATION=0 (no join: GEMM1's expand into its rows, then the activation kernel, as the
 #       peer does); MOELORA_LORA_SHRINK_WARP_TILES=2 (the warp-tile shrink at every run length, alone: the
 #       forty-fourth session's "=2" run had the warp-tile expands with it); and the LoRA kernels one by one (Qwen3-30B
@@ -24,15 +25,15 @@ build() {
 case "${1:-}" in
 ab)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  git apply docs/wip/issue31-join-narrow.patch || { echo "patch failed"; exit 1; }
+  git apply docs/wip/issue31-narrow-expands.patch || { echo "patch failed"; exit 1; }
   build
-  timeout 90 $B/moelora_tests --gtest_filter='All/FusedExpertsLoraTest.*:All/LoraDeltaTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraWarpTilesOff.*:FusedExpertsLoraJoinWide.*' > $OUT/tests.log 2>&1
+  timeout 90 $B/moelora_tests --gtest_filter='All/FusedExpertsLoraTest.*:All/LoraDeltaTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraWarpTilesOff.*:FusedExpertsLoraTileWidths.*' > $OUT/tests.log 2>&1
   echo "LoRA tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
   grid="--device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0"
   timeout 150 $B/moelora_bench $grid --json /tmp/narrow.json > /tmp/narrow.log 2>&1; echo "join 32 grid rc $? at $(el) s"
   tail -1 /tmp/narrow.log
-  for v in wide:MOELORA_LORA_JOIN_OUTPUTS=64 unfused:MOELORA_LORA_EXPAND_ACTIVATION=0 \
-           shrink_tiles:MOELORA_LORA_SHRINK_WARP_TILES=2; do
+  for v in wide:MOELORA_LORA_JOIN_OUTPUTS=64 expand32:MOELORA_LORA_EXPAND_COLUMNS=32 \
+           unfused:MOELORA_LORA_EXPAND_ACTIVATION=0 shrink_tiles:MOELORA_LORA_SHRINK_WARP_TILES=2; do
     env ${v#*:} timeout 60 $B/moelora_bench $grid --no-check --json /tmp/${v%%:*}.json > /tmp/${v%%:*}.log 2>&1
     echo "${v%%:*} grid rc $? at $(el) s"
   done
@@ -43,20 +44,21 @@ ab)
     timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
   done
-  cp /tmp/narrow.json /tmp/wide.json /tmp/unfused.json /tmp/shrink_tiles.json $OUT/
+  cp /tmp/narrow.json /tmp/wide.json /tmp/expand32.json /tmp/unfused.json /tmp/shrink_tiles.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
     try: return {(r["model"], r["M"], bool(r.get("lora"))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-w, n, u, s = (load(f"/tmp/{x}.json") for x in ("wide", "narrow", "unfused", "shrink_tiles"))
-print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): main's join (64 outputs) / the join in 32 / no join")
-print("## (expand, then the activation kernel) / the join in 32 with the warp-tile shrink at every run length;")
-print("## each / main's; % of floor and rel_err of the join in 32")
+w, n, e, u, s = (load(f"/tmp/{x}.json") for x in ("wide", "narrow", "expand32", "unfused", "shrink_tiles"))
+print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): main's expands (join in 64 outputs, GEMM2's expand in")
+print("## 64 columns) / the join in 32 / and GEMM2's expand in 32 / no join (GEMM1's expand, then the activation")
+print("## kernel) / the join in 32 with the warp-tile shrink at every run length; each / main's; % of floor and")
+print("## rel_err of the join in 32")
 for k in sorted(n):
     if k in w:
         x = w[k]["time_us"]
-        y = [d.get(k, {}).get("time_us", float("nan")) for d in (n, u, s)]
+        y = [d.get(k, {}).get("time_us", float("nan")) for d in (n, e, u, s)]
         print(f"{k[0]:18s} M={k[1]:<5d} {'lora' if k[2] else 'base'} {x:8.1f} " + " ".join(f"{v:8.1f}" for v in y) +
               " " + " ".join(f"{v / x:6.3f}" for v in y) + f" {n[k]['pct_floor']:5.1f} {n[k].get('rel_err')}")
 PY
