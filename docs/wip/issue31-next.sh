@@ -44,6 +44,11 @@ ab)
     timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
   done
+  # ncu's sections for the patched expands at Qwen3-30B M = 4096 (the join and GEMM2's expand of one layer call).
+  timeout 60 ncu --clock-control none --graph-profiling node -k regex:moe_lora_expand --launch-count 2 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+    $B/moelora_bench --device cuda --iters 3 --no-check --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 \
+    --adapters 4 > $OUT/ncu_expands_4096.txt 2>&1; echo "ncu expands rc $? at $(el) s"
   cp /tmp/narrow.json /tmp/wide.json /tmp/expand32.json /tmp/unfused.json /tmp/shrink_tiles.json $OUT/
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
@@ -63,6 +68,8 @@ for k in sorted(n):
               " " + " ".join(f"{v / x:6.3f}" for v in y) + f" {n[k]['pct_floor']:5.1f} {n[k].get('rel_err')}")
 PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
+  grep -E "^  void|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issued Warp Per|excessive" \
+    $OUT/ncu_expands_4096.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150 | tee -a $OUT/ab.txt
   ;;
 diag)
   model=${2:?model}; shift 2
