@@ -49,7 +49,8 @@ ab)
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
     $B/moelora_bench --device cuda --iters 3 --no-check --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 \
     --adapters 4 > $OUT/ncu_expands_4096.txt 2>&1; echo "ncu expands rc $? at $(el) s"
-  cp /tmp/narrow.json /tmp/wide.json /tmp/expand32.json /tmp/unfused.json /tmp/shrink_tiles.json $OUT/
+  # $OUT takes at most 8 files: the grids in one archive.
+  tar czf $OUT/grids.tgz -C /tmp narrow.json wide.json expand32.json unfused.json shrink_tiles.json
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
