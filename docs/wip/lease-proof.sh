@@ -27,7 +27,7 @@ tests)
   echo "shards rc $? at $(el) s"; tail -30 /tmp/shards.log
   export MOELORA_EXT_DIR=$B PYTHONPATH=$PWD/python
   left=$(( 585 - $(el) ))
-  timeout $left python3 -m pytest tests/python -q -n 14 --junitxml=$OUT/pytest.xml > /tmp/pytest.log 2>&1 &
+  TORCHINDUCTOR_COMPILE_THREADS=1 timeout $left python3 -m pytest tests/python -q -n 14 --junitxml=$OUT/pytest.xml > /tmp/pytest.log 2>&1 &
   PY=$!
   timeout $(( left - 10 )) compute-sanitizer --tool memcheck --error-exitcode 9 $B/moelora_tests \
     --gtest_filter='All/FusedExpertsLoraTest.*:All/LoraDeltaTest.*' > /tmp/memcheck.log 2>&1
@@ -74,8 +74,10 @@ grids)
 pytest)
   # pytest alone with its 20 slowest tests and its whole log: at b56ac77 (forty-fourth session) it reached [100%]
   # but had not exited 170 s into a run alone (and ~130 s beside memcheck), where bbb4215's finished beside memcheck.
+  # TORCHINDUCTOR_COMPILE_THREADS=1: inductor compiles in-process, no pool of compile workers in each of the 14
+  # xdist workers to shut down at exit (a guess at the slow exit, not confirmed).
   [ -d $B ] || { echo "run 'tests' first (same warm machine)"; exit 1; }
-  MOELORA_EXT_DIR=$B PYTHONPATH=$PWD/python timeout ${2:-400} python3 -m pytest tests/python -q -n 14 --durations=20 \
+  MOELORA_EXT_DIR=$B PYTHONPATH=$PWD/python TORCHINDUCTOR_COMPILE_THREADS=1 timeout ${2:-400} python3 -m pytest tests/python -q -n 14 --durations=20 \
     --junitxml=$OUT/pytest.xml > $OUT/pytest.log 2>&1
   echo "pytest rc $? at $(el) s"; tail -30 $OUT/pytest.log
   ;;
