@@ -218,9 +218,8 @@ def tune(name, menu, make_launches, iters):
 
 
 def chosen_configs(args, name, M, scheme, lora):
-    """The row of --configs for this cell (cell_key), or None."""
-    key = (name, M, scheme, None if not lora else (lora["rank"], lora["adapters"], float(lora["share"])))
-    return args.chosen.get(key)
+    """The row of --configs for this cell, or None."""
+    return args.chosen.get(cell_key(dict(model=name, M=M, quant=quant_field(scheme), lora=lora)))
 
 
 def bench_cell(name, M, w13, w2, args, scheme="bf16"):

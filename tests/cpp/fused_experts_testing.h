@@ -26,6 +26,23 @@ inline bool grouped_path_ran(const detail::WorkspaceLayout& layout, Buffer& work
   return !workspace.is_poison(layout.grouped_slot_entries / 4);
 }
 
+// A config that forces a chunk onto the grouped GEMMs (MoeKernelConfig::grouped_gemm) with
+// these tiles for GEMM1 and GEMM2 (kAuto: the heuristic's). Static storage: the options keep
+// a pointer to it.
+inline const MoeKernelConfig* grouped_config(GroupedGemmTiles tiles1 = GroupedGemmTiles::kAuto,
+                                             GroupedGemmTiles tiles2 = GroupedGemmTiles::kAuto) {
+  constexpr int kKinds = 4;  // GroupedGemmTiles' values
+  static const auto configs = [] {
+    std::vector<MoeKernelConfig> all(kKinds * kKinds);
+    for (int i = 0; i < kKinds * kKinds; ++i) {
+      all[i] = {.grouped_gemm = true, .grouped_tiles1 = GroupedGemmTiles(i / kKinds),
+                .grouped_tiles2 = GroupedGemmTiles(i % kKinds)};
+    }
+    return all;
+  }();
+  return &configs.at(int(tiles1) * kKinds + int(tiles2));
+}
+
 struct LayerCase {
   std::string name;
   Backend backend;

@@ -433,35 +433,26 @@ std::vector<LayerCase> layer_cases() {
   // activation's gate/up layout, K tails of the 64-element K steps (H = 272, I = 80),
   // expert_map with dropped slots, strided x, chunks, the routed scaling factor, the
   // heuristic's own choice at prefill, and the calls the path does not take.
-  static const MoeKernelConfig kGrouped16{.grouped_gemm = true};
-  static const MoeKernelConfig kGrouped16M64{.grouped_gemm = true,
-                                             .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
-                                             .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
-  static const MoeKernelConfig kGrouped16M128{.grouped_gemm = true,
-                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
-                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128};
-  static const MoeKernelConfig kGrouped16Wide{.grouped_gemm = true,
-                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128x256,
-                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128x256};
   {
     LayerCase g = c;
     g.M = 160;
     g.top_k = 4;
     g.H = 272;
     g.I = 80;
-    g.options.config = &kGrouped16;
+    g.options.config = grouped_config();
     g.expect_grouped = true;
-    for (const auto& [tiles, config] : {std::pair{"m64", &kGrouped16M64}, std::pair{"m128", &kGrouped16M128},
-                                        std::pair{"m128n256", &kGrouped16Wide}}) {
+    for (const auto& [name, tiles] : {std::pair{"m64", GroupedGemmTiles::kPingpong64},
+                                        std::pair{"m128", GroupedGemmTiles::kCooperative128},
+                                        std::pair{"m128n256", GroupedGemmTiles::kCooperative128x256}}) {
       for (Activation activation : {Activation::kSilu, Activation::kGelu, Activation::kSwigluOai}) {
         LayerCase x = g;
-        x.options.config = config;
+        x.options.config = grouped_config(tiles, tiles);
         x.options.activation = activation;
         x.options.swiglu_limit = 0.75f;
         const char* act = activation_tag(activation);
-        add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
+        add(std::string("grouped16_") + name + "_" + act, x, {Backend::kCUDA});
         x.dtype = fp16;
-        add(std::string("grouped16_") + tiles + "_" + act, x, {Backend::kCUDA});
+        add(std::string("grouped16_") + name + "_" + act, x, {Backend::kCUDA});
       }
     }
     LayerCase x = g;

@@ -238,13 +238,6 @@ std::vector<LayerLoraCase> layer_cases() {
     // tokens without one, 16 and 64 adapters, chunks, past 1024 slots the warp-tile shrink
     // (below it, the GEMVs over entries), and long runs of one (expert, adapter) with the
     // segmented shrink and the streamed expands.
-    static const MoeKernelConfig grouped{.grouped_gemm = true};
-    static const MoeKernelConfig grouped_m64{.grouped_gemm = true,
-                                             .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
-                                             .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
-    static const MoeKernelConfig grouped_m128{.grouped_gemm = true,
-                                              .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
-                                              .grouped_tiles2 = GroupedGemmTiles::kCooperative128};
     {
       std::vector<LayerLoraCase> g;
       for (int64_t rank : {1, 16, 64, 128}) {
@@ -253,10 +246,11 @@ std::vector<LayerLoraCase> layer_cases() {
       }
       g.push_back({.name = "grouped16_m64_share50_disabled", .backend = backend, .M = 160, .top_k = 4, .E = 16,
                    .H = 272, .I = 80, .L = 16, .share = 0.5, .disable_some = true});
-      g.back().options.config = &grouped_m64;
+      g.back().options.config = grouped_config(GroupedGemmTiles::kPingpong64, GroupedGemmTiles::kPingpong64);
       g.push_back({.name = "grouped16_m128_adapters64", .backend = backend, .M = 160, .top_k = 4, .E = 8, .H = 272,
                    .I = 80, .L = 64, .share = 1.0});
-      g.back().options.config = &grouped_m128;
+      g.back().options.config =
+          grouped_config(GroupedGemmTiles::kCooperative128, GroupedGemmTiles::kCooperative128);
       g.push_back({.name = "grouped16_swiglu_oai", .backend = backend, .M = 160, .top_k = 4, .H = 272, .I = 80,
                    .activation = Activation::kSwigluOai});
       g.push_back({.name = "grouped16_swiglu_oai_one_slice", .backend = backend, .M = 160, .top_k = 4, .H = 272,
@@ -289,14 +283,14 @@ std::vector<LayerLoraCase> layer_cases() {
       chunked.options.routed_scaling_factor = 2.5f;
       g.push_back(chunked);
       for (LayerLoraCase& c : g) {
-        if (c.options.config == nullptr) c.options.config = &grouped;
+        if (c.options.config == nullptr) c.options.config = grouped_config();
         c.expect_grouped = true;
         cases.push_back(c);
       }
       // The calls the path does not take: no_combine and the routed weight on the input.
       LayerLoraCase no_combine{.name = "grouped16_no_combine_takes_the_tiles", .backend = backend, .M = 160,
                                .top_k = 4, .H = 272, .I = 80};
-      no_combine.options.config = &grouped;
+      no_combine.options.config = grouped_config();
       no_combine.options.no_combine = true;
       no_combine.expect_grouped = false;
       cases.push_back(no_combine);
@@ -442,11 +436,10 @@ TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
     ~Restore() { cuda::set_lora_shrink_warp_tiles_use(use); }
   } restore;
   cuda::set_lora_shrink_warp_tiles_use(cuda::WarpTilesUse::kNever);
-  static const MoeKernelConfig grouped{.grouped_gemm = true};
   for (int64_t rank : {16, 64}) {
     LayerLoraCase c{.name = "warp_tiles_off", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
                     .I = 80, .rank = rank, .share = 0.5};
-    c.options.config = &grouped;
+    c.options.config = grouped_config();
     c.expect_grouped = true;
     SCOPED_TRACE("rank " + std::to_string(rank));
     expect_layer_matches_reference(c);

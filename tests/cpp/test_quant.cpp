@@ -387,21 +387,6 @@ TEST_P(FusedExpertsQuantTest, MatchesReference) {
   RecordProperty("grouped", grouped ? "1" : "0");
 }
 
-// The grouped GEMMs forced on (MoeKernelConfig::grouped_gemm): their cases take 1280 slots
-// or more, so the workspace holds the path's regions.
-const MoeKernelConfig kGrouped{.grouped_gemm = true};
-// ... with 64-row pingpong tiles for both GEMMs, or for GEMM2 only.
-const MoeKernelConfig kGroupedM64{.grouped_gemm = true,
-                                  .grouped_tiles1 = GroupedGemmTiles::kPingpong64,
-                                  .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
-const MoeKernelConfig kGroupedM128M64{.grouped_gemm = true,
-                                      .grouped_tiles1 = GroupedGemmTiles::kCooperative128,
-                                      .grouped_tiles2 = GroupedGemmTiles::kPingpong64};
-// ... asking for the 16-bit experts' 128 x 256 tiles: 8-bit experts take 128 x 128.
-const MoeKernelConfig kGroupedWide{.grouped_gemm = true,
-                                   .grouped_tiles1 = GroupedGemmTiles::kCooperative128x256,
-                                   .grouped_tiles2 = GroupedGemmTiles::kCooperative128x256};
-
 std::vector<QuantLayerCase> quant_layer_cases() {
   std::vector<QuantLayerCase> cases;
   const QuantMethod methods[] = {QuantMethod::kFp8Block, QuantMethod::kFp8Channel, QuantMethod::kFp8Tensor,
@@ -543,7 +528,7 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     QuantLayerCase grouped = small;
     grouped.M = 160;
     grouped.top_k = 8;
-    grouped.options.config = &kGrouped;
+    grouped.options.config = grouped_config();
     grouped.expect_grouped = method != QuantMethod::kInt8Block;
     add("grouped", grouped, {Backend::kCUDA});
     x = grouped;
@@ -573,7 +558,7 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.options.chunk_size = 150;
     add("grouped_inplace_chunk150", x, {Backend::kCUDA});
     x = grouped;
-    x.options.config = &kGroupedM64;
+    x.options.config = grouped_config(GroupedGemmTiles::kPingpong64, GroupedGemmTiles::kPingpong64);
     add("grouped_m64", x, {Backend::kCUDA});
     x.M = 128;
     x.H = 2880;
@@ -581,12 +566,13 @@ std::vector<QuantLayerCase> quant_layer_cases() {
     x.dtype = DType::kFloat16;
     add("grouped_m64_odd_H2880_I1408_fp16", x, {Backend::kCUDA});
     x = grouped;
-    x.options.config = &kGroupedM128M64;
+    x.options.config = grouped_config(GroupedGemmTiles::kCooperative128, GroupedGemmTiles::kPingpong64);
     x.num_global = 32;
     x.dropped_share = 0.1;
     add("grouped_m128_m64_expert_map_dropped", x, {Backend::kCUDA});
     x = grouped;
-    x.options.config = &kGroupedWide;
+    // 8-bit experts take 128 x 128 tiles where the config asks for the 16-bit ones' 128 x 256.
+    x.options.config = grouped_config(GroupedGemmTiles::kCooperative128x256, GroupedGemmTiles::kCooperative128x256);
     add("grouped_asks_wide_tiles_takes_m128", x, {Backend::kCUDA});
     x = grouped;
     x.options.no_combine = true;  // not taken: the tile kernels write each slot's row
@@ -605,7 +591,7 @@ std::vector<QuantLayerCase> quant_layer_cases() {
   add("static_scales_M4", stat);
   stat.M = 160;
   stat.top_k = 8;
-  stat.options.config = &kGrouped;
+  stat.options.config = grouped_config();
   stat.expect_grouped = true;
   add("static_scales_grouped", stat, {Backend::kCUDA});
   return cases;
