@@ -1,7 +1,8 @@
 // fused_experts' layer test problem, shared by test_fused_experts.cpp (the layer against
 // its float64 reference over the cases) and test_fused_experts_checks.cpp (per-backend
 // checks: workspace, bad arguments, repeated calls): one case's shapes and options, its
-// routing, and every buffer of one call, filled, uploaded and poisoned, with the reference.
+// routing, and every buffer of one call, filled, uploaded and poisoned, with the reference;
+// and grouped_config, which the quantized and LoRA layer tests use too.
 #pragma once
 
 #include <algorithm>
