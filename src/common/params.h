@@ -597,6 +597,14 @@ bool lora_expand_activation_enabled();
 // (expert, adapter) run is long (default on, unless $MOELORA_LORA_EXPAND_STREAM=0: a CTA a
 // column tile, its pairs in rounds). For A/B timing.
 bool lora_expand_stream_enabled();
+// The outputs a CTA of moe_lora_expand_activation takes: 32 (the default) or 64, the tile
+// before ($MOELORA_LORA_JOIN_OUTPUTS=64). For A/B timing; set_lora_join_outputs for tests.
+int lora_join_outputs();
+void set_lora_join_outputs(int outputs);
+// The output columns a CTA of moe_lora_expand_entries takes: 64 (the default) or 32
+// ($MOELORA_LORA_EXPAND_COLUMNS=32). For A/B timing; set_lora_expand_columns for tests.
+int lora_expand_columns();
+void set_lora_expand_columns(int columns);
 // Where moe_lora_shrink takes its warp-tile kernel ($MOELORA_LORA_SHRINK_WARP_TILES): 0 never
 // (the segmented shrink), 1 (the default) where the mean (expert, adapter) run is short and K
 // is at most 4096, 2 at every run length and K past the GEMVs' slot counts. For A/B timing.

@@ -93,6 +93,30 @@ bool lora_expand_stream_enabled() {
 }
 
 namespace {
+// $MOELORA_LORA_JOIN_OUTPUTS: 64, or anything else (unset): 32.
+int join_outputs_from_env() {
+  const char* env = std::getenv("MOELORA_LORA_JOIN_OUTPUTS");
+  return env != nullptr && std::strcmp(env, "64") == 0 ? 64 : 32;
+}
+std::atomic<int> g_join_outputs{join_outputs_from_env()};
+}  // namespace
+
+int lora_join_outputs() { return g_join_outputs.load(std::memory_order_relaxed); }
+void set_lora_join_outputs(int outputs) { g_join_outputs.store(outputs == 64 ? 64 : 32); }
+
+namespace {
+// $MOELORA_LORA_EXPAND_COLUMNS: 32, or anything else (unset): 64.
+int expand_columns_from_env() {
+  const char* env = std::getenv("MOELORA_LORA_EXPAND_COLUMNS");
+  return env != nullptr && std::strcmp(env, "32") == 0 ? 32 : 64;
+}
+std::atomic<int> g_expand_columns{expand_columns_from_env()};
+}  // namespace
+
+int lora_expand_columns() { return g_expand_columns.load(std::memory_order_relaxed); }
+void set_lora_expand_columns(int columns) { g_expand_columns.store(columns == 32 ? 32 : 64); }
+
+namespace {
 // $MOELORA_LORA_SHRINK_WARP_TILES as 0, 1 or 2 (anything else, or unset: 1).
 WarpTilesUse shrink_warp_tiles_from_env() {
   const char* env = std::getenv("MOELORA_LORA_SHRINK_WARP_TILES");

@@ -56,7 +56,20 @@ using namespace lora_tiles;
 constexpr int kRows = 64;            // entries a CTA: four 16-row groups, one a warp
 constexpr int kThreads = 128;        // 4 warps
 constexpr int kGroups = kRows / 16;  // row groups (warps)
-constexpr int kOutColumns = 64;      // output columns a CTA (the activation's: 128 GEMM1 columns)
+// Output columns a CTA of the expand: lora_expand_columns(), 64 or 32. NOTE: at 64 (96
+// registers, 5 CTAs an SM, 44 KB) GEMM2's expand moved 2.7 TB/s at Qwen3-30B M = 4096 (111 us,
+// H200, b56ac77); 32 columns halve the accumulators and the tiles: 80 registers, 6 CTAs an
+// SM, 25 KB at rank 16 with one slice. Not yet measured.
+constexpr int kOutColumns = 64;
+constexpr int kOutColumnsNarrow = 32;
+// The activation's outputs a CTA (lora_join_outputs(): 32, or 64 as before), their gate and up
+// columns 2x that. NOTE: at 64 (128 GEMM1 columns) a warp's 128 accumulator columns took
+// 203-206 registers and, with 79 KB of shared memory, 2 CTAs an SM: the join ran at ~1 TB/s,
+// ~4x its bytes' floor at Qwen3-30B M = 4096 (179 us, H200, bbb4215), where GEMM2's expand
+// (64 columns, 5 CTAs an SM) ran at 2.7 TB/s. 32 outputs halve the accumulators and the
+// tiles: 4 CTAs an SM. Not yet measured.
+constexpr int kJoinOutputsNarrow = 32;
+constexpr int kJoinOutputsWide = 64;
 // (expert, adapter) pairs a tile can hold: at most one a row.
 constexpr int kMaxPairs = kRows;
 // Shared memory for one stage's lora_b tiles (stage_pairs = this over one tile's bytes, at
@@ -64,7 +77,7 @@ constexpr int kMaxPairs = kRows;
 // 128. Two stages; a tile with more pairs takes them in rounds of both stages' tiles,
 // unstreamed. At prefill a 64-entry tile mostly straddles two (expert, adapter) runs.
 constexpr int64_t kStagePairBytesExpand = 12 * 1024;
-constexpr int64_t kStagePairBytesActivation = 20 * 1024;
+constexpr int64_t kStagePairBytesActivation = 20 * 1024;  // at 64 outputs; half at 32
 // CTAs a launch aims at when its CTAs stream column tiles (two to four waves).
 constexpr int kStreamCtasPerSm = 8;
 // Streaming pays where a tile holds few pairs: where the mean (expert, adapter) run,
@@ -218,17 +231,18 @@ __device__ __forceinline__ void load_t_tile(const LoraDeltaParams& p, int64_t en
 
 // lora_b tiles: kBRowThreads threads a tile row (column), so that two adjacent threads copy
 // the two 16-byte halves of a rank-16 row (one 32-byte sector); each thread takes
-// kBRows<kColumns> rows, every kThreads / kBRowThreads-th.
+// kBRows<kColumns> rows, every kThreads / kBRowThreads-th (32 columns: half the threads one
+// row, the other half none).
 constexpr int kBRowThreads = 2;
 template <int kColumns>
-constexpr int kBRows = kColumns * kBRowThreads / kThreads;
+constexpr int kBRows = (kColumns * kBRowThreads + kThreads - 1) / kThreads;
 
 // A thread's tile rows of a column tile's lora_b tiles (b_rows): each row's slice (-1: past
 // the stack's columns) and its offset in that slice's stacks. The same for every pair, so
 // computed once a column tile: a column's slice takes a 64-bit division.
 template <int kColumns>
 struct BRows {
-  static_assert(kColumns * kBRowThreads % kThreads == 0, "whole rows a thread");
+  static_assert(kColumns * kBRowThreads % kThreads == 0 || kBRows<kColumns> == 1, "whole rows a thread");
   int slice[kBRows<kColumns>];
   int64_t offset[kBRows<kColumns>];  // jn * b_stride_n
 };
@@ -241,7 +255,7 @@ __device__ __forceinline__ BRows<kColumns> b_rows(const LoraDeltaParams& p, Colu
   BRows<kColumns> rows;
 #pragma unroll
   for (int i = 0; i < kBRows<kColumns>; ++i) {
-    const int64_t j = column(b_row(i));
+    const int64_t j = b_row(i) < kColumns ? column(b_row(i)) : -1;
     rows.slice[i] = -1;
     rows.offset[i] = 0;
     if (j >= 0) {
@@ -270,6 +284,7 @@ __device__ __forceinline__ void load_b_tile(const LoraDeltaParams& p, int expert
   const int k0 = int(threadIdx.x) % kBRowThreads * kStep;
 #pragma unroll
   for (int i = 0; i < kBRows<kColumns>; ++i) {
+    if (kColumns * kBRowThreads < kThreads && b_row(i) >= kColumns) continue;  // no row of this tile
     const T* src = fallback;
     int segment = k_extent;  // past the end: zeros
     if (rows.slice[i] >= 0) {
@@ -428,15 +443,16 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
 // flight) where the pairs fit a stage. 5 CTAs an SM: 96 registers (sm_90a: no spills; the
 // sm_80 16-byte variant spills 4 bytes, and the grouped path runs on sm_90a), 44 KB of
 // shared memory at rank 16 with 2 slices.
-template <typename T, bool kVectors>
-__global__ void __launch_bounds__(kThreads, 5) moe_lora_expand_entries_kernel(const LoraDeltaParams p,
-                                                                           const ExpandLaunch launch) {
+template <typename T, bool kVectors, int kColumns>
+__global__ void __launch_bounds__(kThreads, kColumns == kOutColumns ? 5 : 6)
+    moe_lora_expand_entries_kernel(const LoraDeltaParams p, const ExpandLaunch launch) {
   static_assert(kTensorCores<T>, "the grouped path runs 16-bit types");
-  constexpr int kOutPitch = out_pitch(kOutColumns);
+  static_assert(kColumns == kOutColumns || kColumns == kOutColumnsNarrow, "the two tile widths");
+  constexpr int kOutPitch = out_pitch(kColumns);
   constexpr int kStep = kVectors ? Vec16<T>::kSize : 1;
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ TileRows rows;
-  const TileBuffers<T> tiles(smem, kOutColumns, tile_pitch(int(p.rank), p.num_slices));
+  const TileBuffers<T> tiles(smem, kColumns, tile_pitch(int(p.rank), p.num_slices));
   const int tid = threadIdx.x;
 
   wait_for_previous_kernel();
@@ -451,13 +467,13 @@ __global__ void __launch_bounds__(kThreads, 5) moe_lora_expand_entries_kernel(co
   const int64_t N = int64_t(p.num_slices) * p.N_slice;
   T* out = static_cast<T*>(p.out);
   auto column = [N](int ct, int n) -> int64_t {
-    const int64_t j = int64_t(ct) * kOutColumns + n;
+    const int64_t j = int64_t(ct) * kColumns + n;
     return j < N ? j : -1;
   };
   // The rows with an adapter (zeros elsewhere; N % 8 == 0 with kVectors: a run is all in or out).
   auto load_out = [&](int ct, T* out_tile) {
-    for (int i = tid; i < kRows * (kOutColumns / kStep); i += kThreads) {
-      const int r = i / (kOutColumns / kStep), n = (i % (kOutColumns / kStep)) * kStep;
+    for (int i = tid; i < kRows * (kColumns / kStep); i += kThreads) {
+      const int r = i / (kColumns / kStep), n = (i % (kColumns / kStep)) * kStep;
       const int64_t j = column(ct, n);
       const bool load = rows.lora[r] >= 0 && j >= 0;
       copy_or_zero<T, kVectors>(out_tile + r * kOutPitch + n,
@@ -465,8 +481,8 @@ __global__ void __launch_bounds__(kThreads, 5) moe_lora_expand_entries_kernel(co
     }
   };
   auto finish = [&](int ct, const T* out_tile) {
-    for (int i = tid; i < kRows * (kOutColumns / kStep); i += kThreads) {
-      const int r = i / (kOutColumns / kStep), n = (i % (kOutColumns / kStep)) * kStep;
+    for (int i = tid; i < kRows * (kColumns / kStep); i += kThreads) {
+      const int r = i / (kColumns / kStep), n = (i % (kColumns / kStep)) * kStep;
       const int64_t j = column(ct, n);
       if (rows.lora[r] < 0 || j < 0) continue;
       T* at = out + (entry0 + r) * p.out_stride_row + j * p.out_stride_n;
@@ -477,26 +493,28 @@ __global__ void __launch_bounds__(kThreads, 5) moe_lora_expand_entries_kernel(co
       }
     }
   };
-  expand_column_tiles<T, kVectors, kOutColumns>(p, rows, tiles, launch, column, load_out, finish);
+  expand_column_tiles<T, kVectors, kColumns>(p, rows, tiles, launch, column, load_out, finish);
   allow_next_kernel_launch();
 }
 
 // GEMM1's rows [entries, 2I] (act.input; p describes the same rows as its `out`) plus their
 // deltas, through the gated activation into [entries, I] (act.out), each sum rounded to T
 // as the expand's write would, and the activation rounded to T as the activation kernel's.
-// Column tile ct's tile column n < 64 is gate output o0 + n (o0 = 64 ct), n >= 64 its up
-// (split halves: GEMM1 columns o0 + n and I + o0 + n - 64; swiglu_oai's interleaved pairs:
-// 2 o0 + n, the activation's gate and up then at 2i and 2i + 1). Grid (entry tiles of kRows,
-// column tile strides over the I outputs). GEMM1's rows come in by cp.async whatever
-// kVectors says (the launcher checks their 16-byte rows). 2 CTAs an SM: 128 accumulator
-// columns a warp take 203-206 registers (bounded to 3 CTAs an SM, 168, ptxas spilled), and
-// 79 KB of shared memory at rank 16 with 2 slices (two stages of 2 pairs).
-template <typename T, bool kVectors, ActivationKind kKind>
-__global__ void __launch_bounds__(kThreads, 2) moe_lora_expand_activation_kernel(const LoraDeltaParams p,
-                                                                              const ActivationQuantizeParams act,
-                                                                              const ExpandLaunch launch) {
+// Column tile ct's tile column n < kOutputs is gate output o0 + n (o0 = kOutputs ct),
+// n >= kOutputs its up (split halves: GEMM1 columns o0 + n and I + o0 + n - kOutputs;
+// swiglu_oai's interleaved pairs: 2 o0 + n, the activation's gate and up then at 2i and
+// 2i + 1). Grid (entry tiles of kRows, column tile strides over the I outputs). GEMM1's rows
+// come in by cp.async whatever kVectors says (the launcher checks their 16-byte rows).
+// kOutputs 64: 2 CTAs an SM (128 accumulator columns a warp take 203-206 registers; bounded
+// to 3 CTAs an SM, 168, ptxas spilled), 79 KB of shared memory at rank 16 with 2 slices (two
+// stages of 2 pairs). kOutputs 32: 4 CTAs an SM (128 registers at most), 44 KB.
+template <typename T, bool kVectors, ActivationKind kKind, int kOutputs>
+__global__ void __launch_bounds__(kThreads, kOutputs == kJoinOutputsWide ? 2 : 4)
+    moe_lora_expand_activation_kernel(const LoraDeltaParams p, const ActivationQuantizeParams act,
+                                      const ExpandLaunch launch) {
   static_assert(kTensorCores<T>, "the grouped path runs 16-bit types");
-  constexpr int kColumns = 2 * kOutColumns, kOutPitch = out_pitch(kColumns);
+  static_assert(kOutputs == kJoinOutputsNarrow || kOutputs == kJoinOutputsWide, "the two tile widths");
+  constexpr int kColumns = 2 * kOutputs, kOutPitch = out_pitch(kColumns);
   constexpr bool kPairs = kKind == ActivationKind::kSwigluOai;
   constexpr int kVec = Vec16<T>::kSize;  // columns a 16-byte copy and an activation step take
   extern __shared__ __align__(16) unsigned char smem[];
@@ -514,10 +532,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_lora_expand_activation_kernel
 
   const int64_t width = act.width;  // I
   auto column = [width](int ct, int n) -> int64_t {
-    const int64_t o0 = int64_t(ct) * kOutColumns;
-    const int64_t o = o0 + (kPairs ? n / 2 : n % kOutColumns);  // the tile column's output
+    const int64_t o0 = int64_t(ct) * kOutputs;
+    const int64_t o = o0 + (kPairs ? n / 2 : n % kOutputs);  // the tile column's output
     if (o >= width) return -1;
-    return kPairs ? 2 * o0 + n : (n < kOutColumns ? o : width + o);
+    return kPairs ? 2 * o0 + n : (n < kOutputs ? o : width + o);
   };
   // The live rows (a run of 8 tile columns is 8 consecutive GEMM1 columns, all in or all out
   // as width % 8 == 0).
@@ -532,9 +550,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_lora_expand_activation_kernel
   };
   T* out = static_cast<T*>(act.out);
   auto finish = [&](int ct, const T* out_tile) {
-    const int64_t o0 = int64_t(ct) * kOutColumns;
-    for (int i = tid; i < kRows * (kOutColumns / kVec); i += kThreads) {
-      const int r = i / (kOutColumns / kVec), n = (i % (kOutColumns / kVec)) * kVec;
+    const int64_t o0 = int64_t(ct) * kOutputs;
+    for (int i = tid; i < kRows * (kOutputs / kVec); i += kThreads) {
+      const int r = i / (kOutputs / kVec), n = (i % (kOutputs / kVec)) * kVec;
       const int64_t o = o0 + n;
       if (!rows.live[r] || o >= width) continue;
       const T* sums = out_tile + r * kOutPitch;
@@ -542,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_lora_expand_activation_kernel
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float g = to_float(sums[kPairs ? 2 * (n + e) : n + e]);
-        const float u = to_float(sums[kPairs ? 2 * (n + e) + 1 : kOutColumns + n + e]);
+        const float u = to_float(sums[kPairs ? 2 * (n + e) + 1 : kOutputs + n + e]);
         result[e] = from_float<T>(gated_activation<kKind>(g, u, act.alpha, act.limit));
       }
       *reinterpret_cast<Vec16<T>*>(out + (entry0 + r) * width + o) = *reinterpret_cast<const Vec16<T>*>(result);
@@ -577,12 +595,12 @@ void check_expand(const LoraDeltaParams& p, const char* op) {
 }
 
 // The grid (entry tiles, column tile strides) and how its CTAs walk the `output_columns`
-// (tiles of kOutColumns outputs, a tile `columns` wide), with the fused_experts error for
+// (tiles of tile_outputs outputs, a tile `columns` wide), with the fused_experts error for
 // one too large. Streaming, the strides make about kStreamCtasPerSm CTAs an SM in all.
-dim3 expand_grid(const LoraDeltaParams& p, int64_t output_columns, int columns, int64_t stage_pair_bytes,
-                 int element_bytes, ExpandLaunch& launch) {
+dim3 expand_grid(const LoraDeltaParams& p, int64_t output_columns, int tile_outputs, int columns,
+                 int64_t stage_pair_bytes, int element_bytes, ExpandLaunch& launch) {
   const int64_t tiles = (p.max_num_tokens_padded + kRows - 1) / kRows;
-  const int64_t column_tiles = (output_columns + kOutColumns - 1) / kOutColumns;
+  const int64_t column_tiles = (output_columns + tile_outputs - 1) / tile_outputs;
   if (tiles > INT32_MAX || column_tiles > 65535) {
     throw Error("moelora.fused_experts: too many LoRA rows or columns for the expand (" + std::to_string(tiles) +
                 " row tiles, " + std::to_string(column_tiles) + " column tiles)");
@@ -590,8 +608,7 @@ dim3 expand_grid(const LoraDeltaParams& p, int64_t output_columns, int columns, 
   launch.column_tiles = int(column_tiles);
   launch.stage_pairs = int(std::clamp<int64_t>(
       stage_pair_bytes / pair_tile_bytes(columns, int(p.rank), p.num_slices, element_bytes), 1, kMaxPairs));
-  const int64_t pairs = std::max<int64_t>(p.num_experts * p.adapters.max_loras, 1);
-  launch.stream = lora_expand_stream_enabled() && p.num_slots >= kStreamMinMeanRun * pairs;
+  launch.stream = lora_expand_stream_enabled() && mean_run_at_least(p, kStreamMinMeanRun);
   int64_t strides = column_tiles;
   if (launch.stream && tiles > 0) {
     const int64_t target = int64_t(current_device_info().num_sms) * kStreamCtasPerSm;
@@ -617,13 +634,23 @@ void moe_lora_expand_entries(const LoraDeltaParams& p, Stream stream) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      ExpandLaunch launch{};
-      const dim3 grid = expand_grid(p, p.N_slice * p.num_slices, kOutColumns, kStagePairBytesExpand, int(sizeof(T)), launch);
-      const int64_t smem = smem_bytes(kOutColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
-      if (vectors_fit(p, int(sizeof(T)))) {
-        launch_expand(moe_lora_expand_entries_kernel<T, true>, grid, smem, stream, p, launch);
+      const bool vectors = vectors_fit(p, int(sizeof(T)));
+      auto launch_width = [&](auto columns_tag) {
+        constexpr int kColumns = decltype(columns_tag)::value;
+        ExpandLaunch launch{};
+        const dim3 grid = expand_grid(p, p.N_slice * p.num_slices, kColumns, kColumns,
+                                      kStagePairBytesExpand * kColumns / kOutColumns, int(sizeof(T)), launch);
+        const int64_t smem = smem_bytes(kColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
+        if (vectors) {
+          launch_expand(moe_lora_expand_entries_kernel<T, true, kColumns>, grid, smem, stream, p, launch);
+        } else {
+          launch_expand(moe_lora_expand_entries_kernel<T, false, kColumns>, grid, smem, stream, p, launch);
+        }
+      };
+      if (lora_expand_columns() == kOutColumnsNarrow) {
+        launch_width(std::integral_constant<int, kOutColumnsNarrow>{});
       } else {
-        launch_expand(moe_lora_expand_entries_kernel<T, false>, grid, smem, stream, p, launch);
+        launch_width(std::integral_constant<int, kOutColumns>{});
       }
     }
   });
@@ -641,16 +668,27 @@ void moe_lora_expand_activation(const LoraDeltaParams& p, const ActivationQuanti
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      ExpandLaunch launch{};
-      const dim3 grid = expand_grid(p, act.width, 2 * kOutColumns, kStagePairBytesActivation, int(sizeof(T)), launch);
-      const int64_t smem = smem_bytes(2 * kOutColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
       const bool vectors = vectors_fit(p, int(sizeof(T)));
       auto launch_kind = [&](auto kind_tag) {
         constexpr ActivationKind kKind = decltype(kind_tag)::value;
-        if (vectors) {
-          launch_expand(moe_lora_expand_activation_kernel<T, true, kKind>, grid, smem, stream, p, act, launch);
+        auto launch_width = [&](auto outputs_tag) {
+          constexpr int kOutputs = decltype(outputs_tag)::value;
+          ExpandLaunch launch{};
+          const int64_t stage_bytes = kStagePairBytesActivation * kOutputs / kJoinOutputsWide;
+          const dim3 grid = expand_grid(p, act.width, kOutputs, 2 * kOutputs, stage_bytes, int(sizeof(T)), launch);
+          const int64_t smem = smem_bytes(2 * kOutputs, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
+          if (vectors) {
+            launch_expand(moe_lora_expand_activation_kernel<T, true, kKind, kOutputs>, grid, smem, stream, p, act,
+                          launch);
+          } else {
+            launch_expand(moe_lora_expand_activation_kernel<T, false, kKind, kOutputs>, grid, smem, stream, p, act,
+                          launch);
+          }
+        };
+        if (lora_join_outputs() == kJoinOutputsWide) {
+          launch_width(std::integral_constant<int, kJoinOutputsWide>{});
         } else {
-          launch_expand(moe_lora_expand_activation_kernel<T, false, kKind>, grid, smem, stream, p, act, launch);
+          launch_width(std::integral_constant<int, kJoinOutputsNarrow>{});
         }
       };
       switch (act.kind) {

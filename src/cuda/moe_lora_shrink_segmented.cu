@@ -604,9 +604,8 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
                       dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
         return;
       }
-      const int64_t pairs = p.num_experts * std::max<int64_t>(p.adapters.max_loras, 1);
       const WarpTilesUse use = lora_shrink_warp_tiles_use();
-      const bool short_runs = p.num_slots < kWarpTilesMaxMeanRun * pairs && p.K <= kWarpTilesMaxK;
+      const bool short_runs = !mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK;
       if (shrink_gemv_loadable<T>(p) &&
           (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && short_runs))) {
         // Every 16-entry tile of the capacity (the used ones are read on the device).

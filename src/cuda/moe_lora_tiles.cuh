@@ -5,6 +5,7 @@
 
 #include <cute/arch/mma_sm80.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -133,6 +134,13 @@ __device__ __forceinline__ WarpTileRows load_warp_tile_rows(const LoraDeltaParam
   const uint32_t high = __reduce_or_sync(0xffffffffu, rows.lora >= 32 ? 1u << (rows.lora - 32) : 0u);
   rows.adapters = uint64_t(high) << 32 | low;
   return rows;
+}
+
+// Whether the mean (expert, adapter) run of the segmented alignment, num_slots / (num_experts
+// * max_loras), is at least `entries`: the LoRA kernels' choice between tiles that share one
+// pair's operands over many rows and tiles that take many pairs (host side, from the shapes).
+inline bool mean_run_at_least(const LoraDeltaParams& p, int64_t entries) {
+  return p.num_slots >= entries * std::max<int64_t>(p.num_experts * p.adapters.max_loras, 1);
 }
 
 // Output element of slot s at column j of slice c.

@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef MOELORA_WITH_CUDA
@@ -443,6 +444,40 @@ TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
     c.expect_grouped = true;
     SCOPED_TRACE("rank " + std::to_string(rank));
     expect_layer_matches_reference(c);
+  }
+}
+
+// The LoRA expands' tile widths the defaults do not take, as with MOELORA_LORA_JOIN_OUTPUTS=64
+// (the join's 64 outputs a CTA; the default takes 32) and MOELORA_LORA_EXPAND_COLUMNS=32
+// (GEMM2's expand in 32 columns; the default takes 64): short runs (pairs in rounds) and long
+// ones (streamed), split and interleaved (swiglu_oai) gate/up columns, widths not a multiple
+// of 64 (I = 80, 528; H = 272, 1040).
+TEST(FusedExpertsLoraTileWidths, NonDefaultWidthsMatchReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  struct Restore {
+    int join = cuda::lora_join_outputs(), expand = cuda::lora_expand_columns();
+    ~Restore() {
+      cuda::set_lora_join_outputs(join);
+      cuda::set_lora_expand_columns(expand);
+    }
+  } restore;
+  const LayerLoraCase cases[] = {
+      {.name = "short_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80, .rank = 16,
+       .share = 0.5},
+      {.name = "long_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 8, .H = 1040, .I = 528, .L = 2},
+      {.name = "swiglu_oai_rank64", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 8, .H = 272, .I = 80, .L = 2,
+       .rank = 64, .activation = Activation::kSwigluOai},
+  };
+  for (const auto& [join, expand] : {std::pair{64, 64}, std::pair{32, 32}}) {
+    cuda::set_lora_join_outputs(join);
+    cuda::set_lora_expand_columns(expand);
+    for (LayerLoraCase c : cases) {
+      c.options.config = grouped_config();
+      c.expect_grouped = true;
+      SCOPED_TRACE(c.name + ", join " + std::to_string(join) + " outputs, expand " + std::to_string(expand) +
+                   " columns");
+      expect_layer_matches_reference(c);
+    }
   }
 }
 
