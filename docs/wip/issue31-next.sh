@@ -72,6 +72,35 @@ PY
   grep -E "^  void|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issued Warp Per|excessive" \
     $OUT/ncu_expands_4096.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150 | tee -a $OUT/ab.txt
   ;;
+stream)
+  # The expands streaming a stride of column tiles at every run length (MOELORA_LORA_EXPAND_STREAM=2) against the
+  # rule (mean run >= 32): DeepSeek-V3 M = 1024's GEMM2 expand took 300 us over 48,048 one-tile CTAs at dfb4c78.
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  build
+  grid="--device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0"
+  timeout 100 $B/moelora_bench $grid --json /tmp/rule.json > /tmp/rule.log 2>&1; echo "rule grid rc $? at $(el) s"
+  MOELORA_LORA_EXPAND_STREAM=2 timeout 100 $B/moelora_bench $grid --json /tmp/always.json > /tmp/always.log 2>&1
+  echo "always grid rc $? at $(el) s"; tail -1 /tmp/always.log
+  for cell in "deepseek-v3-tp8 1024" "qwen3-30b-a3b 256"; do
+    set -- $cell
+    MOELORA_LORA_EXPAND_STREAM=2 timeout 50 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 \
+      --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
+  done
+  tar czf $OUT/grids.tgz -C /tmp rule.json always.json
+  python3 - <<'PY' | tee $OUT/stream.txt
+import json
+def load(n):
+    try: return {(r["model"], r["M"], bool(r.get("lora"))): r for r in json.load(open(n))["rows"]}
+    except Exception as e: print("missing", n, e); return {}
+a, b = load("/tmp/rule.json"), load("/tmp/always.json")
+print("## bf16 LoRA r16, 4 adapters (us): streaming by the rule / at every run length; ratio; rel_err of the second")
+for k in sorted(a):
+    if k in b and k[2]:
+        print(f"{k[0]:18s} M={k[1]:<5d} {a[k]['time_us']:8.1f} {b[k]['time_us']:8.1f} "
+              f"{b[k]['time_us'] / a[k]['time_us']:6.3f} {b[k].get('rel_err')}")
+PY
+  for f in /tmp/kernels_*.txt; do echo "## $f (MOELORA_LORA_EXPAND_STREAM=2)"; cat $f; done | tee -a $OUT/stream.txt
+  ;;
 diag)
   model=${2:?model}; shift 2
   [ -x $B/moelora_bench ] || build
@@ -88,6 +117,6 @@ diag)
       $OUT/ncu_$M.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150
   done | tee $OUT/diag.txt
   ;;
-*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...]"; exit 2 ;;
+*) echo "usage: bash docs/wip/issue31-next.sh ab | stream | diag MODEL M [M...]"; exit 2 ;;
 esac
 echo "done $(el) s"
