@@ -59,7 +59,8 @@ constexpr int kGroups = kRows / 16;  // row groups (warps)
 // Output columns a CTA of the expand: lora_expand_columns(), 64 or 32. NOTE: at 64 (96
 // registers, 5 CTAs an SM, 44 KB) GEMM2's expand moved 2.7 TB/s at Qwen3-30B M = 4096 (111 us,
 // H200, b56ac77); 32 columns halve the accumulators and the tiles: 80 registers, 6 CTAs an
-// SM, 25 KB at rank 16 with one slice. Not yet measured.
+// SM, 25 KB at rank 16 with one slice: the LoRA layer 1.04-1.07x at DeepSeek-V3, 1.00-1.02x
+// elsewhere (H200, dfb4c78), so 64 stays the default.
 constexpr int kOutColumns = 64;
 constexpr int kOutColumnsNarrow = 32;
 // The activation's outputs a CTA (lora_join_outputs(): 32, or 64 as before), their gate and up
@@ -67,7 +68,8 @@ constexpr int kOutColumnsNarrow = 32;
 // 203-206 registers and, with 79 KB of shared memory, 2 CTAs an SM: the join ran at ~1 TB/s,
 // ~4x its bytes' floor at Qwen3-30B M = 4096 (179 us, H200, bbb4215), where GEMM2's expand
 // (64 columns, 5 CTAs an SM) ran at 2.7 TB/s. 32 outputs halve the accumulators and the
-// tiles: 4 CTAs an SM. Not yet measured.
+// tiles: 4 CTAs an SM: 132 us there, the LoRA layer 0.93-1.00x of 64's in 21 of 21 cells
+// (H200, dfb4c78), so 32 is the default.
 constexpr int kJoinOutputsNarrow = 32;
 constexpr int kJoinOutputsWide = 64;
 // (expert, adapter) pairs a tile can hold: at most one a row.
