@@ -11,6 +11,8 @@
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
+#   bash docs/wip/issue31-next.sh source MODEL M REGEX   (~60 s warm; not yet run) ncu's source page (SASS) of the first
+#       kernel matching REGEX: the top instructions by stall samples, excess global sectors and shared wavefronts.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
@@ -59,6 +61,37 @@ for k in sorted(r):
 PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh, the rule)"; cat $f; done | tee -a $OUT/ab.txt
   ;;
+source)
+  # Nsight Compute's source page for one LoRA kernel (the first launch matching REGEX) of MODEL's LoRA r16 layer at M:
+  # where its warps stall and which of its instructions make the excess sectors and wavefronts (the text sections
+  # give totals only: the join at Qwen3-30B M = 4096 had 53% excess global sectors, 36% excess shared wavefronts).
+  # $OUT/source_<M>.ncu-rep (open in the UI) and source_<M>.csv, and the top instructions on stdout.
+  model=${2:?model}; M=${3:?M}; regex=${4:?kernel regex}
+  [ -x $B/moelora_bench ] || build
+  timeout 200 ncu --clock-control none --graph-profiling node -k regex:$regex --launch-count 1 --set full \
+    --import-source yes -f -o $OUT/source_$M $B/moelora_bench --device cuda --iters 3 --no-check --model $model \
+    --tokens $M --lora-rank 16 --adapters 4 > /tmp/ncu_source.log 2>&1; echo "ncu rc $? at $(el) s"; tail -3 /tmp/ncu_source.log
+  ncu --import $OUT/source_$M.ncu-rep --page source --print-source sass --csv > $OUT/source_$M.csv 2>&1
+  echo "source page rc $? ($(wc -l < $OUT/source_$M.csv) lines)"
+  python3 - $OUT/source_$M.csv <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next((i for i, r in enumerate(rows) if any("Source" in c for c in r) and len(r) > 5), None)
+if head is None: sys.exit("no header: " + " | ".join(map(str, rows[:3])))
+cols, body = rows[head], [r for r in rows[head + 1:] if len(r) == len(rows[head])]
+print("columns:", " | ".join(cols))
+def num(v):
+    try: return float(v.replace(",", ""))
+    except ValueError: return 0.0
+src = next(i for i, c in enumerate(cols) if "Source" in c)
+for key in ("Warp Stall Sampling (All", "L2 Theoretical Sectors Global Excessive", "L1 Wavefronts Shared Excessive"):
+    idx = next((i for i, c in enumerate(cols) if c.startswith(key)), None)
+    if idx is None: print("no column", key); continue
+    print(f"## top 20 by {cols[idx]}")
+    for r in sorted(body, key=lambda r: -num(r[idx]))[:20]:
+        print(f"{num(r[idx]):12.0f}  {r[src][:110]}")
+PY
+  ;;
 diag)
   model=${2:?model}; shift 2
   [ -x $B/moelora_bench ] || build
@@ -75,6 +108,6 @@ diag)
       $OUT/ncu_$M.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150
   done | tee $OUT/diag.txt
   ;;
-*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...]"; exit 2 ;;
+*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...] | source MODEL M REGEX"; exit 2 ;;
 esac
 echo "done $(el) s"
