@@ -85,13 +85,13 @@ __device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
   return min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
 }
 
-// acc[j] += A[16 rows, 32 K] · B_j[32 K, 8]ᵀ for the warp-tile kernels, each operand row one
-// 16-byte load a lane: lane (g = lane / 4, c = lane % 4) holds K elements k + 8c .. k + 8c + 7
-// of A rows g and g + 8 (a[0], a[1]) and of B_j's row (column) g, and gives elements 0-1 / 2-3
-// to the first k16 step's fragment positions 2c / 2c + 8, 4-5 / 6-7 to the second's. A
-// position's K element depends only on c, the same lanes in A and in B, so the products pair
-// the same K elements: a permutation of the sum over K. acc[j]: rows g (0, 1) and g + 8 (2, 3),
-// columns 2c (+1) of column tile j.
+// acc[j] += A[16 rows, 32 K] · B_j[32 K, 8]ᵀ for the warp-tile shrink (moe_lora_shrink_segmented.cu),
+// each operand row one 16-byte load a lane: lane (g = lane / 4, c = lane % 4) holds K elements
+// k + 8c .. k + 8c + 7 of A rows g and g + 8 (a[0], a[1]) and of B_j's row (column) g, and gives
+// elements 0-1 / 2-3 to the first k16 step's fragment positions 2c / 2c + 8, 4-5 / 6-7 to the
+// second's. A position's K element depends only on c, the same lanes in A and in B, so the
+// products pair the same K elements: a permutation of the sum over K. acc[j]: rows g (0, 1) and
+// g + 8 (2, 3), columns 2c (+1) of column tile j.
 template <typename T, int kColTiles>
 __device__ __forceinline__ void mma_rows_32k(float (&acc)[kColTiles][4], const uint4 (&a)[2],
                                              const uint4 (&b)[kColTiles]) {
@@ -103,7 +103,7 @@ __device__ __forceinline__ void mma_rows_32k(float (&acc)[kColTiles][4], const u
 }
 
 // A 16-entry tile of the segmented alignment in a warp (block_size % 16 == 0: one block, one
-// expert), for the warp-tile kernels: the tile's expert (-1: none or not local; then nothing
+// expert), for the warp-tile shrink: the tile's expert (-1: none or not local; then nothing
 // else is read), lanes 0-15 their entry's slot (-1: none, padding or past `used`) and adapter
 // (-1: none, or not in the block's mask, as the segmented shrink), and the tile's adapters.
 // Warp-uniform but for the lanes' own entries. Call after the wait.
