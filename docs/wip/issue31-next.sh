@@ -15,6 +15,8 @@
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
 #   bash docs/wip/issue31-next.sh source MODEL M REGEX   (~60 s warm; not yet run) ncu's source page (SASS) of the first
 #       kernel matching REGEX: the top instructions by stall samples, excess global sectors and shared wavefronts.
+#   bash docs/wip/issue31-next.sh peer MODEL M   (~90 s; not yet run) ncu's sections for the peer's LoRA kernels
+#       (its Triton shrink and expand, this GPU's searched configs): what its expand does that ours does not.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
 B=/tmp/bl
@@ -73,6 +75,21 @@ for k in sorted(r):
 PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
   ;;
+peer)
+  # Nsight Compute's sections for the peer's LoRA kernels (benchmarks/triton_moe_lora_peer_kernels.py) at MODEL and M,
+  # with this GPU's searched configs: occupancy, registers, DRAM rate and warp states of the expand that runs 2.2-2.9x
+  # faster than ours at M <= 1024 (dfb4c78). Its first lora_* launches are the correctness check's (the quick configs;
+  # the same as the searched ones at DeepSeek-V3 M = 1024), then the timed graphs' (grid (blocks, N / BLOCK_N, slices)).
+  model=${2:?model}; M=${3:?M}
+  sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+    --section SchedulerStats --section MemoryWorkloadAnalysis"
+  timeout 300 ncu --clock-control none --graph-profiling node -k regex:lora_ --launch-count 8 $sections \
+    python3 benchmarks/triton_fused_moe_compare.py --model $model --tokens $M --lora-rank 16 --adapters 4 \
+    --configs benchmarks/peer_configs/nvidia-h200.json --iters 3 > $OUT/peer_ncu_$M.txt 2>&1
+  echo "peer ncu rc $? at $(el) s"
+  grep -E "^  \S+_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Grid Size|Block Limit|Issued Warp Per|Dynamic Shared" \
+    $OUT/peer_ncu_$M.txt | cut -c1-150 | tee $OUT/peer_digest_$M.txt
+  ;;
 source)
   # Nsight Compute's source page for one LoRA kernel (the first launch matching REGEX) of MODEL's LoRA r16 layer at M:
   # where its warps stall and which of its instructions make the excess sectors and wavefronts (the text sections
@@ -120,6 +137,6 @@ diag)
       $OUT/ncu_$M.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150
   done | tee $OUT/diag.txt
   ;;
-*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...] | source MODEL M REGEX"; exit 2 ;;
+*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...] | source MODEL M REGEX | peer MODEL M"; exit 2 ;;
 esac
 echo "done $(el) s"
