@@ -4,12 +4,12 @@
 #       CTAs stream a stride of column tiles also at short runs where a streaming CTA would walk >= 16 of them;
 #       MOELORA_LORA_EXPAND_STREAM 0/1/2 = never / the rule / always; the losing tile widths of dfb4c78's A/B and
 #       their knobs removed) and docs/wip/issue31-expand-groups.patch (GEMM2's expand by 16-entry groups, a warp a
-#       group's 32 columns, behind MOELORA_LORA_EXPAND_GROUPS=1), builds into /tmp/bl, runs the LoRA layer tests,
-#       then the bf16 LoRA r16 grid (4 adapters, share 1.0, M = 256, 1024, 4096, every model) by the rule, never,
-#       always and by groups, and the kernels at DeepSeek-V3 M = 1024 (rule, groups) and Qwen3-30B M = 1024 and 256
-#       (groups); then docs/wip/issue31-shared-vectors.patch on top (the expands' sums and the join's activation
-#       reads as 32-bit and 16-byte shared accesses), rebuilt, its tests, its grid and the kernels at Qwen3-30B
-#       M = 4096. Prints the A/B.
+#       group's 32 columns, behind MOELORA_LORA_EXPAND_GROUPS=1; =2 the join too), builds into /tmp/bl, runs the
+#       LoRA layer tests, then the bf16 LoRA r16 grid (4 adapters, share 1.0, M = 256, 1024, 4096, every model) by
+#       the rule, never, by groups (=1) and by groups with the join (=2), and the kernels at DeepSeek-V3 M = 1024
+#       (tiles, groups=2) and Qwen3-30B M = 1024 and 256 (groups=2); then docs/wip/issue31-shared-vectors.patch on
+#       top (the expands' sums and the join's activation reads as 32-bit and 16-byte shared accesses), rebuilt, its
+#       tests, its grid and the kernels at Qwen3-30B M = 4096. Prints the A/B.
 #   (Earlier 'ab's: docs/wip/issue31-warp-tiles.patch in the forty-fourth session, docs/wip/issue31-narrow-expands.patch
 #   in the forty-fifth (landed as dfb4c78); docs/perf_notes/issues-31-33.md.)
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
@@ -38,15 +38,14 @@ ab)
   echo "LoRA tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
   # Unchecked grids (~26 s each; the tests above check the kernels, lease-proof's grids check the layer).
   grid="--device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
-  for v in rule:MOELORA_LORA_EXPAND_STREAM=1 never:MOELORA_LORA_EXPAND_STREAM=0 always:MOELORA_LORA_EXPAND_STREAM=2 \
-           groups:MOELORA_LORA_EXPAND_GROUPS=1; do
+  for v in rule:MOELORA_LORA_EXPAND_STREAM=1 never:MOELORA_LORA_EXPAND_STREAM=0 groups:MOELORA_LORA_EXPAND_GROUPS=1 \
+           groups2:MOELORA_LORA_EXPAND_GROUPS=2; do
     env ${v#*:} timeout 45 $B/moelora_bench $grid --json /tmp/${v%%:*}.json > /tmp/${v%%:*}.log 2>&1
     echo "${v%%:*} grid rc $? at $(el) s"
   done
-  for cell in "rule deepseek-v3-tp8 1024" "groups deepseek-v3-tp8 1024" "groups qwen3-30b-a3b 1024" \
-              "groups qwen3-30b-a3b 256"; do
+  for cell in "0 deepseek-v3-tp8 1024" "2 deepseek-v3-tp8 1024" "2 qwen3-30b-a3b 1024" "2 qwen3-30b-a3b 256"; do
     set -- $cell
-    env MOELORA_LORA_EXPAND_GROUPS=$([ $1 = groups ] && echo 1 || echo 0) timeout 30 bash tools/profile_layer.sh $B \
+    MOELORA_LORA_EXPAND_GROUPS=$1 timeout 30 bash tools/profile_layer.sh $B \
       moelora_bench --model $2 --tokens $3 --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
     echo "kernels $1 $2 M=$3 rc $? at $(el) s"
   done
@@ -58,24 +57,24 @@ ab)
   timeout 45 $B/moelora_bench $grid --json /tmp/vectors.json > /tmp/vectors.log 2>&1; echo "vectors grid rc $? at $(el) s"
   timeout 30 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 4096 --lora-rank 16 \
     --adapters 4 > /tmp/kernels_vectors_qwen3-30b-a3b_4096.txt 2>&1; echo "kernels (vectors) rc $? at $(el) s"
-  tar czf $OUT/grids.tgz -C /tmp rule.json never.json always.json groups.json vectors.json
+  tar czf $OUT/grids.tgz -C /tmp rule.json never.json groups.json groups2.json vectors.json
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
 def load(n):
     try: return {(r["model"], r["M"], bool(r.get("lora"))): r for r in json.load(open(n))["rows"]}
     except Exception as e: print("missing", n, e); return {}
-r, n, a, g, v = (load(f"/tmp/{x}.json") for x in ("rule", "never", "always", "groups", "vectors"))
+r, n, g, g2, v = (load(f"/tmp/{x}.json") for x in ("rule", "never", "groups", "groups2", "vectors"))
 nan = float("nan")
 print("## bf16 LoRA r16, 4 adapters (CUDA-graph medians, us): the expands' column tiles by the schedule patch's rule")
-print("## (long runs, or >= 16 column tiles a streaming CTA) / one a CTA (=0) / streamed always (=2) / GEMM2's expand")
-print("## by 16-entry groups (MOELORA_LORA_EXPAND_GROUPS=1) / the rule with the shared vectors; rule / never,")
-print("## always / never, groups / rule, vectors / rule; % of floor of the rule. Main's rule = never below a mean run")
+print("## (long runs, or >= 16 column tiles a streaming CTA) / one a CTA (=0) / the expands by 16-entry groups")
+print("## (MOELORA_LORA_EXPAND_GROUPS=1) / and the join by groups (=2) / the rule with the shared vectors; rule / never,")
+print("## groups / rule, groups2 / rule, vectors / rule; % of floor of the rule. Main's rule = never below a mean run")
 print("## of 32 (M = 256 everywhere, 1024 but on OLMoE and Mixtral), = the rule at M = 4096.")
 for k in sorted(r):
     if k in n and k[2]:
         x, y = n[k]["time_us"], r[k]["time_us"]
-        z, gg, w = (d.get(k, {}).get("time_us", nan) for d in (a, g, v))
-        print(f"{k[0]:18s} M={k[1]:<5d} {y:8.1f} {x:8.1f} {z:8.1f} {gg:8.1f} {w:8.1f} {y / x:6.3f} {z / x:6.3f} "
+        z, gg, w = (d.get(k, {}).get("time_us", nan) for d in (g, g2, v))
+        print(f"{k[0]:18s} M={k[1]:<5d} {y:8.1f} {x:8.1f} {z:8.1f} {gg:8.1f} {w:8.1f} {y / x:6.3f} {z / y:6.3f} "
               f"{gg / y:6.3f} {w / y:6.3f} {r[k]['pct_floor']:5.1f}")
 PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
