@@ -5,7 +5,8 @@
 #       280 s a shard: the Mixtral quant cases' CPU reference makes the longest ~230 s), then pytest beside memcheck of the LoRA layer and delta tests. $OUT: ctest.xml, pytest.xml, memcheck.log
 #   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
 #       report's grids, Qwen3-30B's LoRA at M = 4096 and 16 kernel by kernel (tools/profile_layer.sh), the searched peer per model until DEADLINE_S s into the
-#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json)
+#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json); with PROOF_AB
+#       set, ab.txt (a same-run A/B of knobs against the defaults, ~26 s a grid)
 #   bash docs/wip/lease-proof.sh pytest [TIMEOUT_S]  (warm, after tests): pytest alone, --durations=20, $OUT/pytest.log
 #       and pytest.xml (pytest beside memcheck in 'tests' did not finish at b56ac77).
 # Then make_report as in docs/wip/README.md.
@@ -57,6 +58,25 @@ grids)
   # And M = 16: the small-batch LoRA path (~37 us of LoRA over the base at 16542af), kernel by kernel.
   timeout 30 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 16 --lora-rank 16 \
     --adapters 4 >> $OUT/kernels.txt 2>&1; echo "kernels M=16 rc $? at $(el) s"; cat $OUT/kernels.txt
+  # PROOF_AB="name:VAR=VALUE ...": unchecked LoRA grids (M = 256-4096, r16) with each knob, then the defaults, for a
+  # same-run A/B of what landed ($OUT/ab.txt: time_us of each against the defaults').
+  if [ -n "${PROOF_AB:-}" ]; then
+    abgrid="--device cuda --model all --tokens 256,1024,4096 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+    for v in $PROOF_AB default:MOELORA_NONE=0; do
+      env ${v#*:} timeout 45 $B/moelora_bench $abgrid --json /tmp/ab_${v%%:*}.json > /dev/null 2>&1
+      echo "ab ${v%%:*} rc $? at $(el) s"
+    done
+    python3 - $PROOF_AB <<'PY' | tee $OUT/ab.txt
+import json, sys
+load = lambda n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/ab_{n}.json"))["rows"] if r.get("lora")}
+names = [a.split(":")[0] for a in sys.argv[1:]]
+base, runs = load("default"), {n: load(n) for n in names}
+print("## LoRA r16, 4 adapters, unchecked grid (us): the defaults, then each knob's time / the defaults'")
+print(f"{'model':18s} {'M':>5s} {'default':>8s} " + " ".join(f"{n:>10s}" for n in names))
+for k in sorted(base):
+    print(f"{k[0]:18s} {k[1]:5d} {base[k]:8.1f} " + " ".join(f"{runs[n].get(k, float('nan')) / base[k]:10.3f}" for n in names))
+PY
+  fi
   mkdir -p /tmp/peer
   for m in qwen3-30b-a3b olmoe-1b-7b deepseek-v3-tp8 mixtral-8x7b qwen3-235b-a22b gpt-oss-120b; do
     left=$(( deadline - 5 - $(el) )); [ $left -gt 10 ] || break

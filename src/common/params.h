@@ -584,6 +584,18 @@ void moe_lora_shrink(const detail::LoraDeltaParams& p, Stream stream);
 // The expand on the segmented alignment, added into out's rows by entry (t from
 // moe_lora_shrink, scaled): fused_experts' grouped path, whose GEMMs take no expand.
 void moe_lora_expand_entries(const detail::LoraDeltaParams& p, Stream stream);
+// moe_lora_expand_entries and moe_lora_expand_activation by 16-entry groups, a warp a group's
+// 32 columns (16-bit types, 16-byte rows, slices x padded rank <= 64: the callers check and
+// choose them by lora_expand_groups_use()).
+void moe_lora_expand_groups(const detail::LoraDeltaParams& p, Stream stream);
+void moe_lora_expand_activation_groups(const detail::LoraDeltaParams& p, const detail::ActivationQuantizeParams& act,
+                                       Stream stream);
+// Where the expands run by 16-entry groups ($MOELORA_LORA_EXPAND_GROUPS): 0 never (the
+// column tiles everywhere), 1 (the default) where the tiles would not stream by their rule
+// (short runs), 2 wherever they fit. For A/B timing; set_lora_expand_groups_use for tests.
+enum class ExpandGroupsUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
+ExpandGroupsUse lora_expand_groups_use();
+void set_lora_expand_groups_use(ExpandGroupsUse use);
 // GEMM1's expand and the gated activation in one pass (16-bit experts): act.input is p's
 // `out` (GEMM1's rows by entry); each row plus its delta goes through the activation into
 // act.out, GEMM1's rows are not written back. Replaces moe_activation_quantize there.
@@ -593,18 +605,13 @@ void moe_lora_expand_activation(const detail::LoraDeltaParams& p, const detail::
 // $MOELORA_LORA_EXPAND_ACTIVATION=0): off, moe_lora_expand_entries writes GEMM1's rows back
 // and moe_activation_quantize reads them. For A/B timing.
 bool lora_expand_activation_enabled();
-// Whether the expand kernels' CTAs may stream a stride of column tiles where the mean
-// (expert, adapter) run is long (default on, unless $MOELORA_LORA_EXPAND_STREAM=0: a CTA a
-// column tile, its pairs in rounds). For A/B timing.
-bool lora_expand_stream_enabled();
-// The outputs a CTA of moe_lora_expand_activation takes: 32 (the default) or 64, the tile
-// before ($MOELORA_LORA_JOIN_OUTPUTS=64). For A/B timing; set_lora_join_outputs for tests.
-int lora_join_outputs();
-void set_lora_join_outputs(int outputs);
-// The output columns a CTA of moe_lora_expand_entries takes: 64 (the default) or 32
-// ($MOELORA_LORA_EXPAND_COLUMNS=32). For A/B timing; set_lora_expand_columns for tests.
-int lora_expand_columns();
-void set_lora_expand_columns(int columns);
+// How the expand kernels' CTAs take column tiles ($MOELORA_LORA_EXPAND_STREAM): 0 one a CTA,
+// its pairs in rounds; 1 (the default) a stride of them streamed where the mean (expert,
+// adapter) run is long or a CTA would walk many; 2 streamed at every run length. For A/B
+// timing; set_lora_expand_stream_use for tests.
+enum class ExpandStreamUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
+ExpandStreamUse lora_expand_stream_use();
+void set_lora_expand_stream_use(ExpandStreamUse use);
 // Where moe_lora_shrink takes its warp-tile kernel ($MOELORA_LORA_SHRINK_WARP_TILES): 0 never
 // (the segmented shrink), 1 (the default) where the mean (expert, adapter) run is short and K
 // is at most 4096, 2 at every run length and K past the GEMVs' slot counts. For A/B timing.

@@ -87,45 +87,26 @@ bool lora_expand_activation_enabled() {
   return enabled;
 }
 
-bool lora_expand_stream_enabled() {
-  static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_STREAM");
-  return enabled;
-}
-
 namespace {
-// $MOELORA_LORA_JOIN_OUTPUTS: 64, or anything else (unset): 32.
-int join_outputs_from_env() {
-  const char* env = std::getenv("MOELORA_LORA_JOIN_OUTPUTS");
-  return env != nullptr && std::strcmp(env, "64") == 0 ? 64 : 32;
+// $name as 0, 1 or 2 (anything else, or unset: 1): a three-way A/B knob (never, by the rule,
+// always) as its enum.
+template <class Use>
+Use three_way_from_env(const char* name) {
+  const char* env = std::getenv(name);
+  if (env != nullptr && std::strcmp(env, "0") == 0) return Use(0);
+  if (env != nullptr && std::strcmp(env, "2") == 0) return Use(2);
+  return Use(1);
 }
-std::atomic<int> g_join_outputs{join_outputs_from_env()};
+std::atomic<ExpandStreamUse> g_expand_stream{three_way_from_env<ExpandStreamUse>("MOELORA_LORA_EXPAND_STREAM")};
+std::atomic<WarpTilesUse> g_shrink_warp_tiles{three_way_from_env<WarpTilesUse>("MOELORA_LORA_SHRINK_WARP_TILES")};
+std::atomic<ExpandGroupsUse> g_expand_groups{three_way_from_env<ExpandGroupsUse>("MOELORA_LORA_EXPAND_GROUPS")};
 }  // namespace
 
-int lora_join_outputs() { return g_join_outputs.load(std::memory_order_relaxed); }
-void set_lora_join_outputs(int outputs) { g_join_outputs.store(outputs == 64 ? 64 : 32); }
+ExpandGroupsUse lora_expand_groups_use() { return g_expand_groups.load(std::memory_order_relaxed); }
+void set_lora_expand_groups_use(ExpandGroupsUse use) { g_expand_groups.store(use); }
 
-namespace {
-// $MOELORA_LORA_EXPAND_COLUMNS: 32, or anything else (unset): 64.
-int expand_columns_from_env() {
-  const char* env = std::getenv("MOELORA_LORA_EXPAND_COLUMNS");
-  return env != nullptr && std::strcmp(env, "32") == 0 ? 32 : 64;
-}
-std::atomic<int> g_expand_columns{expand_columns_from_env()};
-}  // namespace
-
-int lora_expand_columns() { return g_expand_columns.load(std::memory_order_relaxed); }
-void set_lora_expand_columns(int columns) { g_expand_columns.store(columns == 32 ? 32 : 64); }
-
-namespace {
-// $MOELORA_LORA_SHRINK_WARP_TILES as 0, 1 or 2 (anything else, or unset: 1).
-WarpTilesUse shrink_warp_tiles_from_env() {
-  const char* env = std::getenv("MOELORA_LORA_SHRINK_WARP_TILES");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return WarpTilesUse::kNever;
-  if (env != nullptr && std::strcmp(env, "2") == 0) return WarpTilesUse::kAlways;
-  return WarpTilesUse::kShortRuns;
-}
-std::atomic<WarpTilesUse> g_shrink_warp_tiles{shrink_warp_tiles_from_env()};
-}  // namespace
+ExpandStreamUse lora_expand_stream_use() { return g_expand_stream.load(std::memory_order_relaxed); }
+void set_lora_expand_stream_use(ExpandStreamUse use) { g_expand_stream.store(use); }
 
 WarpTilesUse lora_shrink_warp_tiles_use() { return g_shrink_warp_tiles.load(std::memory_order_relaxed); }
 void set_lora_shrink_warp_tiles_use(WarpTilesUse use) { g_shrink_warp_tiles.store(use); }

@@ -80,6 +80,33 @@ __device__ __forceinline__ void store_mma_16x16(float* tile, int ld, const float
   }
 }
 
+// acc[f] (rows 0-15 x columns 16f..16f+15) += t_tile's rows · the lora_b tile's columns over
+// k_extent, with the rows of other adapters masked out of the A fragments: low / high say
+// whether rows lane / 4 (a0, a2) and lane / 4 + 8 (a1, a3) are this adapter's. a_base and
+// b_base: this lane's ldmatrix addresses (mma_lane_a / mma_lane_b at pitch) in the t tile and
+// in the lora_b tile [16 kFragments columns][pitch]. The expands' MMA chain for one adapter.
+template <typename T, int kFragments>
+__device__ __forceinline__ void mma_adapter_rows(float (&acc)[kFragments][8], uint32_t a_base, uint32_t b_base,
+                                                 int pitch, int k_extent, bool low, bool high) {
+  using Mma = std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cute::SM80_16x8x16_F32BF16BF16F32_TN,
+                                 cute::SM80_16x8x16_F32F16F16F32_TN>;
+  for (int kk = 0; kk < k_extent; kk += 16) {
+    uint32_t a0, a1, a2, a3;
+    ldmatrix_x4(a_base + kk * sizeof(T), a0, a1, a2, a3);
+    if (!low) a0 = a2 = 0;
+    if (!high) a1 = a3 = 0;
+#pragma unroll
+    for (int f = 0; f < kFragments; ++f) {
+      uint32_t b0, b1, b2, b3;
+      ldmatrix_x4(b_base + (f * 16 * pitch + kk) * sizeof(T), b0, b1, b2, b3);
+      Mma::fma(acc[f][0], acc[f][1], acc[f][2], acc[f][3], a0, a1, a2, a3, b0, b1, acc[f][0], acc[f][1], acc[f][2],
+               acc[f][3]);
+      Mma::fma(acc[f][4], acc[f][5], acc[f][6], acc[f][7], a0, a1, a2, a3, b2, b3, acc[f][4], acc[f][5], acc[f][6],
+               acc[f][7]);
+    }
+  }
+}
+
 // The entries the alignment filled (at most its capacity); call after the wait.
 __device__ __forceinline__ int64_t used_entries(const LoraDeltaParams& p) {
   return min(int64_t(*p.num_tokens_post_padded), p.max_num_tokens_padded);
@@ -142,6 +169,36 @@ __device__ __forceinline__ WarpTileRows load_warp_tile_rows(const LoraDeltaParam
 inline bool mean_run_at_least(const LoraDeltaParams& p, int64_t entries) {
   return p.num_slots >= entries * std::max<int64_t>(p.num_experts * p.adapters.max_loras, 1);
 }
+
+// Whether every row the expand kernels move (moe_lora_expand_entries.cu, moe_lora_expand_groups.cu)
+// is whole 16-byte vectors at 16-byte addresses: the rank (t and lora_b rows), the strides in
+// elements and the base pointers.
+inline bool vectors_fit(const LoraDeltaParams& p, int element_bytes) {
+  const int per_vector = 16 / element_bytes;
+  bool fit = p.rank % per_vector == 0 && p.out_stride_n == 1 && p.out_stride_row % per_vector == 0 &&
+             p.N_slice * p.num_slices % per_vector == 0 && aligned16(p.out) && aligned16(p.intermediate);
+  for (int c = 0; c < p.num_slices; ++c) {
+    const detail::LoraSliceParams& sl = p.slices[c];
+    fit = fit && aligned16(sl.lora_b) && sl.b_stride_lora % per_vector == 0 && sl.b_stride_expert % per_vector == 0 &&
+          sl.b_stride_n % per_vector == 0;
+  }
+  return fit;
+}
+
+// Output column j (of num_slices * N_slice) as its slice and the column within it.
+__device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j, int& c, int64_t& jn) {
+  if (p.interleaved_slices) {
+    c = int(j % p.num_slices);
+    jn = j / p.num_slices;
+  } else {
+    c = int(j / p.N_slice);
+    jn = j % p.N_slice;
+  }
+}
+
+// The most slices x padded rank moe_lora_expand_groups takes (its per-warp t and lora_b tiles;
+// GEMM2's expand up to rank 64, GEMM1's two slices up to rank 32).
+constexpr int kExpandGroupsMaxKExtent = 64;
 
 // Output element of slot s at column j of slice c.
 __device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {

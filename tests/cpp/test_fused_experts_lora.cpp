@@ -447,38 +447,74 @@ TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
   }
 }
 
-// The LoRA expands' tile widths the defaults do not take, as with MOELORA_LORA_JOIN_OUTPUTS=64
-// (the join's 64 outputs a CTA; the default takes 32) and MOELORA_LORA_EXPAND_COLUMNS=32
-// (GEMM2's expand in 32 columns; the default takes 64): short runs (pairs in rounds) and long
-// ones (streamed), split and interleaved (swiglu_oai) gate/up columns, widths not a multiple
-// of 64 (I = 80, 528; H = 272, 1040).
-TEST(FusedExpertsLoraTileWidths, NonDefaultWidthsMatchReference) {
-  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
-  struct Restore {
-    int join = cuda::lora_join_outputs(), expand = cuda::lora_expand_columns();
-    ~Restore() {
-      cuda::set_lora_join_outputs(join);
-      cuda::set_lora_expand_columns(expand);
-    }
-  } restore;
-  const LayerLoraCase cases[] = {
+// The expand variants' cases: short runs (tiles of many pairs), long runs, and swiglu_oai
+// (interleaved gate/up) at rank 64; widths not a multiple of 64 (I = 80, 528; H = 272, 1040).
+std::vector<LayerLoraCase> expand_cases() {
+  return {
       {.name = "short_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80, .rank = 16,
        .share = 0.5},
       {.name = "long_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 8, .H = 1040, .I = 528, .L = 2},
       {.name = "swiglu_oai_rank64", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 8, .H = 272, .I = 80, .L = 2,
        .rank = 64, .activation = Activation::kSwigluOai},
   };
-  for (const auto& [join, expand] : {std::pair{64, 64}, std::pair{32, 32}}) {
-    cuda::set_lora_join_outputs(join);
-    cuda::set_lora_expand_columns(expand);
-    for (LayerLoraCase c : cases) {
-      c.options.config = grouped_config();
-      c.expect_grouped = true;
-      SCOPED_TRACE(c.name + ", join " + std::to_string(join) + " outputs, expand " + std::to_string(expand) +
-                   " columns");
-      expect_layer_matches_reference(c);
-    }
+}
+
+// Each case through the grouped GEMMs (and so the grouped path's LoRA kernels) against the
+// float64 reference.
+void expect_grouped_layers_match(const std::vector<LayerLoraCase>& cases, const std::string& variant) {
+  for (LayerLoraCase c : cases) {
+    c.options.config = grouped_config();
+    c.expect_grouped = true;
+    SCOPED_TRACE(c.name + ", " + variant);
+    expect_layer_matches_reference(c);
   }
+}
+
+// The LoRA expands' column-tile schedules whatever the rule picks ($MOELORA_LORA_EXPAND_STREAM
+// 0 and 2): a column tile a CTA at long runs, and a streamed stride of them at short runs,
+// where most tiles hold more pairs than a stage (their rounds walk the stride) and some fit
+// one (double-buffered).
+TEST(FusedExpertsLoraExpandSchedules, NeverAndAlwaysStreamedMatchReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  struct Restore {
+    cuda::ExpandStreamUse use = cuda::lora_expand_stream_use();
+    cuda::ExpandGroupsUse groups = cuda::lora_expand_groups_use();
+    ~Restore() {
+      cuda::set_lora_expand_stream_use(use);
+      cuda::set_lora_expand_groups_use(groups);
+    }
+  } restore;
+  cuda::set_lora_expand_groups_use(cuda::ExpandGroupsUse::kNever);
+  cuda::set_lora_expand_stream_use(cuda::ExpandStreamUse::kNever);
+  expect_grouped_layers_match(expand_cases(), "a column tile a CTA");
+  cuda::set_lora_expand_stream_use(cuda::ExpandStreamUse::kAlways);
+  expect_grouped_layers_match(expand_cases(), "streamed");
+}
+
+// moe_lora_expand_groups and moe_lora_expand_activation_groups wherever they fit
+// ($MOELORA_LORA_EXPAND_GROUPS=2; the rule takes them at short runs): the expands by 16-entry
+// groups, a warp a group's 32 columns: expand_cases (at rank 64 the join falls back to the
+// tiles), and groups of several adapters (E = 64 and 8 adapters: ~7 a group, so more than one
+// round of lora_b tiles at rank 16 and one a round at rank 64), disabled adapters, swiglu_oai
+// at rank 16 (the join by groups, interleaved), share 0.5 (groups with live rows and no
+// adapter, which the join activates) and fp16 at rank 32; the warps' last 8 outputs past I = 80.
+TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  struct Restore {
+    cuda::ExpandGroupsUse use = cuda::lora_expand_groups_use();
+    ~Restore() { cuda::set_lora_expand_groups_use(use); }
+  } restore;
+  std::vector<LayerLoraCase> cases = expand_cases();
+  cases.push_back({.name = "many_adapters_a_group", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 64, .H = 272,
+                   .I = 80, .L = 8, .rank = 16, .disable_some = true});
+  cases.push_back({.name = "many_adapters_a_group_rank64", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 64,
+                   .H = 272, .I = 80, .L = 8, .rank = 64});
+  cases.push_back({.name = "swiglu_oai", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80,
+                   .L = 2, .share = 0.5, .activation = Activation::kSwigluOai});
+  cases.push_back({.name = "fp16", .backend = Backend::kCUDA, .dtype = DType::kFloat16, .M = 200, .top_k = 4, .E = 16,
+                   .H = 272, .I = 80, .rank = 32, .share = 0.5});
+  cuda::set_lora_expand_groups_use(cuda::ExpandGroupsUse::kAlways);
+  expect_grouped_layers_match(cases, "the expands and the join by groups");
 }
 
 // An adapter id past the slots (or below -1) sets kRoutingBadAdapterId in the routing
