@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   (Its 'ab's: docs/wip/issue31-warp-tiles.patch in the forty-fourth session, issue31-narrow-expands.patch in the
+#   bash docs/wip/issue31-next.sh ab   (~400 s cold) applies docs/wip/issue31-groups-occupancy.patch (the groups
+#       kernel at 8, 10 or 12 CTAs an SM: MOELORA_LORA_EXPAND_GROUPS_CTAS), builds into /tmp/bl, runs the LoRA layer
+#       tests, the unchecked LoRA r16 grid at M = 256 and 1024 (where the rule takes the groups) at 8, 10 and 12, the
+#       kernels at Qwen3-30B M = 1024 and DeepSeek-V3 M = 256 at 8 and 12, then ncu's source page of the groups
+#       kernel (GEMM2's) at DeepSeek-V3 M = 256 at 8 ($OUT/source_256.csv). Prints the A/B.
+#   (Its earlier 'ab's: docs/wip/issue31-warp-tiles.patch in the forty-fourth session, issue31-narrow-expands.patch in the
 #   forty-fifth (landed as dfb4c78), the expand schedule, groups and shared-vectors patches in the forty-sixth (landed
 #   as e89f6fd); docs/perf_notes/issues-31-33.md. For a same-run A/B of landed knobs: PROOF_AB in lease-proof.sh.)
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
-#   bash docs/wip/issue31-next.sh source MODEL M REGEX   (~60 s warm, ~240 s cold; not yet run) ncu's source page (SASS) of the first
+#   bash docs/wip/issue31-next.sh source MODEL M REGEX [SKIP]   (~60 s warm, ~240 s cold; not yet run) ncu's source page (SASS) of the first
 #       kernel matching REGEX: the top instructions by stall samples, excess global sectors and shared wavefronts.
 #   bash docs/wip/issue31-next.sh peer MODEL M   (~90 s; not yet run) ncu's sections for the peer's LoRA kernels
 #       (its Triton shrink and expand, this GPU's searched configs): what its expand does that ours does not.
@@ -19,6 +24,37 @@ build() {
   echo "build $(el) s"
 }
 case "${1:-}" in
+ab)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  git apply docs/wip/issue31-groups-occupancy.patch || { echo "patch failed"; exit 1; }
+  build
+  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraExpandSchedules.*:FusedExpertsLoraExpandGroups.*'
+  timeout 90 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
+  echo "LoRA tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
+  grid="--device cuda --model all --tokens 256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+  for c in 8 10 12; do
+    MOELORA_LORA_EXPAND_GROUPS_CTAS=$c timeout 45 $B/moelora_bench $grid --json /tmp/ctas$c.json > /tmp/ctas$c.log 2>&1
+    echo "ctas $c grid rc $? at $(el) s"
+  done
+  for cell in "8 qwen3-30b-a3b 1024" "12 qwen3-30b-a3b 1024" "8 deepseek-v3-tp8 256" "12 deepseek-v3-tp8 256"; do
+    set -- $cell
+    MOELORA_LORA_EXPAND_GROUPS_CTAS=$1 timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $2 --tokens $3 \
+      --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
+    echo "kernels $1 $2 M=$3 rc $? at $(el) s"
+  done
+  python3 - <<'PY' | tee $OUT/ab.txt
+import json
+load = lambda n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/{n}.json"))["rows"] if r.get("lora")}
+a, b, c = load("ctas8"), load("ctas10"), load("ctas12")
+print("## bf16 LoRA r16, 4 adapters (unchecked CUDA-graph medians, us): the groups kernel at 8 / 10 / 12 CTAs an SM;")
+print("## 10 / 8, 12 / 8. The rule takes the groups at M = 256 everywhere and 1024 on Qwen3-30B, Qwen3-235B, gpt-oss.")
+for k in sorted(a):
+    print(f"{k[0]:18s} M={k[1]:<5d} {a[k]:8.1f} {b.get(k, 0):8.1f} {c.get(k, 0):8.1f} {b.get(k, 0) / a[k]:6.3f} {c.get(k, 0) / a[k]:6.3f}")
+PY
+  for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
+  # The layer's second groups launch: GEMM2's expand (the first is the join).
+  bash "$0" source deepseek-v3-tp8 256 moe_lora_expand_groups_kernel 1
+  ;;
 peer)
   # Nsight Compute's sections for the peer's LoRA kernels (benchmarks/triton_moe_lora_peer_kernels.py) at MODEL and M,
   # with this GPU's searched configs: occupancy, registers, DRAM rate and warp states of the expand that runs 2.2-2.9x
@@ -35,13 +71,13 @@ peer)
     $OUT/peer_ncu_$M.txt | cut -c1-150 | tee $OUT/peer_digest_$M.txt
   ;;
 source)
-  # Nsight Compute's source page for one LoRA kernel (the first launch matching REGEX) of MODEL's LoRA r16 layer at M:
+  # Nsight Compute's source page for one LoRA kernel (the first launch matching REGEX after SKIP) of MODEL's LoRA r16 layer at M:
   # where its warps stall and which of its instructions make the excess sectors and wavefronts (the text sections
   # give totals only: the join at Qwen3-30B M = 4096 had 53% excess global sectors, 36% excess shared wavefronts).
   # $OUT/source_<M>.ncu-rep (open in the UI) and source_<M>.csv, and the top instructions on stdout.
-  model=${2:?model}; M=${3:?M}; regex=${4:?kernel regex}
+  model=${2:?model}; M=${3:?M}; regex=${4:?kernel regex}; skip=${5:-0}
   [ -x $B/moelora_bench ] || build
-  timeout 200 ncu --clock-control none --graph-profiling node -k regex:$regex --launch-count 1 --set full \
+  timeout 200 ncu --clock-control none --graph-profiling node -k regex:$regex --launch-skip $skip --launch-count 1 --set full \
     --import-source yes -f -o $OUT/source_$M $B/moelora_bench --device cuda --iters 3 --no-check --model $model \
     --tokens $M --lora-rank 16 --adapters 4 > /tmp/ncu_source.log 2>&1; echo "ncu rc $? at $(el) s"; tail -3 /tmp/ncu_source.log
   ncu --import $OUT/source_$M.ncu-rep --page source --print-source sass --csv > $OUT/source_$M.csv 2>&1
@@ -81,6 +117,6 @@ diag)
       $OUT/ncu_$M.txt | sed 's/(LoraDeltaParams.*//' | cut -c1-150
   done | tee $OUT/diag.txt
   ;;
-*) echo "usage: bash docs/wip/issue31-next.sh diag MODEL M [M...] | source MODEL M REGEX | peer MODEL M"; exit 2 ;;
+*) echo "usage: bash docs/wip/issue31-next.sh ab | diag MODEL M [M...] | source MODEL M REGEX | peer MODEL M"; exit 2 ;;
 esac
 echo "done $(el) s"
