@@ -3,7 +3,7 @@
 #   bash docs/wip/issue31-next.sh ab   (~400 s cold) applies docs/wip/issue31-groups-occupancy.patch (the groups
 #       kernel at 8, 10 or 12 CTAs an SM: MOELORA_LORA_EXPAND_GROUPS_CTAS), builds into /tmp/bl, runs the LoRA layer
 #       tests, the unchecked LoRA r16 grid at M = 256 and 1024 (where the rule takes the groups) at 8, 10 and 12, the
-#       kernels at Qwen3-30B M = 1024 and DeepSeek-V3 M = 256 at 8 and 12, then ncu's source page of the groups
+#       kernels at Qwen3-30B M = 1024 and DeepSeek-V3 M = 256 at 8 and 12 and DeepSeek-V3 M = 1024 (groups=2) at 10, 12, then ncu's source page of the groups
 #       kernel (GEMM2's) at DeepSeek-V3 M = 256 at 8 ($OUT/source_256.csv). Prints the A/B.
 #   (Its earlier 'ab's: docs/wip/issue31-warp-tiles.patch in the forty-fourth session, issue31-narrow-expands.patch in the
 #   forty-fifth (landed as dfb4c78), the expand schedule, groups and shared-vectors patches in the forty-sixth (landed
@@ -36,11 +36,14 @@ ab)
     MOELORA_LORA_EXPAND_GROUPS_CTAS=$c timeout 45 $B/moelora_bench $grid --json /tmp/ctas$c.json > /tmp/ctas$c.log 2>&1
     echo "ctas $c grid rc $? at $(el) s"
   done
-  for cell in "8 qwen3-30b-a3b 1024" "12 qwen3-30b-a3b 1024" "8 deepseek-v3-tp8 256" "12 deepseek-v3-tp8 256"; do
+  # And DeepSeek-V3 M = 1024 with the groups everywhere (=2; the rule streams the tiles there): GEMM2's expand by
+  # groups against the peer's 127.9 us under ncu (e89f6fd's lease) and ours at 8 CTAs, 259.
+  for cell in "8 qwen3-30b-a3b 1024 1" "12 qwen3-30b-a3b 1024 1" "8 deepseek-v3-tp8 256 1" "12 deepseek-v3-tp8 256 1" \
+              "10 deepseek-v3-tp8 1024 2" "12 deepseek-v3-tp8 1024 2"; do
     set -- $cell
-    MOELORA_LORA_EXPAND_GROUPS_CTAS=$1 timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $2 --tokens $3 \
-      --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
-    echo "kernels $1 $2 M=$3 rc $? at $(el) s"
+    MOELORA_LORA_EXPAND_GROUPS_CTAS=$1 MOELORA_LORA_EXPAND_GROUPS=$4 timeout 30 bash tools/profile_layer.sh $B \
+      moelora_bench --model $2 --tokens $3 --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
+    echo "kernels $1 $2 M=$3 groups=$4 rc $? at $(el) s"
   done
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
