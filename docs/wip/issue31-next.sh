@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab   (~400 s cold) applies docs/wip/issue31-groups-occupancy.patch (the groups
-#       kernel at 8, 10 or 12 CTAs an SM: MOELORA_LORA_EXPAND_GROUPS_CTAS), builds into /tmp/bl, runs the LoRA layer
+#   bash docs/wip/issue31-next.sh ab   (~420 s cold) applies docs/wip/issue31-groups-occupancy.patch (the groups
+#       kernel at 8, 10 or 12 CTAs an SM: MOELORA_LORA_EXPAND_GROUPS_CTAS) and issue31-gather-prefetch.patch (the
+#       gather's next slot id in flight, one wave of resident CTAs: its kernel time at Qwen3-30B M = 1024 and 4096
+#       against e89f6fd's 13.2 and 52.3 us), builds into /tmp/bl, runs the LoRA layer
 #       tests, the unchecked LoRA r16 grid at M = 256 and 1024 (where the rule takes the groups) at 8, 10 and 12, the
 #       kernels at Qwen3-30B M = 1024 and DeepSeek-V3 M = 256 at 8 and 12 and DeepSeek-V3 M = 1024 (groups=2) at 10, 12, then ncu's source page of the groups
 #       kernel (GEMM2's) at DeepSeek-V3 M = 256 at 8 ($OUT/source_256.csv). Prints the A/B.
@@ -26,7 +28,8 @@ build() {
 case "${1:-}" in
 ab)
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  git apply docs/wip/issue31-groups-occupancy.patch || { echo "patch failed"; exit 1; }
+  git apply docs/wip/issue31-groups-occupancy.patch && git apply docs/wip/issue31-gather-prefetch.patch ||
+    { echo "patches failed"; exit 1; }
   build
   tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraExpandSchedules.*:FusedExpertsLoraExpandGroups.*'
   timeout 90 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
@@ -39,7 +42,7 @@ ab)
   # And DeepSeek-V3 M = 1024 with the groups everywhere (=2; the rule streams the tiles there): GEMM2's expand by
   # groups against the peer's 127.9 us under ncu (e89f6fd's lease) and ours at 8 CTAs, 259.
   for cell in "8 qwen3-30b-a3b 1024 1" "12 qwen3-30b-a3b 1024 1" "8 deepseek-v3-tp8 256 1" "12 deepseek-v3-tp8 256 1" \
-              "10 deepseek-v3-tp8 1024 2" "12 deepseek-v3-tp8 1024 2"; do
+              "10 deepseek-v3-tp8 1024 2" "12 deepseek-v3-tp8 1024 2" "8 qwen3-30b-a3b 4096 1"; do
     set -- $cell
     MOELORA_LORA_EXPAND_GROUPS_CTAS=$1 MOELORA_LORA_EXPAND_GROUPS=$4 timeout 30 bash tools/profile_layer.sh $B \
       moelora_bench --model $2 --tokens $3 --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
