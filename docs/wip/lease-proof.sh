@@ -5,7 +5,7 @@
 #       280 s a shard: the Mixtral quant cases' CPU reference makes the longest ~230 s), then pytest beside memcheck of the LoRA layer and delta tests. $OUT: ctest.xml, pytest.xml, memcheck.log
 #   bash docs/wip/lease-proof.sh grids DEADLINE_S  (warm, ~380 s): racecheck of the grouped LoRA layer tests, the
 #       report's grids, Qwen3-30B's LoRA at M = 4096 and 16 kernel by kernel (tools/profile_layer.sh), the searched peer per model until DEADLINE_S s into the
-#       call. $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json); with PROOF_AB
+#       call (PROOF_KERNELS="model:M ..." profiles more cells). $OUT: racecheck.log, kernels.txt, grids.tgz (bench, lorabf16, lorahalf, lora, peer json); with PROOF_AB
 #       set, ab.txt (a same-run A/B of knobs against the defaults, ~26 s a grid)
 #   bash docs/wip/lease-proof.sh pytest [TIMEOUT_S]  (warm, after tests): pytest alone, --durations=20, $OUT/pytest.log
 #       and pytest.xml (pytest beside memcheck in 'tests' did not finish at b56ac77).
@@ -57,7 +57,13 @@ grids)
     --adapters 4 > $OUT/kernels.txt 2>&1; echo "kernels rc $? at $(el) s"
   # And M = 16: the small-batch LoRA path (~37 us of LoRA over the base at 16542af), kernel by kernel.
   timeout 30 bash tools/profile_layer.sh $B moelora_bench --model qwen3-30b-a3b --tokens 16 --lora-rank 16 \
-    --adapters 4 >> $OUT/kernels.txt 2>&1; echo "kernels M=16 rc $? at $(el) s"; cat $OUT/kernels.txt
+    --adapters 4 >> $OUT/kernels.txt 2>&1; echo "kernels M=16 rc $? at $(el) s"
+  # PROOF_KERNELS="model:M ...": more cells kernel by kernel (LoRA r16, 4 adapters), ~20 s each.
+  for cell in ${PROOF_KERNELS:-}; do
+    timeout 30 bash tools/profile_layer.sh $B moelora_bench --model ${cell%%:*} --tokens ${cell#*:} --lora-rank 16 \
+      --adapters 4 >> $OUT/kernels.txt 2>&1; echo "kernels $cell rc $? at $(el) s"
+  done
+  cat $OUT/kernels.txt
   # PROOF_AB="name:VAR=VALUE ...": unchecked LoRA grids (M = 256-4096, r16) with each knob, then the defaults, for a
   # same-run A/B of what landed ($OUT/ab.txt: time_us of each against the defaults').
   if [ -n "${PROOF_AB:-}" ]; then

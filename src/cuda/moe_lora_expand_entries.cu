@@ -158,21 +158,12 @@ __device__ __forceinline__ bool load_tile_rows(const LoraDeltaParams& p, int64_t
   if (tid < kGroups) rows.group_adapters[tid] = 0;
   if (tid < kRows) {
     const int64_t entry = entry0 + tid;
-    int l = -1, expert = -1;
-    bool live = false;
-    if (entry < used) {
-      const int64_t block = entry / p.block_size;
-      const int32_t slot = p.sorted_token_ids[entry];
-      const int32_t entry_lora = p.entry_lora_ids[entry];
-      expert = p.expert_ids[block];
-      const unsigned long long mask = p.block_lora_masks[block];
-      live = slot >= 0 && slot < p.num_slots && expert >= 0 && expert < p.num_experts;
-      if (live && entry_lora >= 0 && entry_lora < kMaxAdapters && (mask >> entry_lora & 1)) l = entry_lora;
-    }
-    rows.lora[tid] = l;
-    rows.live[tid] = live;
+    EntryRow row;
+    if (entry < used) row = load_entry_row(p, entry);
+    rows.lora[tid] = row.lora;
+    rows.live[tid] = row.slot >= 0 && row.expert >= 0;
     // A 16-row group lies in one block (block_size % 16 == 0): one expert.
-    if (tid % 16 == 0) rows.group_expert[tid / 16] = expert >= 0 && expert < p.num_experts ? expert : -1;
+    if (tid % 16 == 0) rows.group_expert[tid / 16] = row.expert;
   }
   const bool any = __syncthreads_or(tid < kRows && rows.lora[tid] >= 0);
   if (tid < kRows && rows.lora[tid] >= 0) atomicOr(&rows.group_adapters[tid / 16], 1ull << rows.lora[tid]);

@@ -122,18 +122,12 @@ __global__ void __launch_bounds__(kSegThreads, 2) moe_lora_shrink_segmented_kern
   if (int(threadIdx.x) < rows_in_group) {
     const int r = threadIdx.x;
     const int64_t entry = entry0 + r;
-    int l = -1, expert = -1, slot = -1;
-    if (entry < used) {
-      const int64_t block = entry / p.block_size;
-      expert = p.expert_ids[block];
-      const uint64_t block_mask = expert >= 0 && expert < p.num_experts ? p.block_lora_masks[block] : 0;
-      slot = p.sorted_token_ids[entry];
-      l = slot >= 0 && slot < p.num_slots ? p.entry_lora_ids[entry] : -1;
-      l = l >= 0 && l < kMaxAdapters && (block_mask >> l & 1) ? l : -1;
-    }
+    EntryRow row;
+    if (entry < used) row = load_entry_row(p, entry);
+    const int l = row.lora;
     row_lora[r] = l;
-    row_expert[r] = l < 0 ? -1 : expert;
-    row_a[r] = l < 0 ? -1 : p.a_rows_by_entry ? int(entry) : slot / int(p.a_top_k);
+    row_expert[r] = l < 0 ? -1 : row.expert;
+    row_a[r] = l < 0 ? -1 : p.a_rows_by_entry ? int(entry) : row.slot / int(p.a_top_k);
   }
   __syncthreads();
   // Runs: maximal stretches of rows with one (expert, adapter). A pair split by other rows
@@ -552,13 +546,9 @@ __global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_ker
     const int64_t entry = item / per_entry, ci = item - entry * per_entry;
     const int c = int(ci / p.rank);
     const int64_t i = ci - c * p.rank;
-    const int slot = p.sorted_token_ids[entry];
-    if (slot < 0 || slot >= p.num_slots) continue;
-    const int64_t block = entry / p.block_size;
-    const int expert = p.expert_ids[block];
-    if (expert < 0 || expert >= p.num_experts) continue;
-    const int l = p.entry_lora_ids[entry];
-    if (l < 0 || l >= kMaxAdapters || !(p.block_lora_masks[block] >> l & 1)) continue;
+    const EntryRow row = load_entry_row(p, entry);
+    if (row.lora < 0) continue;
+    const int slot = row.slot, expert = row.expert, l = row.lora;
     const detail::LoraSliceParams& sl = p.slices[c];
     const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
     const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +

@@ -129,11 +129,37 @@ __device__ __forceinline__ void mma_rows_32k(float (&acc)[kColTiles][4], const u
   }
 }
 
+// An entry of the segmented alignment, as every LoRA kernel reads it: its block's expert (-1:
+// none, or not on this rank), its slot (-1: padding) and its adapter (-1: no adapter, an
+// adapter past kMaxAdapters or not in its block's mask, or no expert or slot). `entry` < the
+// used entries; call after the wait.
+struct EntryRow {
+  int expert = -1;
+  int slot = -1;
+  int lora = -1;
+};
+// The four index loads are issued before any of their values is tested: one memory round trip
+// where the chain of checks it replaced (expert, then slot, then adapter, then the mask) took
+// four. ncu's source page of the groups expand (H200, DeepSeek-V3 M = 256, GEMM2's) put 19% of
+// its stall samples on that chain.
+__device__ __forceinline__ EntryRow load_entry_row(const LoraDeltaParams& p, int64_t entry) {
+  const int64_t block = entry / p.block_size;
+  const int expert = p.expert_ids[block];
+  const int slot = p.sorted_token_ids[entry];
+  const int lora = p.entry_lora_ids[entry];
+  const uint64_t mask = p.block_lora_masks[block];
+  EntryRow row;
+  row.expert = expert >= 0 && expert < p.num_experts ? expert : -1;
+  row.slot = slot >= 0 && slot < p.num_slots ? slot : -1;
+  if (row.expert >= 0 && row.slot >= 0 && lora >= 0 && lora < kMaxAdapters && (mask >> lora & 1)) row.lora = lora;
+  return row;
+}
+
 // A 16-entry tile of the segmented alignment in a warp (block_size % 16 == 0: one block, one
-// expert), for the warp-tile shrink: the tile's expert (-1: none or not local; then nothing
-// else is read), lanes 0-15 their entry's slot (-1: none, padding or past `used`) and adapter
-// (-1: none, or not in the block's mask, as the segmented shrink), and the tile's adapters.
-// Warp-uniform but for the lanes' own entries. Call after the wait.
+// expert), for the warp-tile shrink and the groups expand: the tile's expert (-1: none or not
+// local; then no lane has a row), lanes 0-15 their entry's slot (-1: none, padding or past
+// `used`) and adapter (load_entry_row's), and the tile's adapters. Warp-uniform but for the
+// lanes' own entries. entry0 < used; call after the wait.
 struct WarpTileRows {
   int expert = -1;
   int slot = -1;
@@ -143,18 +169,15 @@ struct WarpTileRows {
 __device__ __forceinline__ WarpTileRows load_warp_tile_rows(const LoraDeltaParams& p, int64_t entry0, int64_t used) {
   WarpTileRows rows;
   const int lane = threadIdx.x % 32;
-  const int64_t block = entry0 / p.block_size;
-  const int expert = p.expert_ids[block];
-  if (expert < 0 || expert >= p.num_experts) return rows;
-  rows.expert = expert;
-  if (lane < kTileRows && entry0 + lane < used) {
-    const int64_t entry = entry0 + lane;
-    const int slot = p.sorted_token_ids[entry];
-    if (slot >= 0 && slot < p.num_slots) {
-      rows.slot = slot;
-      const int l = p.entry_lora_ids[entry];
-      rows.lora = l >= 0 && l < kMaxAdapters && (p.block_lora_masks[block] >> l & 1) ? l : -1;
-    }
+  // Lanes 16-31 and entries past `used` read entry0's row (in range, the same block) and keep
+  // only its expert.
+  const bool own_entry = lane < kTileRows && entry0 + lane < used;
+  const EntryRow entry = load_entry_row(p, own_entry ? entry0 + lane : entry0);
+  rows.expert = entry.expert;
+  if (rows.expert < 0) return rows;  // warp-uniform: one block
+  if (own_entry) {
+    rows.slot = entry.slot;
+    rows.lora = entry.lora;
   }
   static_assert(kMaxAdapters <= 64, "a tile's adapters as two 32-bit halves");
   const uint32_t low = __reduce_or_sync(0xffffffffu, rows.lora >= 0 && rows.lora < 32 ? 1u << rows.lora : 0u);
