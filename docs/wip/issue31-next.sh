@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab   (~420 s cold) applies docs/wip/issue31-groups-occupancy.patch (the groups
-#       kernel at 8, 10 or 12 CTAs an SM: MOELORA_LORA_EXPAND_GROUPS_CTAS) and issue31-gather-prefetch.patch (the
-#       gather's next slot id in flight, one wave of resident CTAs: its kernel time at Qwen3-30B M = 1024 and 4096
-#       against e89f6fd's 13.2 and 52.3 us), builds into /tmp/bl, runs the LoRA layer
-#       tests, the unchecked LoRA r16 grid at M = 256 and 1024 (where the rule takes the groups) at 8, 10 and 12, the
-#       kernels at Qwen3-30B M = 1024 and DeepSeek-V3 M = 256 at 8 and 12 and DeepSeek-V3 M = 1024 (groups=2) at 10, 12, then ncu's source page of the groups
-#       kernel (GEMM2's) at DeepSeek-V3 M = 256 at 8 ($OUT/source_256.csv). Prints the A/B.
-#   (Its earlier 'ab's: docs/wip/issue31-warp-tiles.patch in the forty-fourth session, issue31-narrow-expands.patch in the
-#   forty-fifth (landed as dfb4c78), the expand schedule, groups and shared-vectors patches in the forty-sixth (landed
-#   as e89f6fd); docs/perf_notes/issues-31-33.md. For a same-run A/B of landed knobs: PROOF_AB in lease-proof.sh.)
+#   bash docs/wip/issue31-next.sh ab   (~420 s cold) applies docs/wip/issue31-gemv-steps.patch (the GEMV shrinks' dot
+#       products with 2 steps' loads in flight), issue31-align-adapters.patch (the token's adapter loaded beside its
+#       expert id, adapter_enabled from shared memory) and issue31-shrink-staged.patch (the warp-tile shrink's operands
+#       by cp.async, one wait a batch), builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA
+#       grid at M = 1-1024 against 026da31's report, DeepSeek-V3 with the warp tiles forced, and the kernels of five
+#       cells. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
+#       lease-proof.sh.)
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
-#   bash docs/wip/issue31-next.sh source MODEL M REGEX [SKIP]   (~60 s warm, ~240 s cold; not yet run) ncu's source page (SASS) of the first
+#   bash docs/wip/issue31-next.sh source MODEL M REGEX [SKIP]   (~60 s warm, ~240 s cold) ncu's source page (SASS) of the first
 #       kernel matching REGEX: the top instructions by stall samples, excess global sectors and shared wavefronts.
-#   bash docs/wip/issue31-next.sh peer MODEL M   (~90 s; not yet run) ncu's sections for the peer's LoRA kernels
+#   bash docs/wip/issue31-next.sh peer MODEL M   (~90 s) ncu's sections for the peer's LoRA kernels
 #       (its Triton shrink and expand, this GPU's searched configs): what its expand does that ours does not.
 set -uo pipefail
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
@@ -27,39 +24,45 @@ build() {
 }
 case "${1:-}" in
 ab)
+  # The forty-seventh session's three patches, built together (each changes other kernels): their kernel times against
+  # 026da31's report (reports/gpu/2026-11-30-h200-026da31-issue31-entry-rows.txt: Qwen3-30B M = 16 GEMV shrinks 18.8 /
+  # 11.2 us, align 13.3; M = 256 warp-tile shrinks 46.4 / 15.4, align 18.8; M = 1024 69.5 / 21.4, align 19.0) and the
+  # layer against that report's LoRA rows (a lease apart: ~2% drift between leases).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  git apply docs/wip/issue31-groups-occupancy.patch && git apply docs/wip/issue31-gather-prefetch.patch ||
-    { echo "patches failed"; exit 1; }
+  for f in gemv-steps align-adapters shrink-staged; do
+    git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }
+  done
   build
-  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraExpandSchedules.*:FusedExpertsLoraExpandGroups.*'
-  timeout 90 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
-  echo "LoRA tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
-  grid="--device cuda --model all --tokens 256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
-  for c in 8 10 12; do
-    MOELORA_LORA_EXPAND_GROUPS_CTAS=$c timeout 45 $B/moelora_bench $grid --json /tmp/ctas$c.json > /tmp/ctas$c.log 2>&1
-    echo "ctas $c grid rc $? at $(el) s"
-  done
-  # And DeepSeek-V3 M = 1024 with the groups everywhere (=2; the rule streams the tiles there): GEMM2's expand by
-  # groups against the peer's 127.9 us under ncu (e89f6fd's lease) and ours at 8 CTAs, 259.
-  for cell in "8 qwen3-30b-a3b 1024 1" "12 qwen3-30b-a3b 1024 1" "8 deepseek-v3-tp8 256 1" "12 deepseek-v3-tp8 256 1" \
-              "10 deepseek-v3-tp8 1024 2" "12 deepseek-v3-tp8 1024 2" "8 qwen3-30b-a3b 4096 1"; do
-    set -- $cell
-    MOELORA_LORA_EXPAND_GROUPS_CTAS=$1 MOELORA_LORA_EXPAND_GROUPS=$4 timeout 30 bash tools/profile_layer.sh $B \
-      moelora_bench --model $2 --tokens $3 --lora-rank 16 --adapters 4 > /tmp/kernels_$1_$2_$3.txt 2>&1
-    echo "kernels $1 $2 M=$3 groups=$4 rc $? at $(el) s"
-  done
+  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraExpand*:*Align*:All/LoraDeltaTest.*'
+  timeout 120 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
+  echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
+  grid="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+  timeout 60 $B/moelora_bench $grid --json /tmp/ab.json > /tmp/ab.log 2>&1; echo "grid rc $? at $(el) s"
+  # The warp-tile shrink at K = 7168 (DeepSeek-V3; kWarpTilesMaxK keeps it off there): staged, does it win now?
+  MOELORA_LORA_SHRINK_WARP_TILES=2 timeout 30 $B/moelora_bench --device cuda --model deepseek-v3-tp8 --tokens 256,1024 \
+    --lora-rank 16 --adapters 4 --no-check --json /tmp/ab_wt.json > /dev/null 2>&1; echo "warp tiles at K 7168 rc $? at $(el) s"
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
-load = lambda n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/{n}.json"))["rows"] if r.get("lora")}
-a, b, c = load("ctas8"), load("ctas10"), load("ctas12")
-print("## bf16 LoRA r16, 4 adapters (unchecked CUDA-graph medians, us): the groups kernel at 8 / 10 / 12 CTAs an SM;")
-print("## 10 / 8, 12 / 8. The rule takes the groups at M = 256 everywhere and 1024 on Qwen3-30B, Qwen3-235B, gpt-oss.")
-for k in sorted(a):
-    print(f"{k[0]:18s} M={k[1]:<5d} {a[k]:8.1f} {b.get(k, 0):8.1f} {c.get(k, 0):8.1f} {b.get(k, 0) / a[k]:6.3f} {c.get(k, 0) / a[k]:6.3f}")
+old = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-026da31-issue31-entry-rows.json"))["rows"]
+       if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0 and r.get("dtype", "bf16") == "bf16"
+       and r.get("quant") is None}
+new = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab.json"))["rows"] if r.get("lora")}
+wt = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab_wt.json"))["rows"] if r.get("lora")}
+print("## bf16 LoRA r16, 4 adapters (us): 026da31's report / the three patches; ratio (a lease apart)")
+for k in sorted(new):
+    o = old.get(k)
+    print(f"{k[0]:18s} M={k[1]:<5d} {o or 0:8.1f} {new[k]:8.1f} {new[k] / o if o else 0:6.3f}")
+print("## DeepSeek-V3 with the warp-tile shrink forced (MOELORA_LORA_SHRINK_WARP_TILES=2) / the rule (segmented)")
+for k in sorted(wt):
+    print(f"{k[0]:18s} M={k[1]:<5d} {new.get(k, 0):8.1f} {wt[k]:8.1f} {wt[k] / new[k] if new.get(k) else 0:6.3f}")
 PY
+  for cell in "qwen3-30b-a3b 16" "qwen3-30b-a3b 256" "qwen3-30b-a3b 1024" "olmoe-1b-7b 256" "deepseek-v3-tp8 64"; do
+    set -- $cell
+    timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
+      > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
+  done
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
-  # The layer's second groups launch: GEMM2's expand (the first is the join).
-  bash "$0" source deepseek-v3-tp8 256 moe_lora_expand_groups_kernel 1
+  bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
   ;;
 peer)
   # Nsight Compute's sections for the peer's LoRA kernels (benchmarks/triton_moe_lora_peer_kernels.py) at MODEL and M,
