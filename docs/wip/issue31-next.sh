@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab   (~420 s cold) applies docs/wip/issue31-gemv-steps.patch (the GEMV shrinks' dot
+#   bash docs/wip/issue31-next.sh ab   (~430 s cold) applies docs/wip/issue31-gemv-steps.patch (the GEMV shrinks' dot
 #       products with 2 steps' loads in flight), issue31-align-adapters.patch (the token's adapter loaded beside its
-#       expert id, adapter_enabled from shared memory) and issue31-shrink-staged.patch (the warp-tile shrink's operands
-#       by cp.async, one wait a batch), builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA
+#       expert id, adapter_enabled from shared memory), issue31-shrink-staged.patch (the warp-tile shrink's operands
+#       by cp.async, one wait a batch) and issue31-groups-index.patch (the groups expand's copy indices worked out
+#       once, with constant divisors), builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA
 #       grid at M = 1-1024 against 026da31's report, DeepSeek-V3 with the warp tiles forced, and the kernels of five
 #       cells. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
 #       lease-proof.sh.)
@@ -24,12 +25,12 @@ build() {
 }
 case "${1:-}" in
 ab)
-  # The forty-seventh session's three patches, built together (each changes other kernels): their kernel times against
+  # The forty-seventh session's four patches, built together (each changes other kernels): their kernel times against
   # 026da31's report (reports/gpu/2026-11-30-h200-026da31-issue31-entry-rows.txt: Qwen3-30B M = 16 GEMV shrinks 18.8 /
   # 11.2 us, align 13.3; M = 256 warp-tile shrinks 46.4 / 15.4, align 18.8; M = 1024 69.5 / 21.4, align 19.0) and the
   # layer against that report's LoRA rows (a lease apart: ~2% drift between leases).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  for f in gemv-steps align-adapters shrink-staged; do
+  for f in gemv-steps align-adapters shrink-staged groups-index; do
     git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }
   done
   build
@@ -48,7 +49,7 @@ old = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2
        and r.get("quant") is None}
 new = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab.json"))["rows"] if r.get("lora")}
 wt = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab_wt.json"))["rows"] if r.get("lora")}
-print("## bf16 LoRA r16, 4 adapters (us): 026da31's report / the three patches; ratio (a lease apart)")
+print("## bf16 LoRA r16, 4 adapters (us): 026da31's report / the four patches; ratio (a lease apart)")
 for k in sorted(new):
     o = old.get(k)
     print(f"{k[0]:18s} M={k[1]:<5d} {o or 0:8.1f} {new[k]:8.1f} {new[k] / o if o else 0:6.3f}")
@@ -61,6 +62,9 @@ PY
     timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
   done
+  # GEMM2's expand by groups where the peer's took 127.9 us under ncu (e89f6fd's groups: 259).
+  MOELORA_LORA_EXPAND_GROUPS=2 timeout 30 bash tools/profile_layer.sh $B moelora_bench --model deepseek-v3-tp8 \
+    --tokens 1024 --lora-rank 16 --adapters 4 > /tmp/kernels_groups2_deepseek-v3-tp8_1024.txt 2>&1
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
   bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
   ;;
