@@ -6,7 +6,7 @@
 #       by cp.async, one wait a batch) and issue31-groups-index.patch (the groups expand's copy indices worked out
 #       once, with constant divisors), builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA
 #       grid at M = 1-1024 against 026da31's report, DeepSeek-V3 with the warp tiles forced, and the kernels of five
-#       cells. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
+#       cells; PATCHES="NAME ..." applies a subset. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
 #       lease-proof.sh.)
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
@@ -30,7 +30,8 @@ ab)
   # 11.2 us, align 13.3; M = 256 warp-tile shrinks 46.4 / 15.4, align 18.8; M = 1024 69.5 / 21.4, align 19.0) and the
   # layer against that report's LoRA rows (a lease apart: ~2% drift between leases).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  for f in gemv-steps align-adapters shrink-staged groups-index; do
+  # PATCHES="shrink-staged ...": a subset (e.g. to find which one a failing test follows).
+  for f in ${PATCHES:-gemv-steps align-adapters shrink-staged groups-index}; do
     git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }
   done
   build
