@@ -432,11 +432,8 @@ INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0
 // (16 x 4) pairs).
 TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
-  struct Restore {
-    cuda::WarpTilesUse use = cuda::lora_shrink_warp_tiles_use();
-    ~Restore() { cuda::set_lora_shrink_warp_tiles_use(use); }
-  } restore;
-  cuda::set_lora_shrink_warp_tiles_use(cuda::WarpTilesUse::kNever);
+  const ScopedKnob warp_tiles(cuda::lora_shrink_warp_tiles_use, cuda::set_lora_shrink_warp_tiles_use,
+                              cuda::WarpTilesUse::kNever);
   for (int64_t rank : {16, 64}) {
     LayerLoraCase c{.name = "warp_tiles_off", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
                     .I = 80, .rank = rank, .share = 0.5};
@@ -476,16 +473,10 @@ void expect_grouped_layers_match(const std::vector<LayerLoraCase>& cases, const 
 // one (double-buffered).
 TEST(FusedExpertsLoraExpandSchedules, NeverAndAlwaysStreamedMatchReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
-  struct Restore {
-    cuda::ExpandStreamUse use = cuda::lora_expand_stream_use();
-    cuda::ExpandGroupsUse groups = cuda::lora_expand_groups_use();
-    ~Restore() {
-      cuda::set_lora_expand_stream_use(use);
-      cuda::set_lora_expand_groups_use(groups);
-    }
-  } restore;
-  cuda::set_lora_expand_groups_use(cuda::ExpandGroupsUse::kNever);
-  cuda::set_lora_expand_stream_use(cuda::ExpandStreamUse::kNever);
+  const ScopedKnob groups(cuda::lora_expand_groups_use, cuda::set_lora_expand_groups_use,
+                          cuda::ExpandGroupsUse::kNever);
+  const ScopedKnob stream(cuda::lora_expand_stream_use, cuda::set_lora_expand_stream_use,
+                          cuda::ExpandStreamUse::kNever);
   expect_grouped_layers_match(expand_cases(), "a column tile a CTA");
   cuda::set_lora_expand_stream_use(cuda::ExpandStreamUse::kAlways);
   expect_grouped_layers_match(expand_cases(), "streamed");
@@ -500,10 +491,8 @@ TEST(FusedExpertsLoraExpandSchedules, NeverAndAlwaysStreamedMatchReference) {
 // adapter, which the join activates) and fp16 at rank 32; the warps' last 8 outputs past I = 80.
 TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
-  struct Restore {
-    cuda::ExpandGroupsUse use = cuda::lora_expand_groups_use();
-    ~Restore() { cuda::set_lora_expand_groups_use(use); }
-  } restore;
+  const ScopedKnob groups(cuda::lora_expand_groups_use, cuda::set_lora_expand_groups_use,
+                          cuda::ExpandGroupsUse::kAlways);
   std::vector<LayerLoraCase> cases = expand_cases();
   cases.push_back({.name = "many_adapters_a_group", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 64, .H = 272,
                    .I = 80, .L = 8, .rank = 16, .disable_some = true});
@@ -513,7 +502,6 @@ TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
                    .L = 2, .share = 0.5, .activation = Activation::kSwigluOai});
   cases.push_back({.name = "fp16", .backend = Backend::kCUDA, .dtype = DType::kFloat16, .M = 200, .top_k = 4, .E = 16,
                    .H = 272, .I = 80, .rank = 32, .share = 0.5});
-  cuda::set_lora_expand_groups_use(cuda::ExpandGroupsUse::kAlways);
   expect_grouped_layers_match(cases, "the expands and the join by groups");
 }
 

@@ -152,6 +152,22 @@ class TestStream {
 #endif
 };
 
+// A process-wide A/B knob (an op's kernel choice, e.g. cuda::set_lora_expand_groups_use) set
+// for a test's scope; the value it had comes back when the scope ends, whatever the test set
+// in between.
+template <class Value>
+class ScopedKnob {
+ public:
+  ScopedKnob(Value (*get)(), void (*set)(Value), Value value) : set_(set), before_(get()) { set(value); }
+  ~ScopedKnob() { set_(before_); }
+  ScopedKnob(const ScopedKnob&) = delete;
+  ScopedKnob& operator=(const ScopedKnob&) = delete;
+
+ private:
+  void (*set_)(Value);
+  Value before_;
+};
+
 // ---- Buffer --------------------------------------------------------------------------
 
 // The storage of one test tensor: 256-byte aligned host bytes and, for the CUDA backend,
