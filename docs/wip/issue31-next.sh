@@ -69,6 +69,35 @@ PY
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
   bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
   ;;
+attrib)
+  # Same-run attribution of the forty-eighth session's 'ab' (three patches, 316 s): gpt-oss-120b M = 256 went 1717 ->
+  # 1983 us while Qwen3-30B M = 256/1024 gained 8%. One full build with align-adapters, shrink-staged and
+  # groups-index, then each patch taken back in turn (incremental rebuilds), the grid at M = 16-1024 and gpt-oss M = 256's
+  # kernels after each: the column that moves gpt-oss is the patch to blame.
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  steps="all:- staged:shrink-staged groups:groups-index align:align-adapters"
+  for f in align-adapters shrink-staged groups-index; do git apply docs/wip/issue31-$f.patch || exit 1; done
+  for step in $steps; do
+    name=${step%%:*}; drop=${step#*:}
+    if [ "$drop" != "-" ]; then git apply -R docs/wip/issue31-$drop.patch || exit 1; fi
+    build
+    timeout 60 $B/moelora_bench --device cuda --model all --tokens 16,64,256,1024 --lora-rank 16 --adapters 4 \
+      --lora-share 1.0 --no-check --json /tmp/at_$name.json > /tmp/at_$name.log 2>&1; echo "grid $name rc $? at $(el) s"
+    timeout 30 bash tools/profile_layer.sh $B moelora_bench --model gpt-oss-120b --tokens 256 --lora-rank 16 --adapters 4 \
+      > $OUT/kernels_gptoss256_$name.txt 2>&1; echo "kernels $name rc $? at $(el) s"
+    [ $(el) -gt 480 ] && { echo "stopping at $(el) s"; break; }
+  done
+  python3 - <<'PY' | tee $OUT/attrib.txt
+import json, os
+names = [n for n in ("all", "staged", "groups", "align") if os.path.exists(f"/tmp/at_{n}.json")]
+t = {n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/at_{n}.json"))["rows"] if r.get("lora")} for n in names}
+print("## us, one run: all three patches, then without staged, without groups-index too, without align too (= main)")
+print(f"{'model':18s} {'M':>6s} " + " ".join(f"{n:>9s}" for n in names))
+for k in sorted(t["all"]):
+    print(f"{k[0]:18s} {k[1]:6d} " + " ".join(f"{t[n].get(k, 0):9.1f}" for n in names))
+PY
+  for f in $OUT/kernels_gptoss256_*.txt; do echo "## $f"; cat $f; done | tee -a $OUT/attrib.txt | grep -E "^##|us " | cut -c1-120
+  ;;
 peer)
   # Nsight Compute's sections for the peer's LoRA kernels (benchmarks/triton_moe_lora_peer_kernels.py) at MODEL and M,
   # with this GPU's searched configs: occupancy, registers, DRAM rate and warp states of the expand that runs 2.2-2.9x

@@ -55,15 +55,18 @@ constexpr int kAlignBatch = 4;  // slots a thread loads before using them
 // slots on one CTA; see docs/PERF_NOTES.md). The divisions by top_k as IEEE-exact integer
 // divisions (~25 instructions each, inlined in both unrolled slot loops) made the kernel
 // ~5K SASS instructions: its one CTA at decode waited mostly on instruction fetch.
+// With adapters, the token's adapter is loaded beside its expert id (one memory round trip,
+// not two) and looked up in adapter_enabled's copy in shared memory (not a third).
 template <bool kAdapters, bool kInt64Ids>
 __device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, bool contiguous, int num_groups,
-                                        const cutlass::FastDivmod& top_k) {
+                                        const cutlass::FastDivmod& top_k, const uint8_t* adapter_enabled) {
   int64_t offset = slot;
   int token = 0, j = 0;
   if (!contiguous || kAdapters) top_k(token, j, slot);
   if (!contiguous) offset = token * p.topk_ids_stride_token + j * p.topk_ids_stride_k;
   const int64_t e = kInt64Ids ? static_cast<const int64_t*>(p.topk_ids)[offset]
                               : int64_t(static_cast<const int32_t*>(p.topk_ids)[offset]);
+  const int lora = kAdapters ? p.token_lora_ids[token * p.token_lora_ids_stride] : -1;
   if (e < 0 || e >= p.num_experts) {
     // -1: a slot the router dropped; anything else is a routing bug the caller may ask to
     // hear of (the CPU backend raises).
@@ -71,10 +74,8 @@ __device__ __forceinline__ int group_of(const detail::AlignParams& p, int slot, 
     return num_groups - 1;
   }
   if constexpr (kAdapters) {
-    const int lora = p.token_lora_ids[token * p.token_lora_ids_stride];
     if (p.routing_status && (lora < -1 || lora >= p.max_loras)) atomicOr(p.routing_status, kRoutingBadAdapterId);
-    const bool active =
-        lora >= 0 && lora < p.max_loras && (p.adapter_enabled == nullptr || p.adapter_enabled[lora] != 0);
+    const bool active = lora >= 0 && lora < p.max_loras && adapter_enabled[lora] != 0;
     return int(e) * int(p.max_loras + 1) + (active ? lora + 1 : 0);
   } else {
     return int(e);
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(kAlignThreads)
                                 const cutlass::FastDivmod top_k) {
   using BlockScan = cub::BlockScan<int, kAlignThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ uint8_t adapter_enabled[kAdapters ? kMaxLoraAdapters : 1];  // p.adapter_enabled, 1 where null
   extern __shared__ int4 align_smem[];
   // This CTA's slots per group (read by every CTA of the cluster; never overwritten), and
   // this CTA's scatter cursor per group.
@@ -168,6 +170,9 @@ __global__ void __launch_bounds__(kAlignThreads)
        segmented && p.lora_shrink_counters && i < int(p.max_num_blocks * p.block_size / 16); i += ctas.count * kAlignThreads) {
     p.lora_shrink_counters[i] = 0;
   }
+  if (kAdapters && int(threadIdx.x) < p.max_loras) {
+    adapter_enabled[threadIdx.x] = p.adapter_enabled == nullptr || p.adapter_enabled[threadIdx.x] != 0;
+  }
   __syncthreads();
   // NOTE: kAlignBatch independent loads in flight per thread before their atomics: a
   // thread reading one load at a time waits out the memory latency per slot.
@@ -176,7 +181,7 @@ __global__ void __launch_bounds__(kAlignThreads)
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
-      g[i] = s < slot_end ? group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k) : -1;
+      g[i] = s < slot_end ? group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k, adapter_enabled) : -1;
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
@@ -292,7 +297,7 @@ __global__ void __launch_bounds__(kAlignThreads)
       const int s = s0 + i * kAlignThreads + int(threadIdx.x);
       g[i] = s >= slot_end   ? -1
              : cached        ? int(slot_group[s - slot_begin])
-                             : group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k);
+                             : group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k, adapter_enabled);
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
@@ -315,6 +320,10 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
                           " x " + std::to_string(p.max_loras + 1)
                     : "moelora.moe_align_block_size: argument 'num_experts' expected at most " +
                           std::to_string(kAlignMaxGroups - 1) + " on CUDA, got " + std::to_string(p.num_experts));
+  }
+  if (p.max_loras > kMaxLoraAdapters) {  // the kernel's copy of adapter_enabled
+    throw Error("moelora.moe_lora_align_block_size: argument 'max_loras' expected at most " +
+                std::to_string(kMaxLoraAdapters) + ", got " + std::to_string(p.max_loras));
   }
   const int64_t num_slots = p.num_tokens * p.top_k;
   if (num_slots > INT32_MAX || p.max_num_tokens_padded > INT32_MAX) {

@@ -314,38 +314,6 @@ __device__ __forceinline__ void mma_pairs(const LoraDeltaParams& p, const TileRo
   }
 }
 
-// Two adjacent elements of a tile row, moved as one 32-bit shared access.
-template <typename T>
-struct alignas(4) ElementPair {
-  T v[2];
-};
-
-// out_tile (this warp's 16 rows, row-major at out_pitch(16 * kFragments)) += acc, each sum
-// rounded to T as the expand's write to global memory would be. A lane's two columns of an
-// accumulator fragment are adjacent (an even column, so 4-byte aligned): one 32-bit load and
-// store each, where two 2-byte ones were (ncu at Qwen3-30B M = 4096, dfb4c78: the join's L1
-// 67% busy, 36% of its shared wavefronts excessive).
-template <typename T, int kFragments>
-__device__ __forceinline__ void add_sums(T* out_tile, const float (&acc)[kFragments][8]) {
-  constexpr int kPitch = out_pitch(kFragments * 16);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  T* rows = out_tile + (warp * 16 + lane / 4) * kPitch + (lane % 4) * 2;
-#pragma unroll
-  for (int f = 0; f < kFragments; ++f) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // rows lane / 4 and lane / 4 + 8
-        auto* at = reinterpret_cast<ElementPair<T>*>(rows + half * 8 * kPitch + f * 16 + h * 8);
-        ElementPair<T> sum = *at;
-        sum.v[0] = from_float<T>(to_float(sum.v[0]) + acc[f][4 * h + 2 * half]);
-        sum.v[1] = from_float<T>(to_float(sum.v[1]) + acc[f][4 * h + 2 * half + 1]);
-        *at = sum;
-      }
-    }
-  }
-}
-
 // The CTA's column tiles (ExpandLaunch) for a tile whose rows, pairs and t tile copies are
 // in place (a barrier since build_pairs). column(ct, n): the stack column of column tile
 // ct's tile column n, or -1. load_out(ct, out_tile): issues the copies of the tile's output
@@ -358,6 +326,8 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
                                                     const TileBuffers<T>& tiles, const ExpandLaunch& launch,
                                                     Column column, LoadOut load_out, Finish finish) {
   constexpr int kFragments = kColumns / 16;
+  // This warp's 16 rows of an output tile (add_fragment_sums).
+  const int warp_rows = int(threadIdx.x) / 32 * 16 * out_pitch(kColumns);
   const int b_elems = kColumns * tile_pitch(int(p.rank), p.num_slices);
   const int num_pairs = rows.num_pairs, stride = int(gridDim.y);
   if (launch.stream && num_pairs <= launch.stage_pairs) {
@@ -383,7 +353,7 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
       __syncthreads();  // this stage's tiles
       float acc[kFragments][8] = {};
       mma_pairs<T, kFragments>(p, rows, tiles.t, tiles.b + stage * launch.stage_pairs * b_elems, 0, num_pairs, acc);
-      add_sums<T, kFragments>(tiles.out(stage), acc);
+      add_fragment_sums<T, kFragments>(tiles.out(stage) + warp_rows, acc);
       __syncthreads();  // the sums
       finish(ct, tiles.out(stage));
       __syncthreads();  // this stage is free for the tile after next
@@ -411,7 +381,7 @@ __device__ __forceinline__ void expand_column_tiles(const LoraDeltaParams& p, co
     cute::cp_async_fence();
     cute::cp_async_wait<0>();  // the output rows, where no pair waited for them
     __syncthreads();
-    add_sums<T, kFragments>(tiles.out(0), acc);
+    add_fragment_sums<T, kFragments>(tiles.out(0) + warp_rows, acc);
     __syncthreads();  // the sums
     finish(ct, tiles.out(0));
     __syncthreads();  // the output tile is free for the next column tile
@@ -604,7 +574,7 @@ bool streams_by_rule(const LoraDeltaParams& p, const ExpandShape& shape) {
 // at M = 1024 on Qwen3-30B and gpt-oss (mean runs 2-16), 1.04-1.12x at M = 4096 (mean runs
 // >= 32, where the tiles stream).
 bool expand_by_groups(const LoraDeltaParams& p, const ExpandShape& shape, bool vectors) {
-  if (!vectors || p.num_slices * round_up16(int(p.rank)) > kExpandGroupsMaxKExtent) return false;
+  if (!vectors || !expand_groups_fit(p)) return false;
   switch (lora_expand_groups_use()) {
     case ExpandGroupsUse::kNever: return false;
     case ExpandGroupsUse::kAlways: return true;

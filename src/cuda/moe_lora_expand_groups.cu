@@ -67,29 +67,44 @@ __host__ __device__ constexpr int warp_elements(int k_extent, int pairs_per_roun
   return kTileRows * tile_pitch(k_extent) + kTileRows * kOutPitch + pairs_per_round * kWarpColumns * tile_pitch(k_extent);
 }
 
-struct GroupsLaunch {
-  int k_extent;         // num_slices * round_up16(rank) <= kExpandGroupsMaxKExtent
-  int pairs_per_round;  // lora_b tiles a warp holds at once
-};
+// lora_b tiles a warp holds at once at k_extent columns.
+template <typename T>
+__host__ __device__ constexpr int pairs_per_round(int k_extent) {
+  const int pairs = kRoundPairBytes / (kWarpColumns * tile_pitch(k_extent) * int(sizeof(T)));
+  return pairs < 1 ? 1 : pairs > kMaxRoundPairs ? kMaxRoundPairs : pairs;
+}
 
 // kJoin false: moe_lora_expand_entries' rows (p.out), the CTA's 128 stack columns, the rows
 // with an adapter written back. kJoin true: moe_lora_expand_activation's (act.input, GEMM1's
 // rows [entries, 2I], the same rows as p.out), the CTA's 64 outputs (a warp's 16: its 32 tile
 // columns are their gate and up columns, split (16 gates, then 16 ups) or interleaved
 // (swiglu_oai)), every live row through the gated activation into act.out [entries, I].
-template <typename T, bool kJoin, ActivationKind kKind>
+// kKExtent: num_slices x padded rank (16, 32, 48 or 64), a template parameter so that every
+// index a lane copies is worked out with constant divisors.
+// NOTE: the per-copy index math was the kernel's time: under ncu (H200, DeepSeek-V3 M = 256,
+// forty-seventh session) it issued 0.73-0.74 warps a scheduler at 45% occupancy, and of its
+// warp instructions 22% were IMAD, 13% ISETP, ~20% more LOP3/LEA/IADD3/SHF, against 1% HMMA
+// and 0.7% copies: each lora_b copy of each adapter took three shuffles, two divisions by
+// run-time counts and a slice's parameters. A lane's copies of a lora_b tile are the same
+// columns and K offsets for every adapter, so their sources are worked out once, before the
+// adapters, and an adapter adds its stride.
+template <typename T, bool kJoin, ActivationKind kKind, int kKExtent>
 __global__ void __launch_bounds__(kThreads, 8)
-    moe_lora_expand_groups_kernel(const LoraDeltaParams p, const ActivationQuantizeParams act,
-                                  const GroupsLaunch launch) {
+    moe_lora_expand_groups_kernel(const LoraDeltaParams p, const ActivationQuantizeParams act) {
   static_assert(kTensorCores<T>, "the grouped path runs 16-bit types");
+  static_assert(kKExtent % 16 == 0 && kKExtent <= kExpandGroupsMaxKExtent, "slices x padded rank");
   constexpr int kVec = Vec16<T>::kSize;
   constexpr bool kPairs = kKind == ActivationKind::kSwigluOai;
   constexpr int kWarpOutputs = kWarpColumns / 2;  // the join's
+  constexpr int k_extent = kKExtent, pitch = tile_pitch(kKExtent), kPairsPerRound = pairs_per_round<T>(kKExtent);
+  // A row's 16-byte vectors of t or of a lora_b column; a lane's copies of one lora_b tile
+  // (32 columns) and of the t rows (16).
+  constexpr int kTVectors = kKExtent / kVec;
+  constexpr int kBCopies = kWarpColumns * kTVectors / 32, kTCopies = kTileRows * kTVectors / 32;
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int k_extent = launch.k_extent, pitch = tile_pitch(k_extent);
   const int rank = int(p.rank), rank_padded = round_up16(rank);
-  T* const t_tile = reinterpret_cast<T*>(smem) + warp * warp_elements(k_extent, launch.pairs_per_round);
+  T* const t_tile = reinterpret_cast<T*>(smem) + warp * warp_elements(k_extent, kPairsPerRound);
   T* const out_tile = t_tile + kTileRows * pitch;
   T* const b_tiles = out_tile + kTileRows * kOutPitch;
 
@@ -122,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 8)
   const int high_lora = __shfl_sync(0xffffffffu, rows.lora, lane / 4 + 8);
 
   // This lane's lora_b column (tile column lane; -1 past the end): its slice and offset in that
-  // slice's stacks, computed once (a 64-bit division); the copies below take them by shuffle.
+  // slice's stacks, computed once (column_slice); the copies below take them by shuffle.
   int my_slice = -1;
   int64_t my_offset = 0;
   if (const int64_t j = column(lane); j >= 0) {
@@ -134,10 +149,11 @@ __global__ void __launch_bounds__(kThreads, 8)
   // The t rows (zeros past the rank and on rows without an adapter) and the warp's rows.
   const T* t = static_cast<const T*>(p.intermediate);
   const int64_t t_cols = int64_t(p.num_slices) * rank;
-  const int t_vectors = k_extent / kVec;  // a row's
-  for (int i = lane; i < kTileRows * t_vectors; i += 32) {
-    const int r = i / t_vectors, k = (i % t_vectors) * kVec;
-    const int c = k / rank_padded, kr = k % rank_padded;
+  static_assert(kTCopies * 32 == kTileRows * kTVectors, "whole copies a lane");
+#pragma unroll
+  for (int m = 0; m < kTCopies; ++m) {
+    const int i = lane + 32 * m, r = i / kTVectors, k = (i % kTVectors) * kVec;
+    const int c = k / rank_padded, kr = k - c * rank_padded;
     const bool load = (lora_rows >> r & 1) && kr < rank;
     cp_async_16_zfill(smem_addr(t_tile + r * pitch + k), load ? t + (entry0 + r) * t_cols + c * rank + kr : t, load);
   }
@@ -153,36 +169,66 @@ __global__ void __launch_bounds__(kThreads, 8)
   float acc[kFragments][8] = {};
   const uint32_t a_base = smem_addr(t_tile + mma_lane_a(pitch));
   const T* const fallback = static_cast<const T*>(p.slices[0].lora_b);  // a valid address where nothing is read
+  // This lane's copy m of a lora_b tile: tile column n, K offset k; the row of that column's
+  // slice at the expert (zeros in the other slices' K segments and past the rank), its source
+  // at adapter 0 and the stride between adapters, the same for every adapter: worked out once
+  // where a lane has at most 4 copies (k_extent <= 32; 8 would take 32 more registers and
+  // spill, so at 48 and 64 each adapter's copies work them out again).
+  struct BSource {
+    const T* at_adapter0;
+    int64_t stride;
+    bool load;
+  };
+  auto b_source = [&](int m) {
+    const int i = lane + 32 * m, n = i / kTVectors, k = (i % kTVectors) * kVec;
+    const int slice = __shfl_sync(0xffffffffu, my_slice, n);
+    const int64_t offset = __shfl_sync(0xffffffffu, my_offset, n);
+    const int kr = k - slice * rank_padded;
+    BSource b{fallback, 0, false};
+    if (slice >= 0 && kr >= 0 && kr < rank) {
+      const detail::LoraSliceParams& sl = p.slices[slice];
+      b = {static_cast<const T*>(sl.lora_b) + rows.expert * sl.b_stride_expert + offset + kr, sl.b_stride_lora, true};
+    }
+    return b;
+  };
+  constexpr bool kSourcesOnce = kBCopies <= 4;
+  BSource sources[kSourcesOnce ? kBCopies : 1];
+  if constexpr (kSourcesOnce) {
+#pragma unroll
+    for (int m = 0; m < kBCopies; ++m) sources[m] = b_source(m);
+  }
   uint64_t pending = rows.adapters;
   while (pending != 0) {
-    // A round: up to pairs_per_round adapters' lora_b rows of the warp's columns, each column's
-    // row in its slice's K segment (zeros in the other's and past the rank).
-    int round_lora[kMaxRoundPairs];
+    // A round: up to kPairsPerRound adapters' lora_b tiles.
+    int round_lora[kPairsPerRound];
     int count = 0;
-    for (; count < launch.pairs_per_round && pending != 0; ++count, pending &= pending - 1) {
-      round_lora[count] = __ffsll(static_cast<long long>(pending)) - 1;
-    }
-    for (int q = 0; q < count; ++q) {
-      T* const b_tile = b_tiles + q * kWarpColumns * pitch;
-      for (int i = lane; i < kWarpColumns * t_vectors; i += 32) {
-        const int n = i / t_vectors, k = (i % t_vectors) * kVec;
-        const int slice = __shfl_sync(0xffffffffu, my_slice, n);
-        const int64_t offset = __shfl_sync(0xffffffffu, my_offset, n);
-        const int kr = k - slice * rank_padded;
-        const bool load = slice >= 0 && kr >= 0 && kr < rank;
-        const T* src = fallback;
-        if (load) {
-          const detail::LoraSliceParams& sl = p.slices[slice];
-          src = static_cast<const T*>(sl.lora_b) + round_lora[q] * sl.b_stride_lora + rows.expert * sl.b_stride_expert +
-                offset + kr;
+#pragma unroll
+    for (int q = 0; q < kPairsPerRound; ++q) {
+      if (pending == 0) break;
+      const int l = __ffsll(static_cast<long long>(pending)) - 1;
+      pending &= pending - 1;
+      round_lora[q] = l;
+      count = q + 1;
+      const uint32_t b_tile = smem_addr(b_tiles + q * kWarpColumns * pitch);
+#pragma unroll(kSourcesOnce ? kBCopies : 1)
+      for (int m = 0; m < kBCopies; ++m) {
+        const int i = lane + 32 * m, n = i / kTVectors, k = (i % kTVectors) * kVec;
+        BSource b;
+        if constexpr (kSourcesOnce) {
+          b = sources[m];
+        } else {
+          b = b_source(m);
         }
-        cp_async_16_zfill(smem_addr(b_tile + n * pitch + k), src, load);
+        cp_async_16_zfill(b_tile + (n * pitch + k) * int(sizeof(T)), b.load ? b.at_adapter0 + l * b.stride : fallback,
+                          b.load);
       }
     }
     cute::cp_async_fence();
     cute::cp_async_wait<0>();
     __syncwarp();  // every lane's copies (the first round: the t and output rows too)
-    for (int q = 0; q < count; ++q) {
+#pragma unroll
+    for (int q = 0; q < kPairsPerRound; ++q) {
+      if (q >= count) break;
       const int l = round_lora[q];
       const uint32_t b_base = smem_addr(b_tiles + q * kWarpColumns * pitch + mma_lane_b(pitch));
       mma_adapter_rows<T, kFragments>(acc, a_base, b_base, pitch, k_extent, low_lora == l, high_lora == l);
@@ -193,21 +239,7 @@ __global__ void __launch_bounds__(kThreads, 8)
   cute::cp_async_wait<0>();  // the rows, where no adapter's round waited for them (the join)
   __syncwarp();
 
-  // The sums into the output rows (each rounded to T as a write to global memory would be): a
-  // lane's fragment columns 2 (lane % 4) (+1) of rows lane / 4 (+8).
-  T* const sum_rows = out_tile + (lane / 4) * kOutPitch + (lane % 4) * 2;
-#pragma unroll
-  for (int f = 0; f < kFragments; ++f) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        T* const at = sum_rows + half * 8 * kOutPitch + f * 16 + h * 8;
-        at[0] = from_float<T>(to_float(at[0]) + acc[f][4 * h + 2 * half]);
-        at[1] = from_float<T>(to_float(at[1]) + acc[f][4 * h + 2 * half + 1]);
-      }
-    }
-  }
+  add_fragment_sums<T, kFragments>(out_tile, acc);
   __syncwarp();  // the sums
   if constexpr (kJoin) {
     // Lane (r = lane / 2, h = lane % 2): row r's outputs first + 8h .. + 7, their gate and up
@@ -256,21 +288,33 @@ void launch_groups(const LoraDeltaParams& p, const ActivationQuantizeParams& act
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      const int pair_bytes = kWarpColumns * tile_pitch(k_extent) * int(sizeof(T));
-      const GroupsLaunch launch{k_extent, std::clamp(kRoundPairBytes / pair_bytes, 1, kMaxRoundPairs)};
-      const int smem = kWarps * warp_elements(k_extent, launch.pairs_per_round) * int(sizeof(T));
-      auto* kernel = moe_lora_expand_groups_kernel<T, kJoin, kKind>;
-      MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      MOELORA_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-      launch_kernel(kernel, dim3(unsigned(groups), unsigned(column_tiles)), dim3(kThreads), size_t(smem),
-                    static_cast<cudaStream_t>(stream), p, act, launch);
+      const auto launch = [&](auto k_extent_tag) {
+        constexpr int kKExtent = decltype(k_extent_tag)::value;
+        const int smem = kWarps * warp_elements(kKExtent, pairs_per_round<T>(kKExtent)) * int(sizeof(T));
+        auto* kernel = moe_lora_expand_groups_kernel<T, kJoin, kKind, kKExtent>;
+        MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                cudaSharedmemCarveoutMaxShared));
+        launch_kernel(kernel, dim3(unsigned(groups), unsigned(column_tiles)), dim3(kThreads), size_t(smem),
+                      static_cast<cudaStream_t>(stream), p, act);
+      };
+      // check_groups: a multiple of 16, at most 64; the join's two slices (gate, up) make it 32 or 64.
+      if constexpr (kJoin) {
+        k_extent == 32 ? launch(std::integral_constant<int, 32>{}) : launch(std::integral_constant<int, 64>{});
+      } else {
+        switch (k_extent) {
+          case 16: launch(std::integral_constant<int, 16>{}); break;
+          case 32: launch(std::integral_constant<int, 32>{}); break;
+          case 48: launch(std::integral_constant<int, 48>{}); break;
+          default: launch(std::integral_constant<int, 64>{});
+        }
+      }
     }
   });
 }
 
 void check_groups(const LoraDeltaParams& p, const char* op) {
-  if (p.num_slices * round_up16(int(p.rank)) > kExpandGroupsMaxKExtent || p.dtype == DType::kFloat32) {
+  if (!expand_groups_fit(p) || p.dtype == DType::kFloat32) {
     throw std::logic_error(std::string("moelora.") + op + ": needs slices x padded rank <= 64 and a 16-bit type");
   }
 }

@@ -404,17 +404,23 @@ constexpr int kWarpTileColTiles = 4;      // n8 column tiles a CTA takes at most
 // 1.08-1.47x with warp-tile kernels at every run length (H200; this shrink with warp-tile
 // expands, which lost everywhere and were dropped: docs/perf_notes/issues-31-33.md).
 constexpr int64_t kWarpTilesMaxMeanRun = 32;
-// And where K is at most this (measured above: K = 7168 loses). Why is not measured; likely
-// each tile an (expert, adapter) run spans reads its 14 KB lora_a rows again, where the
-// segmented kernel reads them once a 64-entry group through a cp.async pipeline.
-constexpr int64_t kWarpTilesMaxK = 4096;
+// And where K is at most this. The register-operand version lost at K = 7168 (above); with its
+// operands staged by cp.async (one wait a batch) it wins there: DeepSeek-V3-TP8 forced onto
+// the warp tiles took 0.938x of the layer at M = 256 and 0.978x at M = 1024 (H200, this
+// commit's lease). K = 14336 (Mixtral's GEMM2) is not measured, so it stays segmented.
+constexpr int64_t kWarpTilesMaxK = 8192;
 
 // Grid (16-entry tiles, slices x column chunks, adapter ways). Needs shrink_gemv_loadable
 // (16-byte rows, K % 8 == 0) and block_size % 16 == 0.
+// Rank <= 16 (2 column tiles): at most 96 registers, 5 CTAs an SM (35 KB of shared memory
+// each); unbounded, ptxas took 100 (4 CTAs); at 6 CTAs (80) it spilled 8 bytes on sm_90a.
 template <typename T, int kColTiles, int kSteps>
-__global__ void __launch_bounds__(kWarpTileThreads) moe_lora_shrink_warp_tiles_kernel(const LoraDeltaParams p) {
+__global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1) moe_lora_shrink_warp_tiles_kernel(const LoraDeltaParams p) {
   static_assert(kTensorCores<T>, "mma.m16n8k16 on 16-bit types");
   __shared__ float partial_sums[kWarpTileWarps - 1][kColTiles * 4][32];  // warps 1-3's, lane-major
+  // A lane's own 16-byte operands of kSteps steps (rows g, g + 8 of a, then its lora_a rows),
+  // staged by cp.async: each lane reads back only what it copied (no barrier).
+  __shared__ uint4 staged[kWarpTileWarps][kSteps][2 + kColTiles][32];
   wait_for_previous_kernel();
   allow_next_kernel_launch();  // as the segmented kernel's
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -464,17 +470,31 @@ __global__ void __launch_bounds__(kWarpTileThreads) moe_lora_shrink_warp_tiles_k
     auto load = [](const T* row, int64_t k) { return __ldg(reinterpret_cast<const uint4*>(row + k)); };
     int64_t k = k_begin;
     for (; k + 32 * kSteps <= k_end; k += 32 * kSteps) {
-      // kSteps steps' loads first (the warp's bytes in flight), then their MMAs.
-      uint4 av[kSteps][2], bv[kSteps][kColTiles];
+      // kSteps steps' copies first (the warp's bytes in flight), one wait, then their MMAs.
+      // NOTE: copies, not loads into registers: with loads, ptxas interleaved them with the
+      // MMAs (4 loads, an MMA that waits, 2 more loads, ...), so a batch waited ~5 times
+      // (ncu source page, H200, Qwen3-30B M = 1024, 026da31: 77% of the stall samples long
+      // scoreboard on the HMMAs, 23.6% occupancy at 106 registers).
+      __syncwarp();  // the last batch's reads of these slots come first (the lane's own: orders them)
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) av[s][h] = load(a_rows[h], k + 32 * s);
+        for (int h = 0; h < 2; ++h) cp_async_16_zfill(smem_addr(&staged[warp][s][h][lane]), a_rows[h] + k + 32 * s, true);
 #pragma unroll
-        for (int j = 0; j < kColTiles; ++j) bv[s][j] = load(b_rows[j], k + 32 * s);
+        for (int j = 0; j < kColTiles; ++j) {
+          cp_async_16_zfill(smem_addr(&staged[warp][s][2 + j][lane]), b_rows[j] + k + 32 * s, true);
+        }
       }
+      cute::cp_async_fence();
+      cute::cp_async_wait<0>();
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) mma_rows_32k<T, kColTiles>(acc, av[s], bv[s]);
+      for (int s = 0; s < kSteps; ++s) {
+        const uint4 av[2] = {staged[warp][s][0][lane], staged[warp][s][1][lane]};
+        uint4 bv[kColTiles];
+#pragma unroll
+        for (int j = 0; j < kColTiles; ++j) bv[j] = staged[warp][s][2 + j][lane];
+        mma_rows_32k<T, kColTiles>(acc, av, bv);
+      }
     }
     // The quarter's last steps one at a time; past its end both operands are zeros (k_end is
     // a multiple of 32 or K, and K % 8 == 0: a lane's 8 elements are all in or out).
@@ -605,6 +625,9 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
         const int col_tiles = int((p.rank + 7) / 8), cta_col_tiles = col_tiles <= 2 ? 2 : kWarpTileColTiles;
         const auto kernel = cta_col_tiles == 2 ? moe_lora_shrink_warp_tiles_kernel<T, 2, 4>
                                                : moe_lora_shrink_warp_tiles_kernel<T, kWarpTileColTiles, 2>;
+        // 5 CTAs of 35 KB an SM: the carveout to shared memory.
+        MOELORA_CUDA_CHECK(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
         const int col_chunks = (col_tiles + cta_col_tiles - 1) / cta_col_tiles;
         launch_kernel(kernel, dim3(unsigned(tiles), unsigned(p.num_slices * col_chunks), unsigned(ways)),
                       dim3(kWarpTileThreads), 0, static_cast<cudaStream_t>(stream), p);

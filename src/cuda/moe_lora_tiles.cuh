@@ -6,6 +6,7 @@
 #include <cute/arch/mma_sm80.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -208,8 +209,22 @@ inline bool vectors_fit(const LoraDeltaParams& p, int element_bytes) {
   return fit;
 }
 
-// Output column j (of num_slices * N_slice) as its slice and the column within it.
+// Output column j (of num_slices * N_slice) as its slice and the column within it. One slice:
+// no division; columns below 2^31 (every model's): a 32-bit one, a few instructions where a
+// 64-bit division takes ~70.
 __device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j, int& c, int64_t& jn) {
+  if (p.num_slices == 1) {
+    c = 0;
+    jn = j;
+    return;
+  }
+  if (j <= INT32_MAX && p.N_slice <= INT32_MAX) {
+    const uint32_t j32 = uint32_t(j), slices = uint32_t(p.num_slices), n_slice = uint32_t(p.N_slice);
+    const uint32_t q = p.interleaved_slices ? j32 / slices : j32 / n_slice;
+    c = int(p.interleaved_slices ? j32 - q * slices : q);
+    jn = p.interleaved_slices ? int64_t(q) : int64_t(j32 - q * n_slice);
+    return;
+  }
   if (p.interleaved_slices) {
     c = int(j % p.num_slices);
     jn = j / p.num_slices;
@@ -222,6 +237,42 @@ __device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j
 // The most slices x padded rank moe_lora_expand_groups takes (its per-warp t and lora_b tiles;
 // GEMM2's expand up to rank 64, GEMM1's two slices up to rank 32).
 constexpr int kExpandGroupsMaxKExtent = 64;
+// Whether moe_lora_expand_groups takes p's slices x padded rank (its callers also need vectors_fit).
+inline bool expand_groups_fit(const LoraDeltaParams& p) {
+  return p.num_slices * round_up16(int(p.rank)) <= kExpandGroupsMaxKExtent;
+}
+
+// Two adjacent elements of a tile row, moved as one 32-bit shared access.
+template <typename T>
+struct alignas(4) ElementPair {
+  T v[2];
+};
+
+// A warp's 16 output rows in shared memory (row-major, pitch kFragments * 16 + kPad, from
+// warp_rows) += acc (mma_adapter_rows' fragments), each sum rounded to T as a write to global
+// memory would be. A lane's two columns of a fragment are adjacent (an even column, so 4-byte
+// aligned): one 32-bit load and store each, where two 2-byte ones were (ncu at Qwen3-30B
+// M = 4096, dfb4c78: the join's L1 67% busy, 36% of its shared wavefronts excessive).
+template <typename T, int kFragments>
+__device__ __forceinline__ void add_fragment_sums(T* warp_rows, const float (&acc)[kFragments][8]) {
+  constexpr int kPitch = kFragments * 16 + kPad;
+  const int lane = threadIdx.x % 32;
+  T* rows = warp_rows + (lane / 4) * kPitch + (lane % 4) * 2;
+#pragma unroll
+  for (int f = 0; f < kFragments; ++f) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // rows lane / 4 and lane / 4 + 8
+        auto* at = reinterpret_cast<ElementPair<T>*>(rows + half * 8 * kPitch + f * 16 + h * 8);
+        ElementPair<T> sum = *at;
+        sum.v[0] = from_float<T>(to_float(sum.v[0]) + acc[f][4 * h + 2 * half]);
+        sum.v[1] = from_float<T>(to_float(sum.v[1]) + acc[f][4 * h + 2 * half + 1]);
+        *at = sum;
+      }
+    }
+  }
+}
 
 // Output element of slot s at column j of slice c.
 __device__ __forceinline__ int64_t out_offset(const LoraDeltaParams& p, int64_t s, int c, int64_t j) {

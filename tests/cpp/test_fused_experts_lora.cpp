@@ -265,6 +265,10 @@ std::vector<LayerLoraCase> layer_cases() {
                    .H = 1040, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
       g.push_back({.name = "grouped16_warp_tile_shrink_rank128", .backend = backend, .M = 300, .top_k = 4, .E = 16,
                    .H = 272, .I = 80, .rank = 128});
+      // Rank 16's variant (4 steps a batch, 128 K) past one batch a K quarter: GEMM1's K = 1040
+      // (quarters of 288: two batches and a step), GEMM2's 528 (160: one batch and a step).
+      g.push_back({.name = "grouped16_warp_tile_shrink_rank16_long_k", .backend = backend, .M = 300, .top_k = 4,
+                   .E = 16, .H = 1040, .I = 528, .L = 8, .rank = 16, .share = 0.5});
       g.push_back({.name = "grouped16_warp_tile_shrink_rank8", .backend = backend, .M = 300, .top_k = 4, .E = 16,
                    .H = 272, .I = 80, .rank = 8});
       g.push_back({.name = "grouped16_warp_tile_shrink_rank24_one_slice_fp16", .backend = backend,
@@ -488,7 +492,7 @@ TEST(FusedExpertsLoraExpandSchedules, NeverAndAlwaysStreamedMatchReference) {
 // tiles), and groups of several adapters (E = 64 and 8 adapters: ~7 a group, so more than one
 // round of lora_b tiles at rank 16 and one a round at rank 64), disabled adapters, swiglu_oai
 // at rank 16 (the join by groups, interleaved), share 0.5 (groups with live rows and no
-// adapter, which the join activates) and fp16 at rank 32; the warps' last 8 outputs past I = 80.
+// adapter, which the join activates), fp16 at rank 32 and rank 48; the warps' last 8 outputs past I = 80.
 TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   const ScopedKnob groups(cuda::lora_expand_groups_use, cuda::set_lora_expand_groups_use,
@@ -502,6 +506,9 @@ TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
                    .L = 2, .share = 0.5, .activation = Activation::kSwigluOai});
   cases.push_back({.name = "fp16", .backend = Backend::kCUDA, .dtype = DType::kFloat16, .M = 200, .top_k = 4, .E = 16,
                    .H = 272, .I = 80, .rank = 32, .share = 0.5});
+  // GEMM2's expand at slices x padded rank 48 (the kernel's k_extent instances: 16, 32, 48, 64).
+  cases.push_back({.name = "rank48", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80,
+                   .rank = 48, .share = 0.5});
   expect_grouped_layers_match(cases, "the expands and the join by groups");
 }
 
