@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   bash docs/wip/issue31-next.sh ab   (~430 s cold) applies docs/wip/issue31-gemv-steps.patch (the GEMV shrinks' dot
-#       products with 2 steps' loads in flight), issue31-align-adapters.patch (the token's adapter loaded beside its
-#       expert id, adapter_enabled from shared memory), issue31-shrink-staged.patch (the warp-tile shrink's operands
-#       by cp.async, one wait a batch) and issue31-groups-index.patch (the groups expand's copy indices worked out
-#       once, with constant divisors), builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA
-#       grid at M = 1-1024 against 026da31's report, DeepSeek-V3 with the warp tiles forced, and the kernels of five
-#       cells; PATCHES="NAME ..." applies a subset. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
+#   PATCHES="NAME ..." bash docs/wip/issue31-next.sh ab   (~320 s cold) applies docs/wip/issue31-NAME.patch for each
+#       NAME, builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA grid at M = 1-1024 against
+#       de2377a's report (a lease apart: judge by 'attrib'), DeepSeek-V3 with the warp tiles forced, and the kernels of
+#       five cells. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
 #       lease-proof.sh.)
+#   PATCHES="NAME ..." bash docs/wip/issue31-next.sh attrib   (~460 s cold for three) one full build with every patch,
+#       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 after each, in one
+#       run (a cell moved 15% between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session).
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
@@ -25,13 +25,11 @@ build() {
 }
 case "${1:-}" in
 ab)
-  # The forty-seventh session's four patches, built together (each changes other kernels): their kernel times against
-  # 026da31's report (reports/gpu/2026-11-30-h200-026da31-issue31-entry-rows.txt: Qwen3-30B M = 16 GEMV shrinks 18.8 /
-  # 11.2 us, align 13.3; M = 256 warp-tile shrinks 46.4 / 15.4, align 18.8; M = 1024 69.5 / 21.4, align 19.0) and the
-  # layer against that report's LoRA rows (a lease apart: ~2% drift between leases).
+  # The patches built together: their kernel times against de2377a's report
+  # (reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.txt: Qwen3-30B M = 1024 warp-tile shrinks 42.1 / 17.2 us,
+  # join 52.7, GEMM2's expand by groups 52.3, align 18.4) and the layer against that report's LoRA rows.
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  # PATCHES="shrink-staged ...": a subset (e.g. to find which one a failing test follows).
-  for f in ${PATCHES:-gemv-steps align-adapters shrink-staged groups-index}; do
+  for f in ${PATCHES:?PATCHES="NAME ..." (docs/wip/issue31-NAME.patch)}; do
     git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }
   done
   build
@@ -45,12 +43,12 @@ ab)
     --lora-rank 16 --adapters 4 --no-check --json /tmp/ab_wt.json > /dev/null 2>&1; echo "warp tiles at K 7168 rc $? at $(el) s"
   python3 - <<'PY' | tee $OUT/ab.txt
 import json
-old = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-026da31-issue31-entry-rows.json"))["rows"]
+old = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.json"))["rows"]
        if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0 and r.get("dtype", "bf16") == "bf16"
        and r.get("quant") is None}
 new = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab.json"))["rows"] if r.get("lora")}
 wt = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab_wt.json"))["rows"] if r.get("lora")}
-print("## bf16 LoRA r16, 4 adapters (us): 026da31's report / the four patches; ratio (a lease apart)")
+print("## bf16 LoRA r16, 4 adapters (us): de2377a's report / the patches; ratio (a lease apart)")
 for k in sorted(new):
     o = old.get(k)
     print(f"{k[0]:18s} M={k[1]:<5d} {o or 0:8.1f} {new[k]:8.1f} {new[k] / o if o else 0:6.3f}")
@@ -70,33 +68,34 @@ PY
   bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
   ;;
 attrib)
-  # Same-run attribution of the forty-eighth session's 'ab' (three patches, 316 s): gpt-oss-120b M = 256 went 1717 ->
-  # 1983 us while Qwen3-30B M = 256/1024 gained 8%. One full build with align-adapters, shrink-staged and
-  # groups-index, then each patch taken back in turn (incremental rebuilds), the grid at M = 16-1024 and gpt-oss M = 256's
-  # kernels after each: the column that moves gpt-oss is the patch to blame.
+  # Same-run attribution: first with every patch ('all'), then each taken back in reverse order (a column named for
+  # the patch it takes back; the last column is main). The forty-eighth session's: 'ab' showed gpt-oss-120b M = 256
+  # 1717 -> 1983 us; here it was ~2000 in every column, main's too (the lease, not a patch).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  steps="all:- staged:shrink-staged groups:groups-index align:align-adapters"
-  for f in align-adapters shrink-staged groups-index; do git apply docs/wip/issue31-$f.patch || exit 1; done
+  patches=${PATCHES:?PATCHES="NAME ..." (docs/wip/issue31-NAME.patch)}
+  for f in $patches; do git apply docs/wip/issue31-$f.patch || exit 1; done
+  rev=""; for f in $patches; do rev="$f $rev"; done
+  steps="all:-"; for f in $rev; do steps="$steps $f:$f"; done
+  names=""
   for step in $steps; do
     name=${step%%:*}; drop=${step#*:}
     if [ "$drop" != "-" ]; then git apply -R docs/wip/issue31-$drop.patch || exit 1; fi
     build
     timeout 60 $B/moelora_bench --device cuda --model all --tokens 16,64,256,1024 --lora-rank 16 --adapters 4 \
       --lora-share 1.0 --no-check --json /tmp/at_$name.json > /tmp/at_$name.log 2>&1; echo "grid $name rc $? at $(el) s"
-    timeout 30 bash tools/profile_layer.sh $B moelora_bench --model gpt-oss-120b --tokens 256 --lora-rank 16 --adapters 4 \
-      > $OUT/kernels_gptoss256_$name.txt 2>&1; echo "kernels $name rc $? at $(el) s"
+    names="$names $name"
     [ $(el) -gt 480 ] && { echo "stopping at $(el) s"; break; }
   done
+  export NAMES="$names"
   python3 - <<'PY' | tee $OUT/attrib.txt
 import json, os
-names = [n for n in ("all", "staged", "groups", "align") if os.path.exists(f"/tmp/at_{n}.json")]
+names = os.environ["NAMES"].split()
 t = {n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/at_{n}.json"))["rows"] if r.get("lora")} for n in names}
-print("## us, one run: all three patches, then without staged, without groups-index too, without align too (= main)")
+print("## us, one run: every patch ('all'), then each named patch taken back in turn (the last column is main)")
 print(f"{'model':18s} {'M':>6s} " + " ".join(f"{n:>9s}" for n in names))
 for k in sorted(t["all"]):
     print(f"{k[0]:18s} {k[1]:6d} " + " ".join(f"{t[n].get(k, 0):9.1f}" for n in names))
 PY
-  for f in $OUT/kernels_gptoss256_*.txt; do echo "## $f"; cat $f; done | tee -a $OUT/attrib.txt | grep -E "^##|us " | cut -c1-120
   ;;
 peer)
   # Nsight Compute's sections for the peer's LoRA kernels (benchmarks/triton_moe_lora_peer_kernels.py) at MODEL and M,

@@ -377,10 +377,11 @@ SegmentedShrinkSplit segmented_shrink_split(const LoraDeltaParams& p) {
 // ---- shrink by warp tiles (short runs) ----------------------------------------------------
 // A CTA takes one 16-entry tile of the alignment (inside one block: one expert), one of the
 // tile's adapters and up to kWarpTileColTiles * 8 of one slice's lora_a rows; its four warps
-// take a quarter of K each with both operands loaded from global memory straight into
-// mma.m16n8k16 fragments, and add their sums in shared memory in warp order (the result does
-// not depend on timing). No K loop over shared memory, no partial sums in global memory; t is
-// written once, for the tile's rows of that adapter only.
+// take a quarter of K each, each lane copying its own operands of a batch of steps by cp.async
+// into shared slots only it reads back, then building mma.m16n8k16 fragments from them; the
+// warps add their sums in shared memory in warp order (the result does not depend on timing).
+// No barrier in the K loop, no partial sums in global memory; t is written once, for the
+// tile's rows of that adapter only.
 // The fragments from 16-byte loads: mma_rows_32k (moe_lora_tiles.cuh).
 // NOTE: why not the segmented kernel at short runs (ncu, H200, Qwen3-30B LoRA r16 M = 256,
 // 2048 slots, mean run 4 entries; docs/perf_notes/issues-31-33.md): its GEMM1 shrink took
