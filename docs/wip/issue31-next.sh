@@ -8,6 +8,10 @@
 #   PATCHES="NAME ..." bash docs/wip/issue31-next.sh attrib   (~460 s cold for three) one full build with every patch,
 #       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 after each, in one
 #       run (a cell moved 15% between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session).
+#   [PATCHES="NAME ..."] KNOB="VAR=VALUE" bash docs/wip/issue31-next.sh knob   (~330 s cold) the patches applied, the
+#       LoRA tests, then the LoRA grid at M = 1-1024 with the default and with KNOB in one run, and the kernels of
+#       Qwen3-30B M = 16 and 64 and OLMoE M = 16 with KNOB; KNOB_SOURCE=REGEX adds ncu's source page of that kernel at
+#       Qwen3-30B M = 16 (default run).
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
@@ -66,6 +70,37 @@ PY
     --tokens 1024 --lora-rank 16 --adapters 4 > /tmp/kernels_groups2_deepseek-v3-tp8_1024.txt 2>&1
   for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
   bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
+  ;;
+knob)
+  # A same-run A/B of one knob the patches add or keep (a rule's candidate before it becomes the rule).
+  knob=${KNOB:?KNOB="VAR=VALUE"}
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  for f in ${PATCHES:-}; do git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }; done
+  build
+  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLora*:All/LoraDeltaTest.*'
+  timeout 150 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
+  echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
+  grid="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+  for round in 1 2; do  # alternating, so drift within the call shows as round-to-round change
+    timeout 60 $B/moelora_bench $grid --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
+    env $knob timeout 60 $B/moelora_bench $grid --json /tmp/kn_knob$round.json > /dev/null 2>&1; echo "knob $round rc $? at $(el) s"
+  done
+  KNOB_NAME="$knob" python3 - <<'PY' | tee $OUT/knob.txt
+import json, os
+def rows(f): return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")}
+d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
+print(f"## bf16 LoRA r16, 4 adapters (us), one run: default (two rounds) / {os.environ['KNOB_NAME']} (two rounds); ratio of the minima")
+for k in sorted(d1):
+    d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
+    print(f"{k[0]:18s} M={k[1]:<5d} {d1[k]:8.1f} {d2.get(k, 0):8.1f} {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f}  {n / d:6.3f}")
+PY
+  for cell in "qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16"; do
+    set -- $cell
+    env $knob timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
+      > /tmp/knk_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
+  done
+  for f in /tmp/knk_*.txt; do echo "## $f ($knob)"; cat $f; done | cut -c1-140 | tee -a $OUT/knob.txt
+  [ -n "${KNOB_SOURCE:-}" ] && bash "$0" source qwen3-30b-a3b 16 "$KNOB_SOURCE" 2>&1 | tail -75 | tee $OUT/source.txt
   ;;
 attrib)
   # Same-run attribution: first with every patch ('all'), then each taken back in reverse order (a column named for
