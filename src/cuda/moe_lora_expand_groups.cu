@@ -298,16 +298,14 @@ void launch_groups(const LoraDeltaParams& p, const ActivationQuantizeParams& act
         launch_kernel(kernel, dim3(unsigned(groups), unsigned(column_tiles)), dim3(kThreads), size_t(smem),
                       static_cast<cudaStream_t>(stream), p, act);
       };
-      // check_groups: a multiple of 16, at most 64; the join's two slices (gate, up) make it 32 or 64.
-      if constexpr (kJoin) {
-        k_extent == 32 ? launch(std::integral_constant<int, 32>{}) : launch(std::integral_constant<int, 64>{});
-      } else {
-        switch (k_extent) {
-          case 16: launch(std::integral_constant<int, 16>{}); break;
-          case 32: launch(std::integral_constant<int, 32>{}); break;
-          case 48: launch(std::integral_constant<int, 48>{}); break;
-          default: launch(std::integral_constant<int, 64>{});
-        }
+      // check_groups: a multiple of 16, at most 64. Every value for the join too: with w13 as
+      // one LoRA slice (gate and up in one stack) its k_extent is the padded rank, 16 or 48
+      // as well. (de2377a launched the join's 64 instance there: t copied past its row.)
+      switch (k_extent) {
+        case 16: launch(std::integral_constant<int, 16>{}); break;
+        case 32: launch(std::integral_constant<int, 32>{}); break;
+        case 48: launch(std::integral_constant<int, 48>{}); break;
+        default: launch(std::integral_constant<int, 64>{});
       }
     }
   });

@@ -492,7 +492,8 @@ TEST(FusedExpertsLoraExpandSchedules, NeverAndAlwaysStreamedMatchReference) {
 // tiles), and groups of several adapters (E = 64 and 8 adapters: ~7 a group, so more than one
 // round of lora_b tiles at rank 16 and one a round at rank 64), disabled adapters, swiglu_oai
 // at rank 16 (the join by groups, interleaved), share 0.5 (groups with live rows and no
-// adapter, which the join activates), fp16 at rank 32 and rank 48; the warps' last 8 outputs past I = 80.
+// adapter, which the join activates), fp16 at rank 32 and rank 48, w13 as one slice at rank 16
+// and 48; the warps' last 8 outputs past I = 80.
 TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   const ScopedKnob groups(cuda::lora_expand_groups_use, cuda::set_lora_expand_groups_use,
@@ -509,6 +510,12 @@ TEST(FusedExpertsLoraExpandGroups, MatchesReference) {
   // GEMM2's expand at slices x padded rank 48 (the kernel's k_extent instances: 16, 32, 48, 64).
   cases.push_back({.name = "rank48", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272, .I = 80,
                    .rank = 48, .share = 0.5});
+  // The join with w13 as one slice: slices x padded rank 16 and 48 (rank 48 past the groups at
+  // two slices), so every k_extent instance of the join runs.
+  cases.push_back({.name = "one_slice_rank16", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
+                   .I = 80, .rank = 16, .share = 0.5, .w13_slices = 1});
+  cases.push_back({.name = "one_slice_rank48_swiglu_oai", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16,
+                   .H = 272, .I = 80, .rank = 48, .w13_slices = 1, .activation = Activation::kSwigluOai});
   expect_grouped_layers_match(cases, "the expands and the join by groups");
 }
 
