@@ -89,10 +89,17 @@ knob)
 import json, os
 def rows(f): return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")}
 d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
-print(f"## bf16 LoRA r16, 4 adapters (us), one run: default (two rounds) / {os.environ['KNOB_NAME']} (two rounds); ratio of the minima")
+# The last proof's LoRA rows (a lease apart): what the patches do to the default.
+report = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.json"))["rows"]
+          if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0
+          and r.get("dtype", "bf16") == "bf16" and r.get("quant") is None}
+print(f"## bf16 LoRA r16, 4 adapters (us): de2377a's report; this run's default (two rounds) / {os.environ['KNOB_NAME']} "
+      "(two rounds); default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
 for k in sorted(d1):
     d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
-    print(f"{k[0]:18s} M={k[1]:<5d} {d1[k]:8.1f} {d2.get(k, 0):8.1f} {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f}  {n / d:6.3f}")
+    r = report.get(k, 0)
+    print(f"{k[0]:18s} M={k[1]:<5d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
+          f"{d / r if r else 0:6.3f} {n / d:6.3f}")
 PY
   # Qwen3-30B and DeepSeek-V3 at M = 1024: the knob changes nothing there (slots past the GEMVs', runs short), so their
   # kernels show the patches' other kernels (the top-k sum: de2377a's report 13.6 / 36.3 us by ncu).
