@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 8)
 template <bool kJoin, ActivationKind kKind = ActivationKind::kSiluAndMul>
 void launch_groups(const LoraDeltaParams& p, const ActivationQuantizeParams& act, int64_t column_tiles,
                    Stream stream) {
-  const int k_extent = p.num_slices * round_up16(int(p.rank));
+  const int k_extent = expand_groups_k_extent(p);
   const int64_t groups = (p.max_num_tokens_padded + kTileRows - 1) / kTileRows;
   if (groups > INT32_MAX || column_tiles > 65535) {
     throw Error("moelora.fused_experts: too many LoRA rows or columns for the expand (" + std::to_string(groups) +

@@ -416,7 +416,8 @@ constexpr int64_t kWarpTilesMaxK = 8192;
 // Rank <= 16 (2 column tiles): at most 96 registers, 5 CTAs an SM (35 KB of shared memory
 // each); unbounded, ptxas took 100 (4 CTAs); at 6 CTAs (80) it spilled 8 bytes on sm_90a.
 template <typename T, int kColTiles, int kSteps>
-__global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1) moe_lora_shrink_warp_tiles_kernel(const LoraDeltaParams p) {
+__global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1)
+    moe_lora_shrink_warp_tiles_kernel(const LoraDeltaParams p) {
   static_assert(kTensorCores<T>, "mma.m16n8k16 on 16-bit types");
   __shared__ float partial_sums[kWarpTileWarps - 1][kColTiles * 4][32];  // warps 1-3's, lane-major
   // A lane's own 16-byte operands of kSteps steps (rows g, g + 8 of a, then its lora_a rows),
@@ -480,7 +481,9 @@ __global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1) moe_
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) cp_async_16_zfill(smem_addr(&staged[warp][s][h][lane]), a_rows[h] + k + 32 * s, true);
+        for (int h = 0; h < 2; ++h) {
+          cp_async_16_zfill(smem_addr(&staged[warp][s][h][lane]), a_rows[h] + k + 32 * s, true);
+        }
 #pragma unroll
         for (int j = 0; j < kColTiles; ++j) {
           cp_async_16_zfill(smem_addr(&staged[warp][s][2 + j][lane]), b_rows[j] + k + 32 * s, true);
@@ -627,8 +630,8 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
         const auto kernel = cta_col_tiles == 2 ? moe_lora_shrink_warp_tiles_kernel<T, 2, 4>
                                                : moe_lora_shrink_warp_tiles_kernel<T, kWarpTileColTiles, 2>;
         // 5 CTAs of 35 KB an SM: the carveout to shared memory.
-        MOELORA_CUDA_CHECK(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+        MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                cudaSharedmemCarveoutMaxShared));
         const int col_chunks = (col_tiles + cta_col_tiles - 1) / cta_col_tiles;
         launch_kernel(kernel, dim3(unsigned(tiles), unsigned(p.num_slices * col_chunks), unsigned(ways)),
                       dim3(kWarpTileThreads), 0, static_cast<cudaStream_t>(stream), p);

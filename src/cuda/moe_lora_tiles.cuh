@@ -237,10 +237,10 @@ __device__ __forceinline__ void column_slice(const LoraDeltaParams& p, int64_t j
 // The most slices x padded rank moe_lora_expand_groups takes (its per-warp t and lora_b tiles;
 // GEMM2's expand up to rank 64, GEMM1's two slices up to rank 32).
 constexpr int kExpandGroupsMaxKExtent = 64;
+// The K of moe_lora_expand_groups' MMAs: slices x padded rank (its kernel's instance).
+inline int expand_groups_k_extent(const LoraDeltaParams& p) { return p.num_slices * round_up16(int(p.rank)); }
 // Whether moe_lora_expand_groups takes p's slices x padded rank (its callers also need vectors_fit).
-inline bool expand_groups_fit(const LoraDeltaParams& p) {
-  return p.num_slices * round_up16(int(p.rank)) <= kExpandGroupsMaxKExtent;
-}
+inline bool expand_groups_fit(const LoraDeltaParams& p) { return expand_groups_k_extent(p) <= kExpandGroupsMaxKExtent; }
 
 // Two adjacent elements of a tile row, moved as one 32-bit shared access.
 template <typename T>
