@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
-#   PATCHES="NAME ..." bash docs/wip/issue31-next.sh ab   (~320 s cold) applies docs/wip/issue31-NAME.patch for each
-#       NAME, builds into /tmp/bl, runs the LoRA, delta and align tests, the unchecked LoRA grid at M = 1-1024 against
-#       de2377a's report (a lease apart: judge by 'attrib'), DeepSeek-V3 with the warp tiles forced, and the kernels of
-#       five cells. (Its earlier 'ab's: docs/perf_notes/issues-31-33.md; for a same-run A/B of landed knobs: PROOF_AB in
-#       lease-proof.sh.)
+#   [PATCHES="NAME ..."] [KNOB="VAR=VALUE"] bash docs/wip/issue31-next.sh ab   (~330 s cold) applies
+#       docs/wip/issue31-NAME.patch for each NAME, builds into /tmp/bl, runs the LoRA, delta, align and sum tests, the
+#       unchecked LoRA grid at M = 1-1024 in two alternating rounds against de2377a's report (a lease apart) and, with
+#       KNOB, the same grid under it in the same run; then the kernels of Qwen3-30B M = 16, 64, 1024, OLMoE M = 16 and
+#       DeepSeek-V3 M = 1024 (under KNOB); KNOB_SOURCE=REGEX adds ncu's source page of that kernel at Qwen3-30B M = 16.
+#       `knob` is the same, with KNOB required. $OUT: tests.log, ab.txt. (Earlier 'ab's: docs/perf_notes/issues-31-33.md;
+#       for a same-run A/B of landed knobs: PROOF_AB in lease-proof.sh.)
 #   PATCHES="NAME ..." bash docs/wip/issue31-next.sh attrib   (~460 s cold for three) one full build with every patch,
 #       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 after each, in one
 #       run (a cell moved 15% between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session).
-#   [PATCHES="NAME ..."] KNOB="VAR=VALUE" bash docs/wip/issue31-next.sh knob   (~330 s cold) the patches applied, the
-#       LoRA and sum tests, then the LoRA grid at M = 1-1024 with the default and with KNOB in one run, and the kernels
-#       of Qwen3-30B M = 16, 64, 1024, OLMoE M = 16, DeepSeek-V3 M = 1024 with KNOB; KNOB_SOURCE=REGEX adds ncu's source page of that kernel at
-#       Qwen3-30B M = 16 (default run).
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
@@ -27,88 +25,68 @@ build() {
     > /tmp/build.log 2>&1 || { grep -B2 -A12 "error" /tmp/build.log | head -60; exit 1; }
   echo "build $(el) s"
 }
-case "${1:-}" in
-ab)
-  # The patches built together: their kernel times against de2377a's report
-  # (reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.txt: Qwen3-30B M = 1024 warp-tile shrinks 42.1 / 17.2 us,
-  # join 52.7, GEMM2's expand by groups 52.3, align 18.4) and the layer against that report's LoRA rows.
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  for f in ${PATCHES:?PATCHES="NAME ..." (docs/wip/issue31-NAME.patch)}; do
-    git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }
-  done
-  build
-  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLoraExpand*:*Align*:All/LoraDeltaTest.*'
-  timeout 120 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
+# docs/wip/issue31-NAME.patch for each NAME in $@ (none: main as it is).
+apply_patches() {
+  for f in "$@"; do git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }; done
+}
+# The LoRA layer, delta, align and top-k sum tests into $OUT/tests.log.
+lora_tests() {
+  local tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLora*:All/LoraDeltaTest.*'
+  timeout 150 $B/moelora_tests --gtest_filter="$tests:*Align*:*SumReduce*" > $OUT/tests.log 2>&1
   echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
-  grid="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
-  timeout 60 $B/moelora_bench $grid --json /tmp/ab.json > /tmp/ab.log 2>&1; echo "grid rc $? at $(el) s"
-  # The warp-tile shrink at K = 7168 (DeepSeek-V3; kWarpTilesMaxK keeps it off there): staged, does it win now?
-  MOELORA_LORA_SHRINK_WARP_TILES=2 timeout 30 $B/moelora_bench --device cuda --model deepseek-v3-tp8 --tokens 256,1024 \
-    --lora-rank 16 --adapters 4 --no-check --json /tmp/ab_wt.json > /dev/null 2>&1; echo "warp tiles at K 7168 rc $? at $(el) s"
-  python3 - <<'PY' | tee $OUT/ab.txt
-import json
-old = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.json"))["rows"]
-       if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0 and r.get("dtype", "bf16") == "bf16"
-       and r.get("quant") is None}
-new = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab.json"))["rows"] if r.get("lora")}
-wt = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("/tmp/ab_wt.json"))["rows"] if r.get("lora")}
-print("## bf16 LoRA r16, 4 adapters (us): de2377a's report / the patches; ratio (a lease apart)")
-for k in sorted(new):
-    o = old.get(k)
-    print(f"{k[0]:18s} M={k[1]:<5d} {o or 0:8.1f} {new[k]:8.1f} {new[k] / o if o else 0:6.3f}")
-print("## DeepSeek-V3 with the warp-tile shrink forced (MOELORA_LORA_SHRINK_WARP_TILES=2) / the rule (segmented)")
-for k in sorted(wt):
-    print(f"{k[0]:18s} M={k[1]:<5d} {new.get(k, 0):8.1f} {wt[k]:8.1f} {wt[k] / new[k] if new.get(k) else 0:6.3f}")
-PY
-  for cell in "qwen3-30b-a3b 16" "qwen3-30b-a3b 256" "qwen3-30b-a3b 1024" "olmoe-1b-7b 256" "deepseek-v3-tp8 64"; do
+}
+# Each "MODEL M" cell's LoRA r16 layer kernel by kernel (tools/profile_layer.sh), under the environment given.
+profile_cells() {
+  local cell
+  for cell in "$@"; do
     set -- $cell
     timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
       > /tmp/kernels_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
+    echo "## $1 M=$2 (tools/profile_layer.sh)"; cut -c1-140 /tmp/kernels_$1_$2.txt
   done
-  # GEMM2's expand by groups where the peer's took 127.9 us under ncu (e89f6fd's groups: 259).
-  MOELORA_LORA_EXPAND_GROUPS=2 timeout 30 bash tools/profile_layer.sh $B moelora_bench --model deepseek-v3-tp8 \
-    --tokens 1024 --lora-rank 16 --adapters 4 > /tmp/kernels_groups2_deepseek-v3-tp8_1024.txt 2>&1
-  for f in /tmp/kernels_*.txt; do echo "## $f (tools/profile_layer.sh)"; cat $f; done | tee -a $OUT/ab.txt
-  bash "$0" diag qwen3-30b-a3b 1024 > /dev/null; grep -A9 shrink_warp_tiles $OUT/diag.txt | head -10 | tee -a $OUT/ab.txt
-  ;;
-knob)
-  # A same-run A/B of one knob the patches add or keep (a rule's candidate before it becomes the rule).
-  knob=${KNOB:?KNOB="VAR=VALUE"}
+}
+LORA_GRID="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+case "${1:-}" in
+ab|knob)
+  # The patches built together, their tests, then the LoRA grid (two alternating rounds, so drift within the call
+  # shows) against the last proof's report (a lease apart), and with KNOB (knob: "VAR=VALUE", a rule's candidate
+  # before it becomes the rule) in the same run; then the kernels of a few cells (with KNOB).
+  [ "$1" = knob ] && : "${KNOB:?KNOB=\"VAR=VALUE\"}"
+  knob=${KNOB:-}
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  for f in ${PATCHES:-}; do git apply docs/wip/issue31-$f.patch || { echo "issue31-$f.patch failed"; exit 1; }; done
+  apply_patches ${PATCHES:-}
   build
-  tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLora*:All/LoraDeltaTest.*:*SumReduce*'
-  timeout 150 $B/moelora_tests --gtest_filter="$tests" > $OUT/tests.log 2>&1
-  echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
-  grid="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
-  for round in 1 2; do  # alternating, so drift within the call shows as round-to-round change
-    timeout 60 $B/moelora_bench $grid --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
-    env $knob timeout 60 $B/moelora_bench $grid --json /tmp/kn_knob$round.json > /dev/null 2>&1; echo "knob $round rc $? at $(el) s"
+  lora_tests
+  rm -f /tmp/kn_*.json  # a warm machine's from an earlier call
+  for round in 1 2; do
+    timeout 60 $B/moelora_bench $LORA_GRID --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
+    [ -z "$knob" ] && continue
+    env $knob timeout 60 $B/moelora_bench $LORA_GRID --json /tmp/kn_knob$round.json > /dev/null 2>&1
+    echo "knob $round rc $? at $(el) s"
   done
-  KNOB_NAME="$knob" python3 - <<'PY' | tee $OUT/knob.txt
+  KNOB_NAME="$knob" python3 - <<'PY' | tee $OUT/ab.txt
 import json, os
-def rows(f): return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")}
+def rows(f):
+    return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")} if os.path.exists(f) else {}
 d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
 # The last proof's LoRA rows (a lease apart): what the patches do to the default.
 report = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.json"))["rows"]
           if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0
           and r.get("dtype", "bf16") == "bf16" and r.get("quant") is None}
-print(f"## bf16 LoRA r16, 4 adapters (us): de2377a's report; this run's default (two rounds) / {os.environ['KNOB_NAME']} "
-      "(two rounds); default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
+knob = os.environ["KNOB_NAME"] or "no knob"
+print(f"## bf16 LoRA r16, 4 adapters (us): de2377a's report | this run's default, two rounds | {knob}, two rounds | "
+      "default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
 for k in sorted(d1):
     d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
     r = report.get(k, 0)
     print(f"{k[0]:18s} M={k[1]:<5d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
-          f"{d / r if r else 0:6.3f} {n / d:6.3f}")
+          f"{d / r if r else 0:6.3f} {n / d if k in k1 else 0:6.3f}")
 PY
-  # Qwen3-30B and DeepSeek-V3 at M = 1024: the knob changes nothing there (slots past the GEMVs', runs short), so their
-  # kernels show the patches' other kernels (the top-k sum: de2377a's report 13.6 / 36.3 us by ncu).
-  for cell in "qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16" "qwen3-30b-a3b 1024" "deepseek-v3-tp8 1024"; do
-    set -- $cell
-    env $knob timeout 30 bash tools/profile_layer.sh $B moelora_bench --model $1 --tokens $2 --lora-rank 16 --adapters 4 \
-      > /tmp/knk_$1_$2.txt 2>&1; echo "kernels $1 M=$2 rc $? at $(el) s"
-  done
-  for f in /tmp/knk_*.txt; do echo "## $f ($knob)"; cat $f; done | cut -c1-140 | tee -a $OUT/knob.txt
+  # Qwen3-30B and DeepSeek-V3 at M = 1024: the small-M shrink's knob changes nothing there (slots past the GEMVs', runs
+  # short), so their kernels show the patches' other kernels (the top-k sum: de2377a's report 13.6 / 36.3 us by ncu).
+  ( [ -n "$knob" ] && export "$knob"
+    profile_cells "qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16" "qwen3-30b-a3b 1024" "deepseek-v3-tp8 1024" ) |
+    tee -a $OUT/ab.txt
   [ -n "${KNOB_SOURCE:-}" ] && bash "$0" source qwen3-30b-a3b 16 "$KNOB_SOURCE" 2>&1 | tail -75 | tee $OUT/source.txt
   ;;
 attrib)
@@ -117,7 +95,7 @@ attrib)
   # 1717 -> 1983 us; here it was ~2000 in every column, main's too (the lease, not a patch).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   patches=${PATCHES:?PATCHES="NAME ..." (docs/wip/issue31-NAME.patch)}
-  for f in $patches; do git apply docs/wip/issue31-$f.patch || exit 1; done
+  apply_patches $patches
   rev=""; for f in $patches; do rev="$f $rev"; done
   steps="all:-"; for f in $rev; do steps="$steps $f:$f"; done
   names=""
