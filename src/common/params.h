@@ -613,8 +613,9 @@ enum class ExpandStreamUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
 ExpandStreamUse lora_expand_stream_use();
 void set_lora_expand_stream_use(ExpandStreamUse use);
 // Where moe_lora_shrink takes its warp-tile kernel ($MOELORA_LORA_SHRINK_WARP_TILES): 0 never
-// (the segmented shrink), 1 (the default) where the mean (expert, adapter) run is short and K
-// is at most 4096, 2 at every run length and K past the GEMVs' slot counts. For A/B timing.
+// (the segmented shrink), 1 (the default) at up to 1024 slots, and past them where the mean
+// (expert, adapter) run is short and K is at most 8192, 2 at every slot count, run length and
+// K. For A/B timing.
 enum class WarpTilesUse : int { kNever = 0, kShortRuns = 1, kAlways = 2 };
 WarpTilesUse lora_shrink_warp_tiles_use();
 // For this process, over the environment's (tests take the fallback with kNever).

@@ -1,8 +1,9 @@
 // moe_lora_shrink on CUDA: the LoRA shrink on the segmented alignment, t by entry, for
 // fused_experts' paths (the fused GEMMs' lora_t, the grouped path's moe_lora_expand_entries):
 //   t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i]ᵀ
-// Small chunks run as GEMVs over entries (moe_lora_shrink_entries_gemv_kernel), the rest as
-// row tiles of 64 entries split over K (moe_lora_shrink_segmented_kernel).
+// Small chunks and short (expert, adapter) runs take 16-entry warp tiles
+// (moe_lora_shrink_warp_tiles_kernel), the rest row tiles of 64 entries split over K
+// (moe_lora_shrink_segmented_kernel).
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
 
@@ -550,47 +551,13 @@ __global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1)
   }
 }
 
-// The segmented shrink as GEMVs over entries, a warp an item (entry, slice,
-// rank row): t[entry, c * rank + i] = scale[l] · a[row(entry)] · lora_a[c][l, e, i], for the
-// entries the segmented kernel writes (a slot, an adapter in the block's mask, a local
-// expert). For small chunks, where the segmented kernel's CTAs walk K for a row or two
-// (Qwen3-30B M = 16: ~29 us for GEMM1's shrink, H100). The entry count is read on the
-// device: a persistent grid strides over the used entries' items. 16-byte loads
-// (shrink_gemv_loadable).
-template <typename T>
-__global__ void __launch_bounds__(kGemvThreads) moe_lora_shrink_entries_gemv_kernel(const LoraDeltaParams p) {
-  wait_for_previous_kernel();
-  allow_next_kernel_launch();  // as the segmented kernel's
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t used = used_entries(p);
-  const int64_t per_entry = p.num_slices * p.rank, t_cols = per_entry;
-  const int64_t items = used * per_entry;
-  for (int64_t item = int64_t(blockIdx.x) * (kGemvThreads / 32) + warp; item < items;
-       item += int64_t(gridDim.x) * (kGemvThreads / 32)) {
-    const int64_t entry = item / per_entry, ci = item - entry * per_entry;
-    const int c = int(ci / p.rank);
-    const int64_t i = ci - c * p.rank;
-    const EntryRow row = load_entry_row(p, entry);
-    if (row.lora < 0) continue;
-    const int slot = row.slot, expert = row.expert, l = row.lora;
-    const detail::LoraSliceParams& sl = p.slices[c];
-    const T* a_row = static_cast<const T*>(p.a) + (p.a_rows_by_entry ? entry : slot / p.a_top_k) * p.a_stride_row;
-    const T* lora_row = static_cast<const T*>(sl.lora_a) + l * sl.a_stride_lora + expert * sl.a_stride_expert +
-                        i * sl.a_stride_rank;
-    const float acc = warp_dot_rows(a_row, lora_row, p.K, lane);
-    if (lane == 0) {
-      const float scale = p.adapters.adapter_scale ? p.adapters.adapter_scale[l] : 1.f;
-      static_cast<T*>(p.intermediate)[entry * t_cols + c * p.rank + i] = from_float<T>(scale * acc);
-    }
-  }
-}
-
-// The largest chunk (slots) whose fused-path shrink runs as GEMVs over entries. H200, LoRA
-// r16, 4 adapters (reports/gpu/2026-11-29-h200-issue31-patches-ab.txt): 0.88-0.97x the
-// segmented kernel's layer time at 32-1024 slots, 0.98-0.99x at 2048 on DeepSeek-V3-TP8 and
-// Qwen3-30B but 1.08x on OLMoE, 1.05-1.36x at 4096-8192: each warp re-reads its row of A,
-// which the segmented kernel's tiles share.
-constexpr int64_t kShrinkEntriesGemvMaxSlots = 1024;
+// Chunks of at most this many slots take the warp tiles at every run length and K. There they
+// replaced GEMVs over entries (a warp an (entry, slice, rank row)): H200, LoRA r16 x 4
+// adapters, M = 16-256 (at most 1024 slots), the layer took 0.93-1.01x of a rebuilt entries
+// GEMV's time and 0.95-0.98x of the old one's at M = 16 on every model, Mixtral's GEMM2
+// (K = 14336) included (docs/perf_notes/issues-31-33.md, forty-ninth session). Past it, each
+// warp re-reading its row of A lost to the segmented kernel's shared tiles at long runs.
+constexpr int64_t kWarpTilesAnyRunMaxSlots = 1024;
 
 }  // namespace
 
@@ -609,17 +576,9 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
   dispatch_float(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
-      if (p.num_slots <= kShrinkEntriesGemvMaxSlots && shrink_gemv_loadable<T>(p)) {
-        // A persistent grid: the used entries are counted on the device.
-        const int64_t warps = p.max_num_tokens_padded * p.num_slices * p.rank;
-        const int64_t ctas = std::min<int64_t>((warps + kGemvThreads / 32 - 1) / (kGemvThreads / 32),
-                                               int64_t(current_device_info().num_sms) * 8);
-        launch_kernel(moe_lora_shrink_entries_gemv_kernel<T>, dim3(unsigned(std::max<int64_t>(ctas, 1))),
-                      dim3(kGemvThreads), 0, static_cast<cudaStream_t>(stream), p);
-        return;
-      }
       const WarpTilesUse use = lora_shrink_warp_tiles_use();
-      const bool short_runs = !mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK;
+      const bool short_runs = p.num_slots <= kWarpTilesAnyRunMaxSlots ||
+                              (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK);
       if (shrink_gemv_loadable<T>(p) &&
           (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && short_runs))) {
         // Every 16-entry tile of the capacity (the used ones are read on the device).

@@ -236,8 +236,8 @@ std::vector<LayerLoraCase> layer_cases() {
     // alignment, added into its rows by entry (moe_lora_expand_entries). H and I multiples
     // of 16 (TMA rows); ranks 1-128 (rank 128 with 2 slices: two column passes of the shrink),
     // both tile shapes, interleaved and one-slice w13 stacks, fp16, disabled adapters and
-    // tokens without one, 16 and 64 adapters, chunks, past 1024 slots the warp-tile shrink
-    // (below it, the GEMVs over entries), and long runs of one (expert, adapter) with the
+    // tokens without one, 16 and 64 adapters, chunks, the warp-tile shrink (at up to 1024
+    // slots, and past them at short runs), and long runs of one (expert, adapter) with the
     // segmented shrink and the streamed expands.
     {
       std::vector<LayerLoraCase> g;
@@ -345,9 +345,11 @@ std::vector<LayerLoraCase> layer_cases() {
       }
       fused.push_back({.name = tag + "split_k_sorted_activation_share50", .backend = backend, .M = 200, .top_k = 4,
                        .H = 1032, .I = 528, .L = 16, .share = 0.5, .disable_some = true});
-      // Past 1024 slots (kShrinkEntriesGemvMaxSlots, src/cuda/moe_lora_shrink_segmented.cu) the shrink is the
-      // segmented MMA kernel; the cases above take the GEMVs over entries.
-      // Below a mean (expert, adapter) run of 32 entries (slots / (E * L)) it is the warp-tile
+      // Up to 1024 slots (kWarpTilesAnyRunMaxSlots, src/cuda/moe_lora_shrink_segmented.cu) the shrink
+      // takes the warp tiles at every K: the cases above, and one past kWarpTilesMaxK.
+      fused.push_back({.name = tag + "warp_tile_shrink_small_chunk_long_k", .backend = backend, .M = 40, .H = 8200,
+                       .I = 80, .rank = 16});
+      // Past it, below a mean (expert, adapter) run of 32 entries (slots / (E * L)) it is the warp-tile
       // kernel: 1200 / 32 and 1088 / 32 take the segmented one, 1088 / 128 and 1200 / 128 the warp tiles
       // (tails in K: 1032 and 528 are not multiples of its 128-element steps).
       fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .rank = 16});
@@ -378,8 +380,8 @@ INSTANTIATE_TEST_SUITE_P(All, FusedExpertsLoraTest, ::testing::ValuesIn(layer_ca
 
 #ifdef MOELORA_WITH_CUDA
 // The default config; both GEMMs on the sm90 kernel with the fused expand; both on the
-// sm80 kernel with the fused expand, the shrink as GEMVs over entries (2) or the
-// segmented kernel split over K with arrival counters (3).
+// sm80 kernel with the fused expand, the shrink as warp tiles (2, 4) or the segmented kernel
+// split over K with arrival counters (3).
 class FusedExpertsLoraCudaGraph : public ::testing::TestWithParam<int> {};
 
 TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
@@ -400,7 +402,7 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
   }
   // Past 1024 slots: with long runs (1200 slots / (8 x 4) pairs >= 32) the segmented MMA
   // shrink and its arrival counters, which the alignment zeroes in every replay; with short
-  // ones (1200 / (16 x 8)) the warp-tile shrink. Below that, the GEMVs over entries.
+  // ones (1200 / (16 x 8)) the warp-tile shrink, as below 1024 slots.
   if (GetParam() == 3) c.M = 300, c.E = 8, c.L = 4;
   if (GetParam() == 4) c.M = 300;
   std::mt19937 rng(4242);
@@ -432,8 +434,8 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
 INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2, 3, 4));
 
 // Short runs through the segmented shrink, as with MOELORA_LORA_SHRINK_WARP_TILES=0 (and as
-// at K > 4096): the fallback the default rule no longer takes there (grouped path, 1200 slots /
-// (16 x 4) pairs).
+// at K > 8192 past 1024 slots): the fallback the default rule no longer takes there (grouped
+// path, 1200 slots / (16 x 4) pairs; 24 slots).
 TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   const ScopedKnob warp_tiles(cuda::lora_shrink_warp_tiles_use, cuda::set_lora_shrink_warp_tiles_use,
@@ -441,6 +443,25 @@ TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
   for (int64_t rank : {16, 64}) {
     LayerLoraCase c{.name = "warp_tiles_off", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
                     .I = 80, .rank = rank, .share = 0.5};
+    c.options.config = grouped_config();
+    c.expect_grouped = true;
+    SCOPED_TRACE("rank " + std::to_string(rank));
+    expect_layer_matches_reference(c);
+  }
+  LayerLoraCase small{.name = "warp_tiles_off_small_chunk", .backend = Backend::kCUDA, .M = 6, .top_k = 4, .E = 16,
+                      .H = 1040, .I = 528, .rank = 16};
+  expect_layer_matches_reference(small);
+}
+
+// Long runs through the warp tiles, as with MOELORA_LORA_SHRINK_WARP_TILES=2 (a candidate rule
+// the proof's A/B times: 1200 slots / (4 x 2) pairs).
+TEST(FusedExpertsLoraWarpTilesAlways, LongRunsMatchReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  const ScopedKnob warp_tiles(cuda::lora_shrink_warp_tiles_use, cuda::set_lora_shrink_warp_tiles_use,
+                              cuda::WarpTilesUse::kAlways);
+  for (int64_t rank : {16, 64}) {
+    LayerLoraCase c{.name = "warp_tiles_always", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 4, .H = 1040,
+                    .I = 528, .L = 2, .rank = rank, .share = 0.5};
     c.options.config = grouped_config();
     c.expect_grouped = true;
     SCOPED_TRACE("rank " + std::to_string(rank));
