@@ -433,21 +433,38 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
 }
 INSTANTIATE_TEST_SUITE_P(Configs, FusedExpertsLoraCudaGraph, ::testing::Values(0, 1, 2, 3, 4));
 
+// Each case through the grouped GEMMs (and so the grouped path's LoRA kernels) against the
+// float64 reference.
+void expect_grouped_layers_match(const std::vector<LayerLoraCase>& cases, const std::string& variant) {
+  for (LayerLoraCase c : cases) {
+    c.options.config = grouped_config();
+    c.expect_grouped = true;
+    SCOPED_TRACE(c.name + ", " + variant);
+    expect_layer_matches_reference(c);
+  }
+}
+
+// c at ranks 16 and 64 (one and four column tiles of the warp-tile shrink) through the grouped GEMMs.
+void expect_grouped_ranks_match(LayerLoraCase c, const std::string& variant) {
+  std::vector<LayerLoraCase> cases;
+  for (int64_t rank : {16, 64}) {
+    c.rank = rank;
+    cases.push_back(c);
+    cases.back().name += "_rank" + std::to_string(rank);
+  }
+  expect_grouped_layers_match(cases, variant);
+}
+
 // Short runs through the segmented shrink, as with MOELORA_LORA_SHRINK_WARP_TILES=0 (and as
 // at K > 8192 past 1024 slots): the fallback the default rule no longer takes there (grouped
-// path, 1200 slots / (16 x 4) pairs; 24 slots).
+// path, 1200 slots / (16 x 4) pairs; a fused-path chunk of 24 slots).
 TEST(FusedExpertsLoraWarpTilesOff, ShortRunsMatchReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   const ScopedKnob warp_tiles(cuda::lora_shrink_warp_tiles_use, cuda::set_lora_shrink_warp_tiles_use,
                               cuda::WarpTilesUse::kNever);
-  for (int64_t rank : {16, 64}) {
-    LayerLoraCase c{.name = "warp_tiles_off", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16, .H = 272,
-                    .I = 80, .rank = rank, .share = 0.5};
-    c.options.config = grouped_config();
-    c.expect_grouped = true;
-    SCOPED_TRACE("rank " + std::to_string(rank));
-    expect_layer_matches_reference(c);
-  }
+  expect_grouped_ranks_match({.name = "short_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 16,
+                              .H = 272, .I = 80, .share = 0.5},
+                             "warp tiles off");
   LayerLoraCase small{.name = "warp_tiles_off_small_chunk", .backend = Backend::kCUDA, .M = 6, .top_k = 4, .E = 16,
                       .H = 1040, .I = 528, .rank = 16};
   expect_layer_matches_reference(small);
@@ -459,14 +476,9 @@ TEST(FusedExpertsLoraWarpTilesAlways, LongRunsMatchReference) {
   MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
   const ScopedKnob warp_tiles(cuda::lora_shrink_warp_tiles_use, cuda::set_lora_shrink_warp_tiles_use,
                               cuda::WarpTilesUse::kAlways);
-  for (int64_t rank : {16, 64}) {
-    LayerLoraCase c{.name = "warp_tiles_always", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 4, .H = 1040,
-                    .I = 528, .L = 2, .rank = rank, .share = 0.5};
-    c.options.config = grouped_config();
-    c.expect_grouped = true;
-    SCOPED_TRACE("rank " + std::to_string(rank));
-    expect_layer_matches_reference(c);
-  }
+  expect_grouped_ranks_match({.name = "long_runs", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 4,
+                              .H = 1040, .I = 528, .L = 2, .share = 0.5},
+                             "warp tiles always");
 }
 
 // The expand variants' cases: short runs (tiles of many pairs), long runs, and swiglu_oai
@@ -479,17 +491,6 @@ std::vector<LayerLoraCase> expand_cases() {
       {.name = "swiglu_oai_rank64", .backend = Backend::kCUDA, .M = 300, .top_k = 4, .E = 8, .H = 272, .I = 80, .L = 2,
        .rank = 64, .activation = Activation::kSwigluOai},
   };
-}
-
-// Each case through the grouped GEMMs (and so the grouped path's LoRA kernels) against the
-// float64 reference.
-void expect_grouped_layers_match(const std::vector<LayerLoraCase>& cases, const std::string& variant) {
-  for (LayerLoraCase c : cases) {
-    c.options.config = grouped_config();
-    c.expect_grouped = true;
-    SCOPED_TRACE(c.name + ", " + variant);
-    expect_layer_matches_reference(c);
-  }
 }
 
 // The LoRA expands' column-tile schedules whatever the rule picks ($MOELORA_LORA_EXPAND_STREAM
