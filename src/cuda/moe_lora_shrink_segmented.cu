@@ -411,6 +411,13 @@ constexpr int64_t kWarpTilesMaxMeanRun = 32;
 // the warp tiles took 0.938x of the layer at M = 256 and 0.978x at M = 1024 (H200, this
 // commit's lease). K = 14336 (Mixtral's GEMM2) is not measured, so it stays segmented.
 constexpr int64_t kWarpTilesMaxK = 8192;
+// Chunks of at most this many slots take the warp tiles at every run length and K (past it,
+// the two bounds above). There they replaced GEMVs over entries (a warp an (entry, slice,
+// rank row), re-reading its row of A for every rank row): H200, LoRA r16 x 4 adapters, M =
+// 16-256 (at most 1024 slots), the layer took 0.93-1.01x of a rebuilt entries GEMV's time
+// and, at M = 16, 0.95-1.00x of the old one's, Mixtral's GEMM2 (K = 14336) included
+// (docs/perf_notes/issues-31-33.md, forty-ninth session).
+constexpr int64_t kWarpTilesAnyRunMaxSlots = 1024;
 
 // Grid (16-entry tiles, slices x column chunks, adapter ways). Needs shrink_gemv_loadable
 // (16-byte rows, K % 8 == 0) and block_size % 16 == 0.
@@ -551,14 +558,6 @@ __global__ void __launch_bounds__(kWarpTileThreads, kColTiles == 2 ? 5 : 1)
   }
 }
 
-// Chunks of at most this many slots take the warp tiles at every run length and K. There they
-// replaced GEMVs over entries (a warp an (entry, slice, rank row)): H200, LoRA r16 x 4
-// adapters, M = 16-256 (at most 1024 slots), the layer took 0.93-1.01x of a rebuilt entries
-// GEMV's time and 0.95-0.98x of the old one's at M = 16 on every model, Mixtral's GEMM2
-// (K = 14336) included (docs/perf_notes/issues-31-33.md, forty-ninth session). Past it, each
-// warp re-reading its row of A lost to the segmented kernel's shared tiles at long runs.
-constexpr int64_t kWarpTilesAnyRunMaxSlots = 1024;
-
 }  // namespace
 
 void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
@@ -577,10 +576,10 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
       const WarpTilesUse use = lora_shrink_warp_tiles_use();
-      const bool short_runs = p.num_slots <= kWarpTilesAnyRunMaxSlots ||
-                              (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK);
+      const bool by_rule = p.num_slots <= kWarpTilesAnyRunMaxSlots ||
+                           (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK);
       if (shrink_gemv_loadable<T>(p) &&
-          (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && short_runs))) {
+          (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && by_rule))) {
         // Every 16-entry tile of the capacity (the used ones are read on the device).
         const int64_t tiles = (p.max_num_tokens_padded + kTileRows - 1) / kTileRows;
         const int ways = int(std::clamp<int64_t>(p.adapters.max_loras, 1, kWarpTileAdapterWays));
