@@ -2,13 +2,13 @@
 # Issue 31, the next lease (carry .deps; one nvidia-h200 or H100):
 #   [PATCHES="NAME ..."] [KNOB="VAR=VALUE"] bash docs/wip/issue31-next.sh ab   (~330 s cold) applies
 #       docs/wip/issue31-NAME.patch for each NAME, builds into /tmp/bl, runs the LoRA, delta, align and sum tests, the
-#       unchecked LoRA grid at M = 1-1024 in two alternating rounds against de2377a's report (a lease apart) and, with
+#       unchecked LoRA grid at M = 1-1024 in two alternating rounds against REF_REPORT (the last proof's, a lease apart) and, with
 #       KNOB, the same grid under it in the same run; then the kernels of Qwen3-30B M = 16, 64, 1024, OLMoE M = 16 and
 #       DeepSeek-V3 M = 1024 (under KNOB); KNOB_SOURCE=REGEX adds ncu's source page of that kernel at Qwen3-30B M = 16.
 #       `knob` is the same, with KNOB required. $OUT: tests.log, ab.txt. (Earlier 'ab's: docs/perf_notes/issues-31-33.md;
 #       for a same-run A/B of landed knobs: PROOF_AB in lease-proof.sh.)
 #   PATCHES="NAME ..." bash docs/wip/issue31-next.sh attrib   (~460 s cold for three) one full build with every patch,
-#       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 after each, in one
+#       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 (ATTRIB_TOKENS) after each, in one
 #       run (a cell moved 15% between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session).
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
@@ -64,17 +64,19 @@ ab|knob)
     env $knob timeout 60 $B/moelora_bench $LORA_GRID --json /tmp/kn_knob$round.json > /dev/null 2>&1
     echo "knob $round rc $? at $(el) s"
   done
-  KNOB_NAME="$knob" python3 - <<'PY' | tee $OUT/ab.txt
+  KNOB_NAME="$knob" REF_REPORT=${REF_REPORT:-reports/gpu/2026-11-30-h200-64300e1-issue31-warp-tiles-small-chunks.json} \
+    python3 - <<'PY' | tee $OUT/ab.txt
 import json, os
 def rows(f):
     return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")} if os.path.exists(f) else {}
 d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
 # The last proof's LoRA rows (a lease apart): what the patches do to the default.
-report = {(r["model"], r["M"]): r["time_us"] for r in json.load(open("reports/gpu/2026-11-30-h200-de2377a-issue31-staged-shrink.json"))["rows"]
+ref = os.environ["REF_REPORT"]
+report = {(r["model"], r["M"]): r["time_us"] for r in json.load(open(ref))["rows"]
           if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0
           and r.get("dtype", "bf16") == "bf16" and r.get("quant") is None}
 knob = os.environ["KNOB_NAME"] or "no knob"
-print(f"## bf16 LoRA r16, 4 adapters (us): de2377a's report | this run's default, two rounds | {knob}, two rounds | "
+print(f"## bf16 LoRA r16, 4 adapters (us): {os.path.basename(ref)} | this run's default, two rounds | {knob}, two rounds | "
       "default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
 for k in sorted(d1):
     d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
@@ -82,8 +84,8 @@ for k in sorted(d1):
     print(f"{k[0]:18s} M={k[1]:<5d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
           f"{d / r if r else 0:6.3f} {n / d if k in k1 else 0:6.3f}")
 PY
-  # Qwen3-30B and DeepSeek-V3 at M = 1024: the small-M shrink's knob changes nothing there (slots past the GEMVs', runs
-  # short), so their kernels show the patches' other kernels (the top-k sum: de2377a's report 13.6 / 36.3 us by ncu).
+  # A few cells kernel by kernel (under KNOB): small M (the shrinks), and M = 1024 (the expands by groups at Qwen3-30B;
+  # GEMM2's by column tiles at DeepSeek-V3).
   ( [ -n "$knob" ] && export "$knob"
     profile_cells "qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16" "qwen3-30b-a3b 1024" "deepseek-v3-tp8 1024" ) |
     tee -a $OUT/ab.txt
@@ -103,7 +105,7 @@ attrib)
     name=${step%%:*}; drop=${step#*:}
     if [ "$drop" != "-" ]; then git apply -R docs/wip/issue31-$drop.patch || exit 1; fi
     build
-    timeout 60 $B/moelora_bench --device cuda --model all --tokens 16,64,256,1024 --lora-rank 16 --adapters 4 \
+    timeout 90 $B/moelora_bench --device cuda --model all --tokens ${ATTRIB_TOKENS:-16,64,256,1024} --lora-rank 16 --adapters 4 \
       --lora-share 1.0 --no-check --json /tmp/at_$name.json > /tmp/at_$name.log 2>&1; echo "grid $name rc $? at $(el) s"
     names="$names $name"
     [ $(el) -gt 480 ] && { echo "stopping at $(el) s"; break; }
