@@ -84,11 +84,13 @@ for k in sorted(d1):
     print(f"{k[0]:18s} M={k[1]:<5d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
           f"{d / r if r else 0:6.3f} {n / d if k in k1 else 0:6.3f}")
 PY
-  # A few cells kernel by kernel (under KNOB): small M (the shrinks), and M = 1024 (the expands by groups at Qwen3-30B;
-  # GEMM2's by column tiles at DeepSeek-V3).
-  ( [ -n "$knob" ] && export "$knob"
-    profile_cells "qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16" "qwen3-30b-a3b 1024" "deepseek-v3-tp8 1024" ) |
-    tee -a $OUT/ab.txt
+  # A few cells kernel by kernel (under KNOB, unless PROFILE_DEFAULT=1: where the knob is the old behaviour and the
+  # patch's kernels are the default's): small M (the shrinks), and M = 1024 (the expands by groups at Qwen3-30B;
+  # GEMM2's by column tiles at DeepSeek-V3); PROFILE_CELLS="MODEL:M ..." replaces the list.
+  cells=("qwen3-30b-a3b 16" "qwen3-30b-a3b 64" "olmoe-1b-7b 16" "qwen3-30b-a3b 1024" "deepseek-v3-tp8 1024")
+  [ -n "${PROFILE_CELLS:-}" ] && { cells=(); for c in $PROFILE_CELLS; do cells+=("${c%%:*} ${c#*:}"); done; }
+  ( [ -n "$knob" ] && [ "${PROFILE_DEFAULT:-0}" != 1 ] && export "$knob"
+    profile_cells "${cells[@]}" ) | tee -a $OUT/ab.txt
   [ -n "${KNOB_SOURCE:-}" ] && bash "$0" source qwen3-30b-a3b 16 "$KNOB_SOURCE" 2>&1 | tail -75 | tee $OUT/source.txt
   ;;
 attrib)
