@@ -409,7 +409,8 @@ constexpr int64_t kWarpTilesMaxMeanRun = 32;
 // And where K is at most this. The register-operand version lost at K = 7168 (above); with its
 // operands staged by cp.async (one wait a batch) it wins there: DeepSeek-V3-TP8 forced onto
 // the warp tiles took 0.938x of the layer at M = 256 and 0.978x at M = 1024 (H200, this
-// commit's lease). K = 14336 (Mixtral's GEMM2) is not measured, so it stays segmented.
+// commit's lease). K = 14336 (Mixtral's GEMM2) is measured only below 1024 slots (where it
+// wins: kWarpTilesAnyRunMaxSlots); past them its runs are long anyway (64 entries at M = 1024).
 constexpr int64_t kWarpTilesMaxK = 8192;
 // Chunks of at most this many slots take the warp tiles at every run length and K (past it,
 // the two bounds above). There they replaced GEMVs over entries (a warp an (entry, slice,
