@@ -412,8 +412,15 @@ constexpr int64_t kWarpTilesMaxMeanRun = 32;
 // commit's lease). K = 14336 (Mixtral's GEMM2) is measured only below 1024 slots (where it
 // wins: kWarpTilesAnyRunMaxSlots); past them its runs are long anyway (64 entries at M = 1024).
 constexpr int64_t kWarpTilesMaxK = 8192;
+// And at mean runs up to twice as long where K is at most kWarpTilesShortK: with every GEMM's
+// shrink forced onto the warp tiles (H200, 64300e1's lease, the layer against the default)
+// OLMoE M = 1024 (mean run 32, K 2048 / 1024) took 0.939x and gpt-oss-120b M = 4096 (32,
+// K 2880) 0.986x, but DeepSeek-V3-TP8 M = 4096 (32, GEMM1's K 7168) 1.021x and Qwen3-30B
+// M = 4096 (64) 1.024x.
+constexpr int64_t kWarpTilesMaxMeanRunShortK = 2 * kWarpTilesMaxMeanRun;
+constexpr int64_t kWarpTilesShortK = 4096;
 // Chunks of at most this many slots take the warp tiles at every run length and K (past it,
-// the two bounds above). There they replaced GEMVs over entries (a warp an (entry, slice,
+// the bounds above). There they replaced GEMVs over entries (a warp an (entry, slice,
 // rank row), re-reading its row of A for every rank row): H200, LoRA r16 x 4 adapters, M =
 // 16-256 (at most 1024 slots), the layer took 0.93-1.01x of a rebuilt entries GEMV's time
 // and, at M = 16, 0.95-1.00x of the old one's, Mixtral's GEMM2 (K = 14336) included
@@ -578,7 +585,8 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
     if constexpr (kTensorCores<T>) {
       const WarpTilesUse use = lora_shrink_warp_tiles_use();
       const bool by_rule = p.num_slots <= kWarpTilesAnyRunMaxSlots ||
-                           (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK);
+                           (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK) ||
+                           (!mean_run_at_least(p, kWarpTilesMaxMeanRunShortK) && p.K <= kWarpTilesShortK);
       if (shrink_gemv_loadable<T>(p) &&
           (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && by_rule))) {
         // Every 16-entry tile of the capacity (the used ones are read on the device).

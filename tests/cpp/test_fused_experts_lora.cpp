@@ -349,12 +349,15 @@ std::vector<LayerLoraCase> layer_cases() {
       // takes the warp tiles at every K: the cases above, and one past kWarpTilesMaxK.
       fused.push_back({.name = tag + "warp_tile_shrink_small_chunk_long_k", .backend = backend, .M = 40, .H = 8200,
                        .I = 80, .rank = 16});
-      // Past it, below a mean (expert, adapter) run of 32 entries (slots / (E * L)) it is the warp-tile
-      // kernel: 1200 / 32 and 1088 / 32 take the segmented one, 1088 / 128 and 1200 / 128 the warp tiles
-      // (tails in K: 1032 and 528 are not multiples of its 128-element steps).
-      fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .rank = 16});
+      // Past it, below a mean (expert, adapter) run of 32 entries (slots / (E * L)), or of 64 at
+      // K <= 4096, it is the warp-tile kernel: 1200 / 16 and 1088 / 16 take the segmented one,
+      // 1200 / 32 (K 136 and 48), 1088 / 128 and 1200 / 128 the warp tiles (tails in K: 1032 and 528
+      // are not multiples of its 128-element steps).
+      fused.push_back({.name = tag + "segmented_shrink", .backend = backend, .M = 300, .top_k = 4, .E = 4, .rank = 16});
       fused.push_back({.name = tag + "segmented_shrink_split_k_share50", .backend = backend, .M = 272, .top_k = 4,
-                       .H = 1032, .I = 528, .rank = 64, .share = 0.5, .disable_some = true});
+                       .E = 4, .H = 1032, .I = 528, .rank = 64, .share = 0.5, .disable_some = true});
+      fused.push_back({.name = tag + "warp_tile_shrink_mean_run_37", .backend = backend, .M = 300, .top_k = 4,
+                       .rank = 16});
       fused.push_back({.name = tag + "warp_tile_shrink_share50", .backend = backend, .M = 272, .top_k = 4,
                        .H = 1032, .I = 528, .L = 16, .rank = 64, .share = 0.5, .disable_some = true});
       fused.push_back({.name = tag + "warp_tile_shrink_rank16", .backend = backend, .M = 300, .top_k = 4,
@@ -400,10 +403,10 @@ TEST_P(FusedExpertsLoraCudaGraph, OneGraphServesEveryAdapterMix) {
     c.H = 1032;
     c.I = 528;
   }
-  // Past 1024 slots: with long runs (1200 slots / (8 x 4) pairs >= 32) the segmented MMA
+  // Past 1024 slots: with long runs (1200 slots / (4 x 4) pairs >= 64) the segmented MMA
   // shrink and its arrival counters, which the alignment zeroes in every replay; with short
   // ones (1200 / (16 x 8)) the warp-tile shrink, as below 1024 slots.
-  if (GetParam() == 3) c.M = 300, c.E = 8, c.L = 4;
+  if (GetParam() == 3) c.M = 300, c.E = 4, c.L = 4;
   if (GetParam() == 4) c.M = 300;
   std::mt19937 rng(4242);
   LoraLayer layer(c, rng);
