@@ -45,7 +45,8 @@ profile_cells() {
     echo "## $1 M=$2 (tools/profile_layer.sh)"; cut -c1-140 /tmp/kernels_$1_$2.txt
   done
 }
-LORA_GRID="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank 16 --adapters 4 --lora-share 1.0 --no-check"
+# GRID_RANKS="0,16" adds the base rows (rank 0) to the grid (~2x its time).
+LORA_GRID="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank ${GRID_RANKS:-16} --adapters 4 --lora-share 1.0 --no-check"
 case "${1:-}" in
 ab|knob)
   # The patches built together, their tests, then the LoRA grid (two alternating rounds, so drift within the call
@@ -59,29 +60,30 @@ ab|knob)
   lora_tests
   rm -f /tmp/kn_*.json  # a warm machine's from an earlier call
   for round in 1 2; do
-    timeout 60 $B/moelora_bench $LORA_GRID --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
+    timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
     [ -z "$knob" ] && continue
-    env $knob timeout 60 $B/moelora_bench $LORA_GRID --json /tmp/kn_knob$round.json > /dev/null 2>&1
+    env $knob timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_knob$round.json > /dev/null 2>&1
     echo "knob $round rc $? at $(el) s"
   done
-  KNOB_NAME="$knob" REF_REPORT=${REF_REPORT:-reports/gpu/2026-11-30-h200-64300e1-issue31-warp-tiles-small-chunks.json} \
+  KNOB_NAME="$knob" REF_REPORT=${REF_REPORT:-reports/gpu/2026-11-30-h200-5e60aaa-issue31-mean-run-64.json} \
     python3 - <<'PY' | tee $OUT/ab.txt
 import json, os
-def rows(f):
-    return {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f))["rows"] if r.get("lora")} if os.path.exists(f) else {}
+rank = lambda r: (r.get("lora") or {}).get("rank", 0)
+def rows(f):  # (model, M, rank): rank 0 the base rows (GRID_RANKS)
+    return {(r["model"], r["M"], rank(r)): r["time_us"] for r in json.load(open(f))["rows"]} if os.path.exists(f) else {}
 d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
 # The last proof's LoRA rows (a lease apart): what the patches do to the default.
 ref = os.environ["REF_REPORT"]
-report = {(r["model"], r["M"]): r["time_us"] for r in json.load(open(ref))["rows"]
-          if r.get("lora") and r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0
+report = {(r["model"], r["M"], rank(r)): r["time_us"] for r in json.load(open(ref))["rows"]
+          if (not r.get("lora") or (r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0))
           and r.get("dtype", "bf16") == "bf16" and r.get("quant") is None}
 knob = os.environ["KNOB_NAME"] or "no knob"
-print(f"## bf16 LoRA r16, 4 adapters (us): {os.path.basename(ref)} | this run's default, two rounds | {knob}, two rounds | "
+print(f"## bf16 LoRA r16 (r0: the base), 4 adapters (us): {os.path.basename(ref)} | this run's default, two rounds | {knob}, two rounds | "
       "default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
 for k in sorted(d1):
     d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
     r = report.get(k, 0)
-    print(f"{k[0]:18s} M={k[1]:<5d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
+    print(f"{k[0]:18s} M={k[1]:<5d} r{k[2]:<3d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
           f"{d / r if r else 0:6.3f} {n / d if k in k1 else 0:6.3f}")
 PY
   # A few cells kernel by kernel (under KNOB, unless PROFILE_DEFAULT=1: where the knob is the old behaviour and the
