@@ -15,6 +15,8 @@
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
 #   bash docs/wip/issue31-next.sh source MODEL M REGEX [SKIP]   (~60 s warm, ~240 s cold) ncu's source page (SASS) of the first
 #       kernel matching REGEX: the top instructions by stall samples, excess global sectors and shared wavefronts.
+#   bash docs/wip/issue31-next.sh basediag MODEL M   (~120 s warm) ncu's sections for our base layer's sm80 GEMMs and the
+#       peer's (benchmarks/triton_moe_peer_kernels.py moe_gemm_kernel) at MODEL and M: why ours trail at M = 16-64.
 #   bash docs/wip/issue31-next.sh peer MODEL M   (~90 s) ncu's sections for the peer's LoRA kernels
 #       (its Triton shrink and expand, this GPU's searched configs): what its expand does that ours does not.
 set -uo pipefail
@@ -139,6 +141,25 @@ peer)
   echo "peer ncu rc $? at $(el) s"
   grep -E "^  \S+_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Grid Size|Block Limit|Issued Warp Per|Dynamic Shared" \
     $OUT/peer_ncu_$M.txt | cut -c1-150 | tee $OUT/peer_digest_$M.txt
+  ;;
+basediag)
+  # The base layer's small-M GEMMs, ours against the peer's, under ncu's sections (speed of light, occupancy, launch,
+  # memory, warp states) at MODEL and M: at 5e60aaa our two GEMMs at DeepSeek-V3 M = 16 took ~294 us against the
+  # peer's 263.5 (the same 16 x 64 / 16 x 128 tiles; the peer's K steps 128 deep, 5 / 3 stages; ours 64, 8 / 4) and
+  # ~194 against 183.6 at Qwen3-30B. $OUT/basediag_<M>.txt and a digest (~120 s warm, ~330 s cold).
+  model=${2:?model}; M=${3:?M}
+  [ -x $B/moelora_bench ] || build
+  sections="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+    --section SchedulerStats --section MemoryWorkloadAnalysis"
+  timeout 120 ncu --clock-control none --graph-profiling node -k regex:fused_moe_sm80 --launch-count 4 $sections \
+    $B/moelora_bench --device cuda --iters 3 --no-check --model $model --tokens $M > $OUT/basediag_$M.txt 2>&1
+  echo "ours ncu rc $? at $(el) s"
+  timeout 200 ncu --clock-control none --graph-profiling node -k regex:moe_gemm_kernel --launch-count 4 $sections \
+    python3 benchmarks/triton_fused_moe_compare.py --model $model --tokens $M --configs \
+    benchmarks/peer_configs/nvidia-h200.json --iters 3 >> $OUT/basediag_$M.txt 2>&1
+  echo "peer ncu rc $? at $(el) s"
+  grep -E "^  \S+(_kernel|sm80)|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Grid Size|Block Limit|Issued Warp Per|Dynamic Shared|Stall Long" \
+    $OUT/basediag_$M.txt | cut -c1-150 | tee $OUT/basediag_digest_$M.txt
   ;;
 source)
   # Nsight Compute's source page for one LoRA kernel (the first launch matching REGEX after SKIP) of MODEL's LoRA r16 layer at M:
