@@ -34,7 +34,8 @@ apply_patches() {
 # The LoRA layer, delta, align and top-k sum tests into $OUT/tests.log.
 lora_tests() {
   local tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLora*:All/LoraDeltaTest.*'
-  timeout 150 $B/moelora_tests --gtest_filter="$tests:*Align*:*SumReduce*" > $OUT/tests.log 2>&1
+  # TESTS_EXTRA=":PATTERN...": more gtest patterns (e.g. ":Shapes/FusedMoeTest.*/CUDA_*" for the sm80 GEMMs).
+  timeout 150 $B/moelora_tests --gtest_filter="$tests:*Align*:*SumReduce*${TESTS_EXTRA:-}" > $OUT/tests.log 2>&1
   echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
 }
 # Each "MODEL M" cell's LoRA r16 layer kernel by kernel (tools/profile_layer.sh), under the environment given.
@@ -51,42 +52,51 @@ profile_cells() {
 LORA_GRID="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank ${GRID_RANKS:-16} --adapters 4 --lora-share 1.0 --no-check"
 case "${1:-}" in
 ab|knob)
-  # The patches built together, their tests, then the LoRA grid (two alternating rounds, so drift within the call
-  # shows) against the last proof's report (a lease apart), and with KNOB (knob: "VAR=VALUE", a rule's candidate
-  # before it becomes the rule) in the same run; then the kernels of a few cells (with KNOB).
-  [ "$1" = knob ] && : "${KNOB:?KNOB=\"VAR=VALUE\"}"
+  # The patches built together, their tests, then the LoRA grid (ROUNDS alternating rounds, 2 by default, so drift
+  # within the call shows) against the last proof's report (a lease apart), and under each knob of KNOBS
+  # ("NAME:VAR=VALUE ...", or KNOB="VAR=VALUE" for one: a rule's candidate before it becomes the rule, or the old
+  # behaviour against a patch's new default) in the same run; then the kernels of a few cells (with KNOB).
+  [ "$1" = knob ] && [ -z "${KNOB:-}${KNOBS:-}" ] && { echo 'knob: KNOB="VAR=VALUE" or KNOBS="NAME:VAR=VALUE ..."'; exit 2; }
   knob=${KNOB:-}
+  knobs=${KNOBS:-}; [ -n "$knob" ] && knobs="knob:$knob $knobs"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   apply_patches ${PATCHES:-}
   build
   lora_tests
   rm -f /tmp/kn_*.json  # a warm machine's from an earlier call
-  for round in 1 2; do
-    timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_def$round.json > /dev/null 2>&1; echo "default $round rc $? at $(el) s"
-    [ -z "$knob" ] && continue
-    env $knob timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_knob$round.json > /dev/null 2>&1
-    echo "knob $round rc $? at $(el) s"
+  for round in $(seq 1 ${ROUNDS:-2}); do
+    timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_default_$round.json > /dev/null 2>&1
+    echo "default $round rc $? at $(el) s"
+    for k in $knobs; do
+      env ${k#*:} timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_${k%%:*}_$round.json > /dev/null 2>&1
+      echo "${k%%:*} $round rc $? at $(el) s"
+    done
   done
-  KNOB_NAME="$knob" REF_REPORT=${REF_REPORT:-reports/gpu/2026-11-30-h200-5e60aaa-issue31-mean-run-64.json} \
+  KNOBS_RUN="$knobs" REF_REPORT=${REF_REPORT:-reports/gpu/2026-11-30-h200-5e60aaa-issue31-mean-run-64.json} \
     python3 - <<'PY' | tee $OUT/ab.txt
-import json, os
+import glob, json, os
 rank = lambda r: (r.get("lora") or {}).get("rank", 0)
 def rows(f):  # (model, M, rank): rank 0 the base rows (GRID_RANKS)
-    return {(r["model"], r["M"], rank(r)): r["time_us"] for r in json.load(open(f))["rows"]} if os.path.exists(f) else {}
-d1, d2, k1, k2 = (rows(f"/tmp/kn_{n}.json") for n in ("def1", "def2", "knob1", "knob2"))
-# The last proof's LoRA rows (a lease apart): what the patches do to the default.
+    return {(r["model"], r["M"], rank(r)): r["time_us"] for r in json.load(open(f))["rows"]}
+def runs(name):  # each round's rows
+    return [rows(f) for f in sorted(glob.glob(f"/tmp/kn_{name}_*.json"))]
+knobs = [k.split(":", 1) for k in os.environ["KNOBS_RUN"].split()]
+default = runs("default")
+best = lambda rs, key: min((r[key] for r in rs if key in r), default=0.0)
 ref = os.environ["REF_REPORT"]
 report = {(r["model"], r["M"], rank(r)): r["time_us"] for r in json.load(open(ref))["rows"]
           if (not r.get("lora") or (r["lora"].get("rank") == 16 and r["lora"].get("share") == 1.0))
           and r.get("dtype", "bf16") == "bf16" and r.get("quant") is None}
-knob = os.environ["KNOB_NAME"] or "no knob"
-print(f"## bf16 LoRA r16 (r0: the base), 4 adapters (us): {os.path.basename(ref)} | this run's default, two rounds | {knob}, two rounds | "
-      "default's minimum / the report (a lease apart), knob's minimum / default's (same run)")
-for k in sorted(d1):
-    d, n = min(d1[k], d2.get(k, 1e9)), min(k1.get(k, 1e9), k2.get(k, 1e9))
-    r = report.get(k, 0)
-    print(f"{k[0]:18s} M={k[1]:<5d} r{k[2]:<3d} {r:8.1f} | {d1[k]:8.1f} {d2.get(k, 0):8.1f} | {k1.get(k, 0):8.1f} {k2.get(k, 0):8.1f} | "
-          f"{d / r if r else 0:6.3f} {n / d if k in k1 else 0:6.3f}")
+print(f"## bf16, LoRA r16 (r0: the base), 4 adapters (us). report: {os.path.basename(ref)} (a lease apart); default: this "
+      "run's rounds; then default's minimum / the report's, and each knob's minimum / default's (same run)")
+for name, setting in knobs: print(f"##   {name}: {setting}")
+print(f"{'model':18s} {'M':>5s} {'r':>3s} {'report':>8s} | {'default rounds':>17s} | {'d/rep':>6s} " +
+      " ".join(f"{n:>9s}" for n, _ in knobs))
+for key in sorted(default[0] if default else {}):
+    d, r = best(default, key), report.get(key, 0)
+    rounds = " ".join(f"{x.get(key, 0):8.1f}" for x in default[:2])
+    cols = " ".join(f"{best(runs(n), key) / d if d else 0:9.3f}" for n, _ in knobs)
+    print(f"{key[0]:18s} {key[1]:5d} {key[2]:3d} {r:8.1f} | {rounds:>17s} | {d / r if r else 0:6.3f} {cols}")
 PY
   # A few cells kernel by kernel (under KNOB, unless PROFILE_DEFAULT=1: where the knob is the old behaviour and the
   # patch's kernels are the default's): small M (the shrinks), and M = 1024 (the expands by groups at Qwen3-30B;
