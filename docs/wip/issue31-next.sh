@@ -35,7 +35,7 @@ apply_patches() {
 lora_tests() {
   local tests='All/FusedExpertsLoraTest.*:Configs/FusedExpertsLoraCudaGraph.*:FusedExpertsLora*:All/LoraDeltaTest.*'
   # TESTS_EXTRA=":PATTERN...": more gtest patterns (e.g. ":Shapes/FusedMoeTest.*/CUDA_*" for the sm80 GEMMs).
-  timeout 150 $B/moelora_tests --gtest_filter="$tests:*Align*:*SumReduce*${TESTS_EXTRA:-}" > $OUT/tests.log 2>&1
+  timeout 200 $B/moelora_tests --gtest_filter="$tests:*Align*:*SumReduce*${TESTS_EXTRA:-}" > $OUT/tests.log 2>&1
   echo "tests rc $? at $(el) s"; grep -E "^\[  (PASSED|FAILED) |FAILED  \]" $OUT/tests.log | head -20
 }
 # Each "MODEL M" cell's LoRA r16 layer kernel by kernel (tools/profile_layer.sh), under the environment given.
@@ -48,8 +48,8 @@ profile_cells() {
     echo "## $1 M=$2 (tools/profile_layer.sh)"; cut -c1-140 /tmp/kernels_$1_$2.txt
   done
 }
-# GRID_RANKS="0,16" adds the base rows (rank 0) to the grid (~2x its time).
-LORA_GRID="--device cuda --model all --tokens 1,4,16,64,256,1024 --lora-rank ${GRID_RANKS:-16} --adapters 4 --lora-share 1.0 --no-check"
+# GRID_RANKS="0,16" adds the base rows (rank 0) to the grid (~2x its time); GRID_TOKENS="M,..." replaces its M.
+LORA_GRID="--device cuda --model all --tokens ${GRID_TOKENS:-1,4,16,64,256,1024} --lora-rank ${GRID_RANKS:-16} --adapters 4 --lora-share 1.0 --no-check"
 case "${1:-}" in
 ab|knob)
   # The patches built together, their tests, then the LoRA grid (ROUNDS alternating rounds, 2 by default, so drift
