@@ -616,7 +616,7 @@ void set_lora_expand_stream_use(ExpandStreamUse use);
 // (the segmented shrink), 1 (the default) at up to 1024 slots, and past them where the mean
 // (expert, adapter) run is under 32 and K at most 8192, or under 64 and K at most 4096; 2 at
 // every slot count, run length and K. For A/B timing.
-enum class WarpTilesUse : int { kNever = 0, kShortRuns = 1, kAlways = 2 };
+enum class WarpTilesUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
 WarpTilesUse lora_shrink_warp_tiles_use();
 // For this process, over the environment's (tests take the fallback with kNever).
 void set_lora_shrink_warp_tiles_use(WarpTilesUse use);

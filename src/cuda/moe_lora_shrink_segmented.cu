@@ -588,7 +588,7 @@ void moe_lora_shrink(const LoraDeltaParams& p, Stream stream) {
                            (!mean_run_at_least(p, kWarpTilesMaxMeanRun) && p.K <= kWarpTilesMaxK) ||
                            (!mean_run_at_least(p, kWarpTilesMaxMeanRunShortK) && p.K <= kWarpTilesShortK);
       if (shrink_gemv_loadable<T>(p) &&
-          (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kShortRuns && by_rule))) {
+          (use == WarpTilesUse::kAlways || (use == WarpTilesUse::kByRule && by_rule))) {
         // Every 16-entry tile of the capacity (the used ones are read on the device).
         const int64_t tiles = (p.max_num_tokens_padded + kTileRows - 1) / kTileRows;
         const int ways = int(std::clamp<int64_t>(p.adapters.max_loras, 1, kWarpTileAdapterWays));
