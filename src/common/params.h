@@ -545,6 +545,11 @@ void set_pdl_allowed(bool allowed);
 // waits out when a result looks wrong.
 void set_late_waits_allowed(bool allowed);
 bool late_waits_enabled();
+// The alignment's small CTA (256 or 512 threads where one CTA aligns at most 2048 slots) on/off
+// for this process (default on, unless $MOELORA_ALIGN_SMALL_CTA=0: 1024 threads always). For
+// A/B timing; tests run the small slot counts both ways.
+void set_align_small_cta_enabled(bool enabled);
+bool align_small_cta_enabled();
 // Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
 // device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
 // (166,912) gets. For tests and benchmarks: a workspace query and its op's launch must
@@ -596,6 +601,12 @@ void moe_lora_expand_activation_groups(const detail::LoraDeltaParams& p, const d
 enum class ExpandGroupsUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
 ExpandGroupsUse lora_expand_groups_use();
 void set_lora_expand_groups_use(ExpandGroupsUse use);
+// Where moe_sum_reduce loads kSlotBatch slots' rows at a time ($MOELORA_SUM_BATCHED): 0 never,
+// 1 (the default) where its grid holds at most 4 CTAs an SM (small M), 2 always. For A/B
+// timing; set_sum_batched_use for tests.
+enum class SumBatchedUse : int { kNever = 0, kByRule = 1, kAlways = 2 };
+SumBatchedUse sum_batched_use();
+void set_sum_batched_use(SumBatchedUse use);
 // GEMM1's expand and the gated activation in one pass (16-bit experts): act.input is p's
 // `out` (GEMM1's rows by entry); each row plus its delta goes through the activation into
 // act.out, GEMM1's rows are not written back. Replaces moe_activation_quantize there.

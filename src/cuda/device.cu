@@ -82,6 +82,14 @@ void set_late_waits_allowed(bool allowed) { g_late_waits_allowed.store(allowed);
 
 bool late_waits_enabled() { return g_late_waits_allowed.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> g_align_small_cta{env_switch_on("MOELORA_ALIGN_SMALL_CTA")};
+}  // namespace
+
+void set_align_small_cta_enabled(bool enabled) { g_align_small_cta.store(enabled); }
+
+bool align_small_cta_enabled() { return g_align_small_cta.load(std::memory_order_relaxed); }
+
 bool lora_expand_activation_enabled() {
   static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_ACTIVATION");
   return enabled;
@@ -100,7 +108,11 @@ Use three_way_from_env(const char* name) {
 std::atomic<ExpandStreamUse> g_expand_stream{three_way_from_env<ExpandStreamUse>("MOELORA_LORA_EXPAND_STREAM")};
 std::atomic<WarpTilesUse> g_shrink_warp_tiles{three_way_from_env<WarpTilesUse>("MOELORA_LORA_SHRINK_WARP_TILES")};
 std::atomic<ExpandGroupsUse> g_expand_groups{three_way_from_env<ExpandGroupsUse>("MOELORA_LORA_EXPAND_GROUPS")};
+std::atomic<SumBatchedUse> g_sum_batched{three_way_from_env<SumBatchedUse>("MOELORA_SUM_BATCHED")};
 }  // namespace
+
+SumBatchedUse sum_batched_use() { return g_sum_batched.load(std::memory_order_relaxed); }
+void set_sum_batched_use(SumBatchedUse use) { g_sum_batched.store(use); }
 
 ExpandGroupsUse lora_expand_groups_use() { return g_expand_groups.load(std::memory_order_relaxed); }
 void set_lora_expand_groups_use(ExpandGroupsUse use) { g_expand_groups.store(use); }

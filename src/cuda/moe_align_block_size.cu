@@ -26,10 +26,15 @@
 namespace moelora::cuda {
 namespace {
 
+// Threads of a CTA: 1024, or 256 / 512 where those cover one CTA's slots and groups
+// (align_threads).
+// NOTE: at small M the kernel's time is its 32 warps' instructions and barriers, most of
+// them replicated per thread (index setup, the scan's 4 items a thread over 4096 group
+// places for a few hundred groups), not its slots: in the layer's graph (H200, 5e60aaa,
+// docs/wip/issue31-exposed.sh) one more alignment launch cost 4.8-6.1 us of the base layer
+// and 8.5-11.8 us of the LoRA layer at M = 16-64 (128-512 slots) on every model measured.
 constexpr int kAlignThreads = 1024;
 constexpr int kAlignItemsPerThread = 4;
-// Groups one scan pass covers; more groups (virtual experts with LoRA) take more passes.
-constexpr int kAlignGroupsPerPass = kAlignThreads * kAlignItemsPerThread;
 // Most groups (experts, or (expert, adapter) pairs with LoRA, + 1 dropped-slot group):
 // two int tables of this size in shared memory (132 KB), e.g. 256 experts x 65 adapter
 // groups + 1.
@@ -123,11 +128,14 @@ struct AlignCtas {
 // dtype. An instance carries only its own case's code: at decode the kernel's time is
 // instruction fetch (ncu, H100, 512 slots: 720 instructions a warp, one issued every 34
 // cycles, half of them waiting for an instruction).
-template <bool kAdapters, bool kInt64Ids>
-__global__ void __launch_bounds__(kAlignThreads)
+// kThreads: the CTA's threads (align_threads).
+template <int kThreads, bool kAdapters, bool kInt64Ids>
+__global__ void __launch_bounds__(kThreads)
     moe_align_block_size_kernel(const detail::AlignParams p, int num_groups, int cache_slots,
                                 const cutlass::FastDivmod top_k) {
-  using BlockScan = cub::BlockScan<int, kAlignThreads>;
+  // Groups one scan pass covers; more groups (virtual experts with LoRA) take more passes.
+  constexpr int kAlignGroupsPerPass = kThreads * kAlignItemsPerThread;
+  using BlockScan = cub::BlockScan<int, kThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ uint8_t adapter_enabled[kAdapters ? kMaxLoraAdapters : 1];  // p.adapter_enabled, 1 where null
   extern __shared__ int4 align_smem[];
@@ -136,8 +144,9 @@ __global__ void __launch_bounds__(kAlignThreads)
   int* group_count = reinterpret_cast<int*>(align_smem);
   int* group_cursor = group_count + num_groups;
   const bool segmented = kAdapters && p.entry_lora_ids != nullptr;
-  int* group_total = group_cursor + num_groups;  // [num_groups] when segmented
-  uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_total + (segmented ? num_groups : 0));  // [cache_slots]
+  // Each group's total over the cluster, when segmented: one CTA's counts are the totals.
+  int* const group_total_table = group_cursor + num_groups;  // [num_groups] when segmented
+  uint16_t* slot_group = reinterpret_cast<uint16_t*>(group_total_table + (segmented ? num_groups : 0));  // [cache_slots]
 
   const AlignCtas ctas;
   const int num_slots = int(p.num_tokens * p.top_k);  // < 2^31: checked by the launcher
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kAlignThreads)
   const int block_size = int(p.block_size);
   const int groups_per_expert = kAdapters ? int(p.max_loras) + 1 : 1;
   const int sentinel = num_slots;
-  for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) group_count[g] = 0;
+  for (int g = threadIdx.x; g < num_groups; g += kThreads) group_count[g] = 0;
   wait_for_previous_kernel();
   // One wave, no later CTAs to protect: let the GEMM's CTAs launch and park now.
   allow_next_kernel_launch();
@@ -156,18 +165,18 @@ __global__ void __launch_bounds__(kAlignThreads)
   if (ctas.rank == 0 && int(threadIdx.x) < p.num_tile_counters) p.tile_counters[threadIdx.x] = 0;
   // Every entry starts as the sentinel; the scatter (after two cluster barriers) overwrites
   // the real slots.
-  for (int i = ctas.rank * kAlignThreads + threadIdx.x; i < int(p.max_num_tokens_padded); i += ctas.count * kAlignThreads) {
+  for (int i = ctas.rank * kThreads + threadIdx.x; i < int(p.max_num_tokens_padded); i += ctas.count * kThreads) {
     p.sorted_token_ids[i] = sentinel;
     if (segmented) p.entry_lora_ids[i] = -1;
   }
   // The adapter masks are OR-ed in by every CTA after the cluster barrier below. The
   // shrink's counters start at zero (the kernels before this one are done with them).
-  for (int b = ctas.rank * kAlignThreads + threadIdx.x; segmented && b < int(p.max_num_blocks);
-       b += ctas.count * kAlignThreads) {
+  for (int b = ctas.rank * kThreads + threadIdx.x; segmented && b < int(p.max_num_blocks);
+       b += ctas.count * kThreads) {
     p.block_lora_masks[b] = 0;
   }
-  for (int i = ctas.rank * kAlignThreads + threadIdx.x;
-       segmented && p.lora_shrink_counters && i < int(p.max_num_blocks * p.block_size / 16); i += ctas.count * kAlignThreads) {
+  for (int i = ctas.rank * kThreads + threadIdx.x;
+       segmented && p.lora_shrink_counters && i < int(p.max_num_blocks * p.block_size / 16); i += ctas.count * kThreads) {
     p.lora_shrink_counters[i] = 0;
   }
   if (kAdapters && int(threadIdx.x) < p.max_loras) {
@@ -176,27 +185,29 @@ __global__ void __launch_bounds__(kAlignThreads)
   __syncthreads();
   // NOTE: kAlignBatch independent loads in flight per thread before their atomics: a
   // thread reading one load at a time waits out the memory latency per slot.
-  for (int s0 = slot_begin; s0 < slot_end; s0 += kAlignThreads * kAlignBatch) {
+  for (int s0 = slot_begin; s0 < slot_end; s0 += kThreads * kAlignBatch) {
     int g[kAlignBatch];
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
-      const int s = s0 + i * kAlignThreads + int(threadIdx.x);
+      const int s = s0 + i * kThreads + int(threadIdx.x);
       g[i] = s < slot_end ? group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k, adapter_enabled) : -1;
     }
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
-      const int s = s0 + i * kAlignThreads + int(threadIdx.x);
+      const int s = s0 + i * kThreads + int(threadIdx.x);
       if (g[i] < 0) continue;
       if (cached) slot_group[s - slot_begin] = uint16_t(g[i]);
       atomicAdd(&group_count[g[i]], 1);
     }
   }
   ctas.sync();
-  if (segmented) {
-    for (int g = threadIdx.x; g < num_groups; g += kAlignThreads) {
+  // (group_total_table is group_count + 2 * num_groups.)
+  const int* group_total = group_count + (ctas.count == 1 ? 0 : 2 * num_groups);
+  if (segmented && ctas.count > 1) {
+    for (int g = threadIdx.x; g < num_groups; g += kThreads) {
       int total = 0;
       for (int r = 0; r < ctas.count; ++r) total += ctas.shared_of(group_count, r)[g];
-      group_total[g] = total;
+      group_total_table[g] = total;
     }
     __syncthreads();
   }
@@ -270,8 +281,8 @@ __global__ void __launch_bounds__(kAlignThreads)
   // The grouped path: each expert's first entry and slot count, from this CTA's cursors
   // (its first entry plus the slots of the CTAs before it) and the histograms.
   // NOTE: a loop of its own: kept in the scan's registers it spilled on sm_80.
-  for (int g = ctas.rank * kAlignThreads + threadIdx.x; p.group_sizes && g < num_groups - 1;
-       g += ctas.count * kAlignThreads) {
+  for (int g = ctas.rank * kThreads + threadIdx.x; p.group_sizes && g < num_groups - 1;
+       g += ctas.count * kThreads) {
     int total = 0, before = 0;
     for (int r = 0; r < ctas.count; ++r) {
       const int count = ctas.shared_of(group_count, r)[g];
@@ -282,19 +293,19 @@ __global__ void __launch_bounds__(kAlignThreads)
     p.group_sizes[g] = total;
   }
   if (ctas.rank == 0 && threadIdx.x == 0) *p.num_tokens_post_padded = total_padded;
-  for (int b = total_padded / block_size + ctas.rank * kAlignThreads + threadIdx.x; b < int(p.max_num_blocks);
-       b += ctas.count * kAlignThreads) {
+  for (int b = total_padded / block_size + ctas.rank * kThreads + threadIdx.x; b < int(p.max_num_blocks);
+       b += ctas.count * kThreads) {
     p.expert_ids[b] = -1;
     if (kAdapters && p.block_lora_ids) p.block_lora_ids[b] = -1;
   }
   // Every CTA has read every histogram (no CTA exits while another reads its shared
   // memory) and written its sentinels before any slot is scattered over them.
   ctas.sync();
-  for (int s0 = slot_begin; s0 < slot_end; s0 += kAlignThreads * kAlignBatch) {
+  for (int s0 = slot_begin; s0 < slot_end; s0 += kThreads * kAlignBatch) {
     int g[kAlignBatch];
 #pragma unroll
     for (int i = 0; i < kAlignBatch; ++i) {
-      const int s = s0 + i * kAlignThreads + int(threadIdx.x);
+      const int s = s0 + i * kThreads + int(threadIdx.x);
       g[i] = s >= slot_end   ? -1
              : cached        ? int(slot_group[s - slot_begin])
                              : group_of<kAdapters, kInt64Ids>(p, s, contiguous, num_groups, top_k, adapter_enabled);
@@ -303,10 +314,31 @@ __global__ void __launch_bounds__(kAlignThreads)
     for (int i = 0; i < kAlignBatch; ++i) {
       if (g[i] < 0) continue;
       const int entry = atomicAdd(&group_cursor[g[i]], 1);
-      p.sorted_token_ids[entry] = s0 + i * kAlignThreads + int(threadIdx.x);
+      p.sorted_token_ids[entry] = s0 + i * kThreads + int(threadIdx.x);
       if (segmented && g[i] < num_groups - 1) p.entry_lora_ids[entry] = g[i] % groups_per_expert - 1;
     }
   }
+}
+
+// The CTA's threads: at one CTA, the fewest of 256 and 512 whose threads take its slots in one
+// batch of kAlignBatch a thread and its groups in one scan pass (at most 2048 slots and 2048
+// groups), else kAlignThreads ($MOELORA_ALIGN_SMALL_CTA=0: always kAlignThreads).
+int align_threads(int64_t num_slots, int ctas, int64_t num_groups) {
+  if (ctas > 1 || !align_small_cta_enabled()) return kAlignThreads;
+  for (int threads : {256, 512}) {
+    if (num_slots <= int64_t(threads) * kAlignBatch && num_groups <= int64_t(threads) * kAlignItemsPerThread) {
+      return threads;
+    }
+  }
+  return kAlignThreads;
+}
+
+template <int kThreads>
+auto align_kernel(const detail::AlignParams& p) {
+  return p.max_loras > 0 ? (p.topk_ids_int64 ? moe_align_block_size_kernel<kThreads, true, true>
+                                             : moe_align_block_size_kernel<kThreads, true, false>)
+                         : (p.topk_ids_int64 ? moe_align_block_size_kernel<kThreads, false, true>
+                                             : moe_align_block_size_kernel<kThreads, false, false>);
 }
 
 }  // namespace
@@ -338,12 +370,12 @@ void moe_align_block_size(const detail::AlignParams& p, Stream stream) {
   const int64_t table_bytes = (p.entry_lora_ids ? 3 : 2) * num_groups * int64_t(sizeof(int));
   const int cache_slots = int(std::min<int64_t>(share, (kAlignSmemBytes - table_bytes) / int64_t(sizeof(uint16_t))));
   const size_t smem_bytes = size_t(table_bytes + int64_t(cache_slots) * int64_t(sizeof(uint16_t)));
-  const auto kernel = p.max_loras > 0 ? (p.topk_ids_int64 ? moe_align_block_size_kernel<true, true>
-                                                          : moe_align_block_size_kernel<true, false>)
-                                      : (p.topk_ids_int64 ? moe_align_block_size_kernel<false, true>
-                                                          : moe_align_block_size_kernel<false, false>);
+  const int threads = align_threads(num_slots, ctas, num_groups);
+  const auto kernel = threads == 256   ? align_kernel<256>(p)
+                      : threads == 512 ? align_kernel<512>(p)
+                                       : align_kernel<kAlignThreads>(p);
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kAlignSmemBytes));
-  launch_kernel_in_clusters(kernel, dim3(unsigned(ctas)), dim3(kAlignThreads), smem_bytes,
+  launch_kernel_in_clusters(kernel, dim3(unsigned(ctas)), dim3(unsigned(threads)), smem_bytes,
                             static_cast<cudaStream_t>(stream), ctas, p, int(num_groups), cache_slots,
                             cutlass::FastDivmod(int(std::max<int64_t>(p.top_k, 1))));
 }

@@ -93,8 +93,9 @@ constexpr int64_t kStreamMinMeanRun = kRows / 2;
 // 4 adapters, docs/perf_notes/issues-31-33.md): at DeepSeek-V3 M = 1024 (mean run 8) GEMM2's
 // expand, 37 column tiles a streaming CTA, 297 -> 248 us (layer 0.964x); at DeepSeek-V3
 // M = 256 (mean run 2, 28 a CTA) the layer 1.061x; at Qwen3-30B M = 256 (mean run 4, ~5 a
-// CTA) GEMM2's expand 37.7 -> 49.1 us. Below the rule the expands run by 16-entry groups
-// (moe_lora_expand_groups.cu) where they fit.
+// CTA) GEMM2's expand 37.7 -> 49.1 us. Below kStreamMinMeanRun the expands run by 16-entry
+// groups (moe_lora_expand_groups.cu) wherever those fit, which now beat this clause's streamed
+// tiles too (expand_by_groups); it serves the column tiles where the groups do not fit.
 constexpr int64_t kStreamMinShortRun = 8;
 constexpr int64_t kStreamMinColumnTiles = 16;
 
@@ -568,17 +569,19 @@ bool streams_by_rule(const LoraDeltaParams& p, const ExpandShape& shape) {
 }
 
 // Whether the expand runs by 16-entry groups (lora_expand_groups_use()): where they fit (16-byte
-// rows, slices x padded rank <= kExpandGroupsMaxKExtent) and, by the rule, where the column
-// tiles would not stream. Measured on an H200 (LoRA r16, 4 adapters, both expands by groups
-// against the column tiles by the rule): the layer 0.91-0.99x at M = 256 on every model and
-// at M = 1024 on Qwen3-30B and gpt-oss (mean runs 2-16), 1.04-1.12x at M = 4096 (mean runs
-// >= 32, where the tiles stream).
-bool expand_by_groups(const LoraDeltaParams& p, const ExpandShape& shape, bool vectors) {
+// rows, slices x padded rank <= kExpandGroupsMaxKExtent) and, by the rule, where the mean run
+// is short of kStreamMinMeanRun. Measured on an H200 (LoRA r16, 4 adapters, both expands by
+// groups against the column tiles by the rule): the layer 0.91-0.99x at M = 256 on every
+// model and at M = 1024 on Qwen3-30B and gpt-oss (mean runs 2-16), 1.04-1.12x at M = 4096
+// (mean runs >= 32, where the tiles stream). The groups also beat the column tiles streamed at
+// short runs (streams_by_rule's second clause): DeepSeek-V3 M = 1024 (mean run 8, GEMM2's 112
+// column tiles) 0.984x of the layer (H200, 5e60aaa's PROOF_AB: groups everywhere).
+bool expand_by_groups(const LoraDeltaParams& p, bool vectors) {
   if (!vectors || !expand_groups_fit(p)) return false;
   switch (lora_expand_groups_use()) {
     case ExpandGroupsUse::kNever: return false;
     case ExpandGroupsUse::kAlways: return true;
-    default: return !streams_by_rule(p, shape);
+    default: return !mean_run_at_least(p, kStreamMinMeanRun);
   }
 }
 
@@ -618,7 +621,7 @@ void moe_lora_expand_entries(const LoraDeltaParams& p, Stream stream) {
     if constexpr (kTensorCores<T>) {
       const bool vectors = vectors_fit(p, int(sizeof(T)));
       const ExpandShape shape = expand_shape(p, p.N_slice * p.num_slices, kOutColumns);
-      if (expand_by_groups(p, shape, vectors)) {
+      if (expand_by_groups(p, vectors)) {
         moe_lora_expand_groups(p, stream);
         return;
       }
@@ -648,7 +651,7 @@ void moe_lora_expand_activation(const LoraDeltaParams& p, const ActivationQuanti
     if constexpr (kTensorCores<T>) {
       const bool vectors = vectors_fit(p, int(sizeof(T)));
       const ExpandShape shape = expand_shape(p, act.width, kJoinOutputs);
-      if (expand_by_groups(p, shape, vectors)) {
+      if (expand_by_groups(p, vectors)) {
         moe_lora_expand_activation_groups(p, act, stream);
         return;
       }

@@ -8,6 +8,10 @@
 
 #include "test_util.h"
 
+#ifdef MOELORA_WITH_CUDA
+#include "common/params.h"
+#endif
+
 namespace moelora::test {
 namespace {
 
@@ -226,11 +230,7 @@ std::vector<int64_t> make_ids(const AlignCase& c, std::mt19937& rng) {
   return ids;
 }
 
-class AlignTest : public ::testing::TestWithParam<AlignCase> {};
-
-TEST_P(AlignTest, LayoutMatchesContract) {
-  const AlignCase& c = GetParam();
-  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+void expect_layout_matches_contract(const AlignCase& c) {
   std::mt19937 rng(std::hash<std::string>{}(c.name) ^ 0x5eed);
   const std::vector<int64_t> ids = make_ids(c, rng);
   std::vector<int32_t> map;
@@ -254,6 +254,25 @@ TEST_P(AlignTest, LayoutMatchesContract) {
   EXPECT_LE(got.num_tokens_post_padded, call.capacity.max_num_tokens_padded);
   EXPECT_LE(got.num_tokens_post_padded / c.block_size, call.capacity.max_num_blocks);
 }
+
+class AlignTest : public ::testing::TestWithParam<AlignCase> {};
+
+TEST_P(AlignTest, LayoutMatchesContract) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(GetParam().backend);
+  expect_layout_matches_contract(GetParam());
+}
+
+#ifdef MOELORA_WITH_CUDA
+// Where one CTA takes at most 2048 slots the CUDA kernel runs 256 or 512 threads by the rule
+// (align_threads); its 1024-thread CTA ($MOELORA_ALIGN_SMALL_CTA=0) must meet the contract there too.
+TEST_P(AlignTest, LayoutMatchesContractWithTheFullCta) {
+  const AlignCase& c = GetParam();
+  if (c.backend != Backend::kCUDA || c.M * c.top_k > 2048) GTEST_SKIP() << "CUDA cases of at most 2048 slots";
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  const ScopedKnob full_cta(cuda::align_small_cta_enabled, cuda::set_align_small_cta_enabled, false);
+  expect_layout_matches_contract(c);
+}
+#endif
 
 std::vector<AlignCase> align_cases() {
   std::vector<AlignCase> cases;
@@ -295,6 +314,10 @@ std::vector<AlignCase> align_cases() {
   add("dropped_map_M3001_8ctas", 3001, 8, 256, 16, Routing::kDropped, i64, true, true);
   add("worst_padding_M3000", 3000, 1, 256, 256, Routing::kWorstPadding, i32, false, false);
   add("max_experts", 100, 8, kMaxNumExperts, 16, Routing::kRandom, i32, false, false);
+  // The CUDA kernel's CTA sizes at one CTA: 512 threads for 1025-2048 groups (512 slots) and
+  // for 1025-2048 slots (1600); 1024 past 2048 groups (max_experts above).
+  add("E1500_M64", 64, 8, 1500, 16, Routing::kDropped, i32, false, true);
+  add("one_cta_M200_topk8", 200, 8, 128, 16, Routing::kRandom, i64, true, false);
   return cases;
 }
 

@@ -134,6 +134,11 @@ std::vector<AlignCase> align_cases() {
     cases.push_back({backend, 3000, 4, 128, 4, 128, 1.0, false}); // a cluster of CTAs on sm_90
     cases.push_back({backend, 3000, 4, 128, 4, 128, 1.0, false, DType::kInt64});
     cases.push_back({backend, 100, 4, 16, 1, 16, 0.0, false});    // nobody has an adapter
+    // The CUDA kernel's CTA sizes at one CTA: 256 threads (128 slots, 641 groups), 512 (1089
+    // groups, above; and 1600 slots), 1024 with two scan passes (4353 groups, 800 slots).
+    cases.push_back({backend, 16, 8, 128, 4, 16, 1.0, false});
+    cases.push_back({backend, 100, 8, 256, 16, 16, 0.5, true});
+    cases.push_back({backend, 200, 8, 128, 4, 16, 1.0, false, DType::kInt64});
   }
   return cases;
 }

@@ -4,6 +4,10 @@
 
 #include "test_util.h"
 
+#ifdef MOELORA_WITH_CUDA
+#include "common/params.h"
+#endif
+
 namespace moelora::test {
 namespace {
 
@@ -20,12 +24,9 @@ struct SumReduceCase {
 
 void PrintTo(const SumReduceCase& c, std::ostream* os) { *os << c.name; }
 
-class SumReduceTest : public ::testing::TestWithParam<SumReduceCase> {};
-
-TEST_P(SumReduceTest, MatchesReference) {
-  const SumReduceCase& c = GetParam();
-  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
-  std::mt19937 rng(std::hash<std::string>{}(c.name));
+// One moe_sum_reduce call on fresh data (seeded), against the float64 reference.
+void expect_sum_matches_reference(const SumReduceCase& c, size_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   // padded: each slot row is H + 5 long, each token holds top_k + 1 slot rows
   const int64_t stride_k = c.padded ? c.H + 5 : c.H;
   const int64_t stride_token = c.padded ? (c.top_k + 1) * stride_k : c.top_k * stride_k;
@@ -48,6 +49,28 @@ TEST_P(SumReduceTest, MatchesReference) {
   EXPECT_EQ(out.count_written_outside(out_view), 0);
 }
 
+class SumReduceTest : public ::testing::TestWithParam<SumReduceCase> {};
+
+TEST_P(SumReduceTest, MatchesReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(GetParam().backend);
+  expect_sum_matches_reference(GetParam(), std::hash<std::string>{}(GetParam().name));
+}
+
+#ifdef MOELORA_WITH_CUDA
+// Both CUDA kernels on every case (the rule batches the slots' loads of a small grid, which
+// every case here is): one slot at a time, and kSlotBatch at a time.
+TEST_P(SumReduceTest, MatchesReferenceWithEitherKernel) {
+  const SumReduceCase& c = GetParam();
+  if (c.backend != Backend::kCUDA) GTEST_SKIP() << "CUDA kernels";
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  for (cuda::SumBatchedUse use : {cuda::SumBatchedUse::kNever, cuda::SumBatchedUse::kAlways}) {
+    SCOPED_TRACE(use == cuda::SumBatchedUse::kNever ? "a slot at a time" : "batched");
+    const ScopedKnob batched(cuda::sum_batched_use, cuda::set_sum_batched_use, use);
+    expect_sum_matches_reference(c, std::hash<std::string>{}(c.name) ^ size_t(use));
+  }
+}
+#endif
+
 std::vector<SumReduceCase> sum_reduce_cases() {
   std::vector<SumReduceCase> cases;
   for (Backend backend : all_backends()) {
@@ -64,6 +87,9 @@ std::vector<SumReduceCase> sum_reduce_cases() {
       add("deepseek_M16_scale2.5", 16, 8, 7168, 2.5f, false);
       add("gpt_oss_M19_padded", 19, 4, 2880, 1.0f, true);
       add("odd_H19_padded", 33, 3, 19, 0.5f, true);
+      // Past one batch of 8 slots a thread (moe_sum_reduce.cu's kSlotBatch): a full batch and 2, 1.
+      add("topk10_H2880", 5, 10, 2880, 1.0f, false);
+      add("topk9_odd_H19_padded", 6, 9, 19, 1.5f, true);
     }
   }
   return cases;
