@@ -180,11 +180,12 @@ source)
   # where its warps stall and which of its instructions make the excess sectors and wavefronts (the text sections
   # give totals only: the join at Qwen3-30B M = 4096 had 53% excess global sectors, 36% excess shared wavefronts).
   # $OUT/source_<M>.ncu-rep (open in the UI) and source_<M>.csv, and the top instructions on stdout.
+  # SOURCE_RANK=0: the base layer's kernels (e.g. `source deepseek-v3-tp8 16 fused_moe_sm80 1`, GEMM2's sm80 tile).
   model=${2:?model}; M=${3:?M}; regex=${4:?kernel regex}; skip=${5:-0}
   [ -x $B/moelora_bench ] || build
   timeout 200 ncu --clock-control none --graph-profiling node -k regex:$regex --launch-skip $skip --launch-count 1 --set full \
     --import-source yes -f -o $OUT/source_$M $B/moelora_bench --device cuda --iters 3 --no-check --model $model \
-    --tokens $M --lora-rank 16 --adapters 4 > /tmp/ncu_source.log 2>&1; echo "ncu rc $? at $(el) s"; tail -3 /tmp/ncu_source.log
+    --tokens $M --lora-rank ${SOURCE_RANK:-16} --adapters 4 > /tmp/ncu_source.log 2>&1; echo "ncu rc $? at $(el) s"; tail -3 /tmp/ncu_source.log
   ncu --import $OUT/source_$M.ncu-rep --page source --print-source sass --csv > $OUT/source_$M.csv 2>&1
   echo "source page rc $? ($(wc -l < $OUT/source_$M.csv) lines)"
   python3 - $OUT/source_$M.csv <<'PY'
