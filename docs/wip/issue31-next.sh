@@ -54,7 +54,7 @@ case "${1:-}" in
 ab|knob)
   # The patches built together, their tests, then the LoRA grid (ROUNDS alternating rounds, 2 by default, so drift
   # within the call shows) against the last proof's report (a lease apart), and under each knob of KNOBS
-  # ("NAME:VAR=VALUE ...", or KNOB="VAR=VALUE" for one: a rule's candidate before it becomes the rule, or the old
+  # ("NAME:VAR=VALUE[,VAR=VALUE] ...", or KNOB="VAR=VALUE" for one: a rule's candidate before it becomes the rule, or the old
   # behaviour against a patch's new default) in the same run; then the kernels of a few cells (with KNOB).
   [ "$1" = knob ] && [ -z "${KNOB:-}${KNOBS:-}" ] && { echo 'knob: KNOB="VAR=VALUE" or KNOBS="NAME:VAR=VALUE ..."'; exit 2; }
   knob=${KNOB:-}
@@ -68,7 +68,7 @@ ab|knob)
     timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_default_$round.json > /dev/null 2>&1
     echo "default $round rc $? at $(el) s"
     for k in $knobs; do
-      env ${k#*:} timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_${k%%:*}_$round.json > /dev/null 2>&1
+      env $(echo "${k#*:}" | tr , " ") timeout 90 $B/moelora_bench $LORA_GRID --json /tmp/kn_${k%%:*}_$round.json > /dev/null 2>&1
       echo "${k%%:*} $round rc $? at $(el) s"
     done
   done
