@@ -620,11 +620,11 @@ void moe_lora_expand_entries(const LoraDeltaParams& p, Stream stream) {
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
       const bool vectors = vectors_fit(p, int(sizeof(T)));
-      const ExpandShape shape = expand_shape(p, p.N_slice * p.num_slices, kOutColumns);
       if (expand_by_groups(p, vectors)) {
         moe_lora_expand_groups(p, stream);
         return;
       }
+      const ExpandShape shape = expand_shape(p, p.N_slice * p.num_slices, kOutColumns);
       ExpandLaunch launch{};
       const dim3 grid = expand_grid(p, shape, kOutColumns, kStagePairBytesExpand, int(sizeof(T)), launch);
       const int64_t smem = smem_bytes(kOutColumns, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
@@ -650,11 +650,11 @@ void moe_lora_expand_activation(const LoraDeltaParams& p, const ActivationQuanti
     using T = decltype(tag);
     if constexpr (kTensorCores<T>) {
       const bool vectors = vectors_fit(p, int(sizeof(T)));
-      const ExpandShape shape = expand_shape(p, act.width, kJoinOutputs);
       if (expand_by_groups(p, vectors)) {
         moe_lora_expand_activation_groups(p, act, stream);
         return;
       }
+      const ExpandShape shape = expand_shape(p, act.width, kJoinOutputs);
       ExpandLaunch launch{};
       const dim3 grid = expand_grid(p, shape, 2 * kJoinOutputs, kStagePairBytesActivation, int(sizeof(T)), launch);
       const int64_t smem = smem_bytes(2 * kJoinOutputs, int(p.rank), p.num_slices, launch.stage_pairs, int(sizeof(T)));
