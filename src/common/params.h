@@ -550,6 +550,11 @@ bool late_waits_enabled();
 // A/B timing; tests run the small slot counts both ways.
 void set_align_small_cta_enabled(bool enabled);
 bool align_small_cta_enabled();
+// The sm80 expert GEMMs' 16 x 128 tile with its prologue's kStages - 1 loads in a loop, not
+// unrolled (6,464 -> 4,584 SASS instructions; default on, unless $MOELORA_SM80_COMPACT=0: the
+// unrolled prologue). For A/B timing; tests run the sm80 cases both ways.
+void set_sm80_compact_prologue_enabled(bool enabled);
+bool sm80_compact_prologue_enabled();
 // Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
 // device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
 // (166,912) gets. For tests and benchmarks: a workspace query and its op's launch must

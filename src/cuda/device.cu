@@ -90,6 +90,14 @@ void set_align_small_cta_enabled(bool enabled) { g_align_small_cta.store(enabled
 
 bool align_small_cta_enabled() { return g_align_small_cta.load(std::memory_order_relaxed); }
 
+namespace {
+std::atomic<bool> g_sm80_compact_prologue{env_switch_on("MOELORA_SM80_COMPACT")};
+}  // namespace
+
+void set_sm80_compact_prologue_enabled(bool enabled) { g_sm80_compact_prologue.store(enabled); }
+
+bool sm80_compact_prologue_enabled() { return g_sm80_compact_prologue.load(std::memory_order_relaxed); }
+
 bool lora_expand_activation_enabled() {
   static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_ACTIVATION");
   return enabled;

@@ -81,7 +81,15 @@ struct FusedMoeSm80Config {
   static_assert(kChunksA >= 1 && kChunksB >= 1, "tile too small for the thread count");
 };
 
-template <class Config>
+// kCompactPrologue: the prologue's kStages - 1 loads in a loop, not unrolled: one copy of
+// load_stage's code (with its LoRA branch) where unrolled there are kStages - 1 (16 x 128:
+// 6,464 -> 4,584 SASS instructions on sm_90a, 164 registers against 120, still three CTAs an
+// SM). A CTA of a 16-row GEMM at M = 16-64 lives a few microseconds and runs its code about
+// once. Measured (H200, fifty-second session, same run): the layer 0.947-0.983x at Qwen3-30B
+// and OLMoE M = 16-64 (both GEMMs 16 x 128), 0.983-0.988x at DeepSeek-V3's LoRA rows (GEMM2);
+// on the 16 x 64 tile (gpt-oss, Mixtral M = 16, Qwen3-235B M = 64) 1.000-1.013x, so the
+// 16 x 128 tile only (sm80_compact_prologue_enabled()).
+template <class Config, bool kCompactPrologue = false>
 __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const detail::GemmParams p) {
   using namespace cute;
   using T = typename Config::Element;
@@ -238,9 +246,16 @@ __global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const 
   Tensor tXrB = s2r_thr_b.retile_D(tCrB);   // (CPY, CPY_N, CPY_K)
 
   // ---- mainloop: kStages-1 tiles in flight while one is multiplied --------------
+  if constexpr (kCompactPrologue) {
+#pragma unroll 1
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < num_all_k_tiles) load_stage(s, s); else cp_async_fence();
+    }
+  } else {
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_all_k_tiles) load_stage(s, s); else cp_async_fence();
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < num_all_k_tiles) load_stage(s, s); else cp_async_fence();
+    }
   }
   load_tile_routed_weights<kBlockM>(p, tile_slot, tile_weight);
   for (int64_t k_tile = 0; k_tile < num_all_k_tiles; ++k_tile) {
@@ -298,7 +313,10 @@ void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
   const int64_t out_width = p.gated ? kBlockN / 2 : kBlockN;
   const int64_t num_tiles = num_m_tiles * ((p.N + out_width - 1) / out_width);
   if (num_tiles == 0) return;
-  auto kernel = fused_moe_sm80_kernel<Config>;
+  auto kernel = fused_moe_sm80_kernel<Config, false>;
+  if constexpr (kBlockM == 16 && kBlockN == 128) {
+    if (sm80_compact_prologue_enabled()) kernel = fused_moe_sm80_kernel<Config, true>;
+  }
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
   launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p);
 }

@@ -201,8 +201,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   ctas.sync();
-  // (group_total_table is group_count + 2 * num_groups.)
-  const int* group_total = group_count + (ctas.count == 1 ? 0 : 2 * num_groups);
+  const int* group_total = ctas.count == 1 ? group_count : group_total_table;
   if (segmented && ctas.count > 1) {
     for (int g = threadIdx.x; g < num_groups; g += kThreads) {
       int total = 0;

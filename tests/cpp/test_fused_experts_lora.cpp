@@ -458,6 +458,33 @@ void expect_grouped_ranks_match(LayerLoraCase c, const std::string& variant) {
   expect_grouped_layers_match(cases, variant);
 }
 
+// The sm80 16 x 128 tile on both GEMMs with the fused expand (Qwen3-30B's and OLMoE's tiles at
+// M = 16-64), its prologue both ways: compact (the default) and unrolled ($MOELORA_SM80_COMPACT=0);
+// ranks 8-128 (up to 4 extra K steps through the prologue), one slice, tails in K (1032, 528).
+TEST(FusedExpertsLoraSm80Prologue, MatchesReference) {
+  MOELORA_SKIP_UNLESS_AVAILABLE(Backend::kCUDA);
+  static const MoeKernelConfig sm80_m16_n128{.block_size = 16,
+                                             .gemm1 = {GemmKernel::kSm80, 16, 128},
+                                             .gemm2 = {GemmKernel::kSm80, 16, 128}};
+  for (const bool compact : {true, false}) {
+    const ScopedKnob prologue(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, compact);
+    const std::string tag = compact ? "compact_" : "unrolled_";
+    std::vector<LayerLoraCase> cases;
+    for (int64_t rank : {8, 16, 64, 128}) {
+      cases.push_back({.name = tag + "rank" + std::to_string(rank), .backend = Backend::kCUDA, .M = 60, .top_k = 4,
+                       .rank = rank});
+    }
+    cases.push_back({.name = tag + "swiglu_oai_one_slice", .backend = Backend::kCUDA, .M = 60, .rank = 24,
+                     .w13_slices = 1, .activation = Activation::kSwigluOai});
+    cases.push_back({.name = tag + "k_tails_share50", .backend = Backend::kCUDA, .M = 24, .H = 1032, .I = 528,
+                     .rank = 16, .share = 0.5, .disable_some = true});
+    for (LayerLoraCase& c : cases) {
+      c.options.config = &sm80_m16_n128;
+      expect_layer_matches_reference(c);
+    }
+  }
+}
+
 // Short runs through the segmented shrink, as with MOELORA_LORA_SHRINK_WARP_TILES=0 (and as
 // at K > 8192 past 1024 slots): the fallback the default rule no longer takes there (grouped
 // path, 1200 slots / (16 x 4) pairs; a fused-path chunk of 24 slots).

@@ -156,17 +156,9 @@ struct GemmProblem {
   FusedMoeArgs args;
 };
 
-class FusedMoeTest : public ::testing::TestWithParam<GemmCase> {};
-
-TEST_P(FusedMoeTest, MatchesReference) {
-  const GemmCase& c = GetParam();
-  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
-#ifdef MOELORA_WITH_CUDA
-  if (c.tile.kernel == GemmKernel::kSm90 && !cuda::current_device_facts().sm90_kernels) {
-    GTEST_SKIP() << "wgmma tiles need an sm_90 device";
-  }
-#endif
-  std::mt19937 rng(std::hash<std::string>{}(c.name));
+// One fused_moe call on fresh data (seeded), against the float64 reference.
+void expect_call_matches_reference(const GemmCase& c, size_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
   GemmProblem problem(c, rng);
   TestStream stream(c.backend);
   fused_moe(problem.args, stream.handle());
@@ -178,6 +170,34 @@ TEST_P(FusedMoeTest, MatchesReference) {
   EXPECT_EQ(problem.out.count_unwritten(problem.out_view), 0);
   EXPECT_EQ(problem.out.count_written_outside(problem.out_view), 0);
 }
+
+class FusedMoeTest : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(FusedMoeTest, MatchesReference) {
+  const GemmCase& c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+#ifdef MOELORA_WITH_CUDA
+  if (c.tile.kernel == GemmKernel::kSm90 && !cuda::current_device_facts().sm90_kernels) {
+    GTEST_SKIP() << "wgmma tiles need an sm_90 device";
+  }
+#endif
+  expect_call_matches_reference(c, std::hash<std::string>{}(c.name));
+}
+
+#ifdef MOELORA_WITH_CUDA
+// The sm80 16 x 128 tile's unrolled prologue ($MOELORA_SM80_COMPACT=0; the default loops) over
+// every 16-bit CUDA case that may run it (K of 0 and 24: fewer K steps than the prologue's
+// stages, then fences).
+TEST_P(FusedMoeTest, MatchesReferenceWithUnrolledPrologue) {
+  const GemmCase& c = GetParam();
+  if (c.backend != Backend::kCUDA || c.dtype == DType::kFloat32 || c.tile.kernel == GemmKernel::kSm90) {
+    GTEST_SKIP() << "16-bit CUDA cases on sm80 or heuristic tiles";
+  }
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  const ScopedKnob compact(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, false);
+  expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0xc0);
+}
+#endif
 
 std::vector<GemmCase> gemm_cases() {
   std::vector<GemmCase> cases;
@@ -237,11 +257,16 @@ std::vector<GemmCase> gemm_cases() {
   add({"M1_topk1", {}, fp32, 1, 1, 3, 40, 24, 16, false, false, contiguous, 0.0, false, 0.0});
   add({"topk1_E1", {}, bf16, 50, 1, 1, 48, 32, 16, false, true, padded, 0.0, false, 0.0});
   // K = 0: every output is zero (no weight tensor map can describe an empty K).
-  for (GemmTile t : {GemmTile{}, GemmTile{GemmKernel::kSm80, 16, 64}, GemmTile{GemmKernel::kSm90, 64, 128}}) {
+  for (GemmTile t : {GemmTile{}, GemmTile{GemmKernel::kSm80, 16, 64}, GemmTile{GemmKernel::kSm80, 16, 128},
+                     GemmTile{GemmKernel::kSm90, 64, 128}}) {
     GemmCase empty_k{"K0", {}, bf16, 7, 2, 3, 40, 0, 64, false, true, contiguous, 0.0, false, 0.0};
     empty_k.tile = t;
     add(empty_k, t.kernel == GemmKernel::kAuto ? all_backends() : std::vector<Backend>{Backend::kCUDA});
   }
+  // One K step on the 16 x 128 tile: its compact prologue loads one stage, then fences.
+  GemmCase one_k_step{"one_K_step", {}, bf16, 7, 2, 3, 40, 24, 16, false, true, contiguous, 0.0, false, 0.0};
+  one_k_step.tile = {GemmKernel::kSm80, 16, 128};
+  add(one_k_step, {Backend::kCUDA});
 
   // Every tensor-core tile (CUDA only; the CPU ignores tiles). Partial N and K tiles,
   // several m-tiles per expert (raster groups), dropped slots and remote experts (-1
