@@ -184,21 +184,6 @@ TEST_P(FusedMoeTest, MatchesReference) {
   expect_call_matches_reference(c, std::hash<std::string>{}(c.name));
 }
 
-#ifdef MOELORA_WITH_CUDA
-// The sm80 16 x 128 tile's unrolled prologue ($MOELORA_SM80_COMPACT=0; the default loops) over
-// every 16-bit CUDA case that may run it (K of 0 and 24: fewer K steps than the prologue's
-// stages, then fences).
-TEST_P(FusedMoeTest, MatchesReferenceWithUnrolledPrologue) {
-  const GemmCase& c = GetParam();
-  if (c.backend != Backend::kCUDA || c.dtype == DType::kFloat32 || c.tile.kernel == GemmKernel::kSm90) {
-    GTEST_SKIP() << "16-bit CUDA cases on sm80 or heuristic tiles";
-  }
-  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
-  const ScopedKnob compact(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, false);
-  expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0xc0);
-}
-#endif
-
 std::vector<GemmCase> gemm_cases() {
   std::vector<GemmCase> cases;
   auto add = [&](GemmCase c, const std::vector<Backend>& backends = all_backends()) {
@@ -307,6 +292,28 @@ std::vector<GemmCase> gemm_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, FusedMoeTest, ::testing::ValuesIn(gemm_cases()),
                          [](const auto& info) { return info.param.name; });
+
+#ifdef MOELORA_WITH_CUDA
+class FusedMoeSm80PrologueTest : public ::testing::TestWithParam<GemmCase> {};
+
+// The sm80 16 x 128 tile's unrolled prologue ($MOELORA_SM80_COMPACT=0; the default loops) over
+// every 16-bit CUDA case that may run it: an sm80 tile or the heuristic's (K of 0 and 24: fewer
+// K steps than the prologue's stages, then fences).
+TEST_P(FusedMoeSm80PrologueTest, UnrolledMatchesReference) {
+  const GemmCase& c = GetParam();
+  MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
+  const ScopedKnob compact(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, false);
+  expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0xc0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedMoeSm80PrologueTest,
+                         ::testing::ValuesIn(cuda_cases_where(gemm_cases(),
+                                                              [](const GemmCase& c) {
+                                                                return c.dtype != DType::kFloat32 &&
+                                                                       c.tile.kernel != GemmKernel::kSm90;
+                                                              })),
+                         [](const auto& info) { return info.param.name; });
+#endif
 
 // ---- a hand-made alignment -----------------------------------------------------------
 

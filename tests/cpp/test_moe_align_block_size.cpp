@@ -316,14 +316,6 @@ INSTANTIATE_TEST_SUITE_P(Layouts, AlignTest, ::testing::ValuesIn(align_cases()),
 // The CUDA cases of at most 2048 slots: where one CTA takes them the CUDA kernel runs 256 or
 // 512 threads by the rule (align_threads); its 1024-thread CTA ($MOELORA_ALIGN_SMALL_CTA=0)
 // must meet the contract there too.
-std::vector<AlignCase> one_cta_align_cases() {
-  std::vector<AlignCase> cases;
-  for (const AlignCase& c : align_cases()) {
-    if (c.backend == Backend::kCUDA && c.M * c.top_k <= 2048) cases.push_back(c);
-  }
-  return cases;
-}
-
 class AlignFullCtaTest : public ::testing::TestWithParam<AlignCase> {};
 
 TEST_P(AlignFullCtaTest, LayoutMatchesContract) {
@@ -333,7 +325,9 @@ TEST_P(AlignFullCtaTest, LayoutMatchesContract) {
   expect_layout_matches_contract(c);
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, AlignFullCtaTest, ::testing::ValuesIn(one_cta_align_cases()),
+INSTANTIATE_TEST_SUITE_P(Layouts, AlignFullCtaTest,
+                         ::testing::ValuesIn(cuda_cases_where(align_cases(),
+                                                              [](const AlignCase& c) { return c.M * c.top_k <= 2048; })),
                          [](const auto& info) { return info.param.name; });
 #endif
 

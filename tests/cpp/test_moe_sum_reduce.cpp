@@ -80,22 +80,16 @@ std::vector<SumReduceCase> sum_reduce_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SumReduceTest, ::testing::ValuesIn(sum_reduce_cases()),
-                         [](const auto& info) {
-                           std::string name = info.param.name;
-                           for (char& ch : name) ch = (ch == '.') ? 'p' : ch;
-                           return name;
-                         });
-
-#ifdef MOELORA_WITH_CUDA
-std::vector<SumReduceCase> cuda_sum_reduce_cases() {
-  std::vector<SumReduceCase> cases;
-  for (const SumReduceCase& c : sum_reduce_cases()) {
-    if (c.backend == Backend::kCUDA) cases.push_back(c);
-  }
-  return cases;
+// A case's name as a test name: gtest takes no '.' ("scale2.5" -> "scale2p5").
+std::string sum_case_test_name(const ::testing::TestParamInfo<SumReduceCase>& info) {
+  std::string name = info.param.name;
+  for (char& ch : name) ch = (ch == '.') ? 'p' : ch;
+  return name;
 }
 
+INSTANTIATE_TEST_SUITE_P(Shapes, SumReduceTest, ::testing::ValuesIn(sum_reduce_cases()), sum_case_test_name);
+
+#ifdef MOELORA_WITH_CUDA
 class SumReduceKernelsTest : public ::testing::TestWithParam<SumReduceCase> {};
 
 // Both CUDA kernels on every CUDA case (the rule batches the slots' loads of a small grid,
@@ -110,12 +104,9 @@ TEST_P(SumReduceKernelsTest, MatchesReferenceWithEitherKernel) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SumReduceKernelsTest, ::testing::ValuesIn(cuda_sum_reduce_cases()),
-                         [](const auto& info) {
-                           std::string name = info.param.name;
-                           for (char& ch : name) ch = (ch == '.') ? 'p' : ch;
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(Shapes, SumReduceKernelsTest,
+                         ::testing::ValuesIn(cuda_cases_where(sum_reduce_cases(), [](const SumReduceCase&) { return true; })),
+                         sum_case_test_name);
 #endif
 
 // ---- rejected arguments --------------------------------------------------------------

@@ -85,6 +85,17 @@ inline std::string sanitized(std::string name) {
   return name;
 }
 
+// The CUDA cases of a parameterized suite's list that `keep` accepts: the list of a CUDA-only
+// test instantiated as its own suite, so that its CPU instances do not show as skipped.
+template <class Case, class Keep>
+std::vector<Case> cuda_cases_where(const std::vector<Case>& cases, Keep keep) {
+  std::vector<Case> kept;
+  for (const Case& c : cases) {
+    if (c.backend == Backend::kCUDA && keep(c)) kept.push_back(c);
+  }
+  return kept;
+}
+
 inline const char* dtype_short_name(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "fp32";
