@@ -555,15 +555,6 @@ bool align_small_cta_enabled();
 // unrolled prologue). For A/B timing; tests run the sm80 cases both ways.
 void set_sm80_compact_prologue_enabled(bool enabled);
 bool sm80_compact_prologue_enabled();
-// The sm80 expert GEMMs' paths that have an older twin, as bits (default all; $MOELORA_SM80_PATHS
-// takes a number: 0 runs every older twin). Lean loads: the main loop's refills of whole base K
-// steps from per-thread bases (no bounds, no swizzle arithmetic), else the general load. Early
-// slots: the tile's slot ids read in the count's and the expert's round trip, else after the
-// first weights are asked for. For A/B timing; tests run the sm80 cases with each off. (A third,
-// paired 4-byte epilogue stores, measured 0.995-1.003x on the H200 and was dropped.)
-enum Sm80Path : int { kSm80LeanLoads = 1, kSm80EarlySlots = 2, kSm80AllPaths = 3 };
-int sm80_paths();
-void set_sm80_paths(int paths);
 // Kernel plans treat a CTA as able to have at most `bytes` of shared memory (0: the
 // device's own opt-in limit) and an SM `bytes` + 1 KB: an H100 then runs the plan an A100
 // (166,912) gets. For tests and benchmarks: a workspace query and its op's launch must

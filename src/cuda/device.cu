@@ -98,21 +98,6 @@ void set_sm80_compact_prologue_enabled(bool enabled) { g_sm80_compact_prologue.s
 
 bool sm80_compact_prologue_enabled() { return g_sm80_compact_prologue.load(std::memory_order_relaxed); }
 
-namespace {
-int sm80_paths_from_env() {
-  const char* env = std::getenv("MOELORA_SM80_PATHS");
-  if (env == nullptr) return kSm80AllPaths;
-  char* end = nullptr;
-  const long paths = std::strtol(env, &end, 10);
-  return end != env && *end == '\0' && paths >= 0 && paths <= kSm80AllPaths ? int(paths) : kSm80AllPaths;
-}
-std::atomic<int> g_sm80_paths{sm80_paths_from_env()};
-}  // namespace
-
-int sm80_paths() { return g_sm80_paths.load(std::memory_order_relaxed); }
-
-void set_sm80_paths(int paths) { g_sm80_paths.store(paths & kSm80AllPaths); }
-
 bool lora_expand_activation_enabled() {
   static const bool enabled = env_switch_on("MOELORA_LORA_EXPAND_ACTIVATION");
   return enabled;

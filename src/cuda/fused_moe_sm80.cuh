@@ -28,7 +28,6 @@
 #include "cuda/fused_moe_tile.cuh"
 #include "cuda/gated_activation.cuh"
 #include "cuda/launch.cuh"
-#include "cuda/mma_sm80.cuh"
 
 namespace moelora::cuda {
 
@@ -73,16 +72,6 @@ struct FusedMoeSm80Config {
   static constexpr int kSmemElementsB = cute::cosize(SmemLayoutB{});
   static constexpr size_t kSmemBytes =
       (kSmemElementsA + kSmemElementsB) * sizeof(Element) + kBlockM * (sizeof(int32_t) + sizeof(float));
-  // The CTAs an SM holds by shared memory (the ring, plus a CTA's 1 KB system share): 228 KB
-  // an SM on sm_90, 164 on sm_80 (sm_86 / sm_89's 100 KB hold fewer; the bound then only caps
-  // registers). __launch_bounds__ holds registers to it, so that code never costs a CTA an
-  // SM: 16 x 128 and 64 x 128 hold three CTAs at <= 168 registers.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  static constexpr int kSmBytes = 228 * 1024;
-#else
-  static constexpr int kSmBytes = 164 * 1024;
-#endif
-  static constexpr int kCtasPerSm = int(kSmBytes / (kSmemBytes + 1024));
 
   // 16-byte chunks per operand row per K tile, and the chunks each thread copies.
   static constexpr int kChunksPerRow = kBlockK * int(sizeof(Element)) / 16;
@@ -101,8 +90,7 @@ struct FusedMoeSm80Config {
 // on the 16 x 64 tile (gpt-oss, Mixtral M = 16, Qwen3-235B M = 64) 1.000-1.013x, so the
 // 16 x 128 tile only (sm80_compact_prologue_enabled()).
 template <class Config, bool kCompactPrologue = false>
-__global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
-    fused_moe_sm80_kernel(const detail::GemmParams p, int paths) {
+__global__ void __launch_bounds__(Config::kThreads) fused_moe_sm80_kernel(const detail::GemmParams p) {
   using namespace cute;
   using T = typename Config::Element;
   constexpr int kBlockM = Config::kBlockM, kBlockN = Config::kBlockN, kBlockK = Config::kBlockK;
@@ -126,16 +114,6 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   // The count and the tile's expert in one round trip: the alignment writes -1 to every
   // block past the used ones, and the grid holds max_num_blocks * (block_size / kBlockM)
   // tiles, so the read is in bounds and initialized whether or not the tile is used.
-  // With kSm80EarlySlots the tile's slot ids come in the same round trip (thread r < kBlockM
-  // reads entry entry0 + r, in bounds: sorted_token_ids holds the grid's capacity), where
-  // load_tile_slot_ids after the first weights' loads made every CTA's A rows wait one more
-  // dependent read (ncu source page, DeepSeek-V3 M = 16 GEMM2: 21% of the stall samples on
-  // that read and the barrier after it). Values of an unused tile are never looked at.
-  const bool early_slots = paths & kSm80EarlySlots;
-  int32_t raw_slot = -1;
-  if (early_slots && threadIdx.x < kBlockM && entry0 + threadIdx.x < p.sorted_token_ids_size) {
-    raw_slot = p.sorted_token_ids[entry0 + threadIdx.x];
-  }
   const int32_t num_used_entries = *p.num_tokens_post_padded;
   const int expert = p.expert_ids[entry0 / p.block_size];
   // Device-side count: tiles past the used length exit (the grid is sized from capacity).
@@ -152,8 +130,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   const T* a_base = static_cast<const T*>(p.a);
   const T* w_expert = static_cast<const T*>(p.w) + (has_expert ? expert : 0) * p.w_stride_expert;
   const int k_col = (threadIdx.x % Config::kChunksPerRow) * (16 / int(sizeof(T)));
-  // Rows past N copy row 0: they only feed output columns past N, which are never stored.
-  const T* b_row[Config::kChunksB];
+  const T* b_row[Config::kChunksB];  // null past N
 #pragma unroll
   for (int i = 0; i < Config::kChunksB; ++i) {
     const int c = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
@@ -162,7 +139,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       const GatedTileColumn<kBlockN> col(c);
       row = n0 + col.out_col < p.N ? gated_weight_row(p, n0 + col.out_col, col.up) : p.N;
     }
-    b_row[i] = w_expert + (row < (p.gated ? 2 * p.N : p.N) ? row : 0) * p.w_stride_n;
+    b_row[i] = row < (p.gated ? 2 * p.N : p.N) ? w_expert + row * p.w_stride_n : nullptr;
   }
 
   Tensor sA = make_tensor(make_smem_ptr(smem_a), typename Config::SmemLayoutA{});  // (BLK_M, BLK_K, STAGES)
@@ -176,37 +153,12 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
   // first weight byte was asked for. They join the first stage's commit group, so the
   // first wait covers them all.
   const int early_stages = int(num_k_tiles < kStages - 1 ? num_k_tiles : kStages - 1);
-  // With kSm80LeanLoads the base K steps that lie wholly inside K (all but a partial last
-  // one) load with no bound to check and shared-memory addresses from two per-thread bases:
-  // a thread's chunk i is its row plus 16 i, the swizzle (offset bits 3-5 ^= bits 6-8)
-  // changes with a row's index mod 8 only, and stages start at multiples of 512 elements,
-  // so the swizzled address of (row + 16 i, k_col, stage) is that of (row, k_col, 0) plus
-  // fixed offsets (checked on the host with CuTe for every tile and stage count). Measured
-  // before (fifty-second session, ncu source page, DeepSeek-V3 M = 16): ~85 of a 16 x 64
-  // warp's ~134 instructions a K step computed these loads' addresses, bounds and swizzle;
-  // GEMM2's 16 x 128 warps ran 66% of their instructions before the main loop (the
-  // prologue's and the early weights' loads).
-  constexpr int kRowsPerPass = kThreads / Config::kChunksPerRow;
-  static_assert(kRowsPerPass % 8 == 0 && (kBlockM * kBlockK) % 512 == 0 && (kBlockN * kBlockK) % 512 == 0,
-                "chunk rows and stages must keep the swizzle's row bits");
-  constexpr uint32_t kChunkBytes = kRowsPerPass * kBlockK * sizeof(T);
-  constexpr uint32_t kStageBytesA = kBlockM * kBlockK * sizeof(T), kStageBytesB = kBlockN * kBlockK * sizeof(T);
-  const uint32_t a_smem0 = smem_addr(&sA(threadIdx.x / Config::kChunksPerRow, k_col, 0));
-  const uint32_t b_smem0 = smem_addr(&sB(threadIdx.x / Config::kChunksPerRow, k_col, 0));
-  const int64_t num_whole_k_tiles =
-      !(paths & kSm80LeanLoads) ? 0 : num_k_tiles * kBlockK <= p.K ? num_k_tiles : num_k_tiles - 1;
   auto load_stage_b = [&](int stage, int64_t k_tile) {
     const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
-    if (k_tile < num_whole_k_tiles) {
-      const uint32_t b_smem = b_smem0 + stage * kStageBytesB;
-#pragma unroll
-      for (int i = 0; i < Config::kChunksB; ++i) cp_async_16_l2_128(b_smem + i * kChunkBytes, b_row[i] + k);
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < Config::kChunksB; ++i) {
       const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-      const bool ok = k < p.K;
+      const bool ok = b_row[i] != nullptr && k < p.K;
       CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? b_row[i] + k : w_expert),
                     *reinterpret_cast<uint128_t*>(&sB(r, k_col, stage)), ok);
     }
@@ -215,20 +167,14 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
 
   // The routed weights wait until the first stages are asked for (below): only the
   // epilogue reads them, and GEMM2's are one more dependent read after the slots.
-  if (!early_slots) {
-    load_tile_slot_ids<kBlockM>(p, entry0, tile_slot);
-  } else if (threadIdx.x < kBlockM) {
-    tile_slot[threadIdx.x] = valid_tile_slot(p, raw_slot);
-  }
+  load_tile_slot_ids<kBlockM>(p, entry0, tile_slot);
   __syncthreads();
 
-  // Padding rows copy a's row 0 (the tile holds a used entry, so a has one): they only feed
-  // output rows of padding, which are never stored.
-  const T* a_row[Config::kChunksA];
+  const T* a_row[Config::kChunksA];  // null for padding rows
 #pragma unroll
   for (int i = 0; i < Config::kChunksA; ++i) {
     const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-    a_row[i] = a_base + (tile_slot[r] >= 0 ? (tile_slot[r] / p.top_k) * p.a_stride_row : 0);
+    a_row[i] = tile_slot[r] >= 0 ? a_base + (tile_slot[r] / p.top_k) * p.a_stride_row : nullptr;
   }
 
   // The block's adapters (fused LoRA expand) and their K tiles after the base ones.
@@ -271,31 +217,14 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
       return;
     }
     const int64_t k = k_tile * kBlockK + k_col;  // K % 8 == 0: a chunk is all in or all out
-    if (k_tile < num_whole_k_tiles) {
-      const uint32_t a_smem = a_smem0 + stage * kStageBytesA;
 #pragma unroll
-      for (int i = 0; i < Config::kChunksA; ++i) cp_async_16_l2_128(a_smem + i * kChunkBytes, a_row[i] + k);
-    } else {
-#pragma unroll
-      for (int i = 0; i < Config::kChunksA; ++i) {
-        const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
-        const bool ok = k < p.K;
-        CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_row[i] + k : a_base),
-                      *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
-      }
+    for (int i = 0; i < Config::kChunksA; ++i) {
+      const int r = (threadIdx.x + i * kThreads) / Config::kChunksPerRow;
+      const bool ok = a_row[i] != nullptr && k < p.K;
+      CpAsync::copy(*reinterpret_cast<const uint128_t*>(ok ? a_row[i] + k : a_base),
+                    *reinterpret_cast<uint128_t*>(&sA(r, k_col, stage)), ok);
     }
     if (k_tile >= early_stages) load_stage_b(stage, k_tile);
-    cp_async_fence();
-  };
-  // The main loop's refill of a whole base K step (stages >= kStages - 1: none of its
-  // weights went early), without load_stage's branches.
-  auto load_whole_stage = [&](int stage, int64_t k_tile) {
-    const int64_t k = k_tile * kBlockK + k_col;
-    const uint32_t a_smem = a_smem0 + stage * kStageBytesA, b_smem = b_smem0 + stage * kStageBytesB;
-#pragma unroll
-    for (int i = 0; i < Config::kChunksA; ++i) cp_async_16_l2_128(a_smem + i * kChunkBytes, a_row[i] + k);
-#pragma unroll
-    for (int i = 0; i < Config::kChunksB; ++i) cp_async_16_l2_128(b_smem + i * kChunkBytes, b_row[i] + k);
     cp_async_fence();
   };
 
@@ -335,13 +264,7 @@ __global__ void __launch_bounds__(Config::kThreads, Config::kCtasPerSm)
     // which was consumed in the previous iteration.
     __syncthreads();
     const int64_t next = k_tile + kStages - 1;
-    if (next < num_whole_k_tiles) {
-      load_whole_stage(int(next % kStages), next);
-    } else if (next < num_all_k_tiles) {
-      load_stage(int(next % kStages), next);
-    } else {
-      cp_async_fence();
-    }
+    if (next < num_all_k_tiles) load_stage(int(next % kStages), next); else cp_async_fence();
     const int stage = int(k_tile % kStages);
 #pragma unroll
     for (int kk = 0; kk < size<2>(tCrA); ++kk) {
@@ -395,8 +318,7 @@ void launch_fused_moe_sm80(const detail::GemmParams& p, cudaStream_t stream) {
     if (sm80_compact_prologue_enabled()) kernel = fused_moe_sm80_kernel<Config, true>;
   }
   MOELORA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Config::kSmemBytes)));
-  launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p,
-                sm80_paths());
+  launch_kernel(kernel, dim3(unsigned(num_tiles)), dim3(Config::kThreads), Config::kSmemBytes, stream, p);
 }
 
 // The instances of one element type (one translation unit per type: they compile in parallel).

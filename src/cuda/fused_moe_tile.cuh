@@ -5,12 +5,6 @@
 
 namespace moelora::cuda {
 
-// An entry's value in sorted_token_ids as a tile's slot: itself if it names a slot, else -1
-// (padding: the alignment writes num_slots there).
-__device__ __forceinline__ int32_t valid_tile_slot(const detail::GemmParams& p, int32_t slot) {
-  return slot >= 0 && slot < p.num_slots ? slot : -1;
-}
-
 // tile_slot[r] = the slot of entry entry0 + r of sorted_token_ids, or -1 for padding;
 // tile_weight[r] = its routed weight (1 without topk_weights). Threads thread, thread +
 // num_threads, ... fill it; the caller syncs them after.
@@ -44,7 +38,8 @@ template <int kRows>
 __device__ __forceinline__ void load_tile_slot_ids(const detail::GemmParams& p, int64_t entry0, int32_t* tile_slot) {
   for (int r = int(threadIdx.x); r < kRows; r += int(blockDim.x)) {
     const int64_t entry = entry0 + r;
-    tile_slot[r] = valid_tile_slot(p, entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1);
+    const int32_t slot = entry < p.sorted_token_ids_size ? p.sorted_token_ids[entry] : -1;
+    tile_slot[r] = slot >= 0 && slot < p.num_slots ? slot : -1;
   }
 }
 template <int kRows>

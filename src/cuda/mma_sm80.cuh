@@ -95,10 +95,4 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src), "r"(ok ? 16 : 0));
 }
 
-// 16 bytes global -> shared by cp.async with the L2 prefetch hint of 128 bytes (the sm80
-// expert GEMMs' rows).
-__device__ __forceinline__ void cp_async_16_l2_128(uint32_t smem_addr, const void* src) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(src));
-}
-
 }  // namespace moelora::cuda

@@ -294,25 +294,19 @@ INSTANTIATE_TEST_SUITE_P(Shapes, FusedMoeTest, ::testing::ValuesIn(gemm_cases())
                          [](const auto& info) { return info.param.name; });
 
 #ifdef MOELORA_WITH_CUDA
-class FusedMoeSm80PathsTest : public ::testing::TestWithParam<GemmCase> {};
+class FusedMoeSm80PrologueTest : public ::testing::TestWithParam<GemmCase> {};
 
-// The sm80 kernels' older paths over every 16-bit CUDA case that may run them (an sm80 tile or
-// the heuristic's): the 16 x 128 tile's unrolled prologue ($MOELORA_SM80_COMPACT=0; the default
-// loops; K of 0 and 24: fewer K steps than the prologue's stages, then fences), then the older
-// twin of every sm80 path ($MOELORA_SM80_PATHS=0: the general loads, the slot ids after the
-// first weights).
-TEST_P(FusedMoeSm80PathsTest, OlderPathsMatchReference) {
+// The sm80 16 x 128 tile's unrolled prologue ($MOELORA_SM80_COMPACT=0; the default loops) over
+// every 16-bit CUDA case that may run it: an sm80 tile or the heuristic's (K of 0 and 24: fewer
+// K steps than the prologue's stages, then fences).
+TEST_P(FusedMoeSm80PrologueTest, UnrolledMatchesReference) {
   const GemmCase& c = GetParam();
   MOELORA_SKIP_UNLESS_AVAILABLE(c.backend);
-  {
-    const ScopedKnob compact(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, false);
-    expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0xc0);
-  }
-  const ScopedKnob paths(cuda::sm80_paths, cuda::set_sm80_paths, 0);
-  expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0x1ea);
+  const ScopedKnob compact(cuda::sm80_compact_prologue_enabled, cuda::set_sm80_compact_prologue_enabled, false);
+  expect_call_matches_reference(c, std::hash<std::string>{}(c.name) ^ 0xc0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, FusedMoeSm80PathsTest,
+INSTANTIATE_TEST_SUITE_P(Shapes, FusedMoeSm80PrologueTest,
                          ::testing::ValuesIn(cuda_cases_where(gemm_cases(),
                                                               [](const GemmCase& c) {
                                                                 return c.dtype != DType::kFloat32 &&
