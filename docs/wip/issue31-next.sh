@@ -8,8 +8,9 @@
 #       `knob` is the same, with KNOB required. $OUT: tests.log, ab.txt. (Earlier 'ab's: docs/perf_notes/issues-31-33.md;
 #       for a same-run A/B of landed knobs: PROOF_AB in lease-proof.sh.)
 #   PATCHES="NAME ..." bash docs/wip/issue31-next.sh attrib   (~460 s cold for three) one full build with every patch,
-#       then each taken back in reverse order with an incremental rebuild: the grid at M = 16-1024 (ATTRIB_TOKENS) after each, in one
-#       run (a cell moved 15% between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session).
+#       then each taken back in reverse order with an incremental rebuild, each step's benchmark kept; then all of
+#       them over the grid at M = 16-1024 (ATTRIB_TOKENS, ATTRIB_RANKS) in alternating rounds, one run (a cell moved 15%
+#       between two leases with its kernels unchanged: gpt-oss-120b M = 256, forty-eighth session). $OUT: attrib.txt.
 #   bash docs/wip/issue31-next.sh diag MODEL M [M...]   (~30 s warm) Nsight Compute's sections (speed of light,
 #       launch, occupancy, warp states, memory, source counters) for the first launch of each LoRA kernel
 #       (moe_lora_*) of MODEL's LoRA r16 layer at each M; $OUT/ncu_<M>.txt and a digest.
@@ -109,32 +110,64 @@ PY
   ;;
 attrib)
   # Same-run attribution: first with every patch ('all'), then each taken back in reverse order (a column named for
-  # the patch it takes back; the last column is main). The forty-eighth session's: 'ab' showed gpt-oss-120b M = 256
-  # 1717 -> 1983 us; here it was ~2000 in every column, main's too (the lease, not a patch).
+  # the patch it takes back; the last column is main), each step's benchmark kept, then all of them over the grid in
+  # ROUNDS (2) alternating rounds (drift within the call shows as rounds apart). The forty-eighth session's: 'ab'
+  # showed gpt-oss-120b M = 256 1717 -> 1983 us; here it was ~2000 in every column, main's too (the lease, not a
+  # patch). The fifty-third's: 36bb65e measured a lease apart from e08f781 was 2-8% slower in the sm80 cells its own
+  # knob columns said it sped up; only a same-run main answers that. ATTRIB_TOKENS (16,64,256,1024), ATTRIB_RANKS
+  # (16; "0,16" adds the base rows); ATTRIB_REUSE=1 on a warm machine reruns the last call's builds. A patch that touches only sm80 files rebuilds in ~60-90 s, one touching
+  # src/common/params.h everything (~170 s): put such a patch first in PATCHES (taken back last).
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   patches=${PATCHES:?PATCHES="NAME ..." (docs/wip/issue31-NAME.patch)}
-  apply_patches $patches
   rev=""; for f in $patches; do rev="$f $rev"; done
   steps="all:-"; for f in $rev; do steps="$steps $f:$f"; done
   names=""
-  for step in $steps; do
-    name=${step%%:*}; drop=${step#*:}
-    if [ "$drop" != "-" ]; then git apply -R docs/wip/issue31-$drop.patch || exit 1; fi
-    build
-    timeout 90 $B/moelora_bench --device cuda --model all --tokens ${ATTRIB_TOKENS:-16,64,256,1024} --lora-rank 16 --adapters 4 \
-      --lora-share 1.0 --no-check --json /tmp/at_$name.json > /tmp/at_$name.log 2>&1; echo "grid $name rc $? at $(el) s"
-    names="$names $name"
-    [ $(el) -gt 480 ] && { echo "stopping at $(el) s"; break; }
+  if [ "${ATTRIB_REUSE:-0}" = 1 ] && [ -x /tmp/at_bin_all ]; then
+    # A warm machine's builds from the last 'attrib' call (same PATCHES): more rounds, ranks or knobs, no build.
+    for step in $steps; do [ -x /tmp/at_bin_${step%%:*} ] && names="$names ${step%%:*}"; done
+  else
+    apply_patches $patches
+    for step in $steps; do
+      name=${step%%:*}; drop=${step#*:}
+      if [ "$drop" != "-" ]; then git apply -R docs/wip/issue31-$drop.patch || exit 1; fi
+      build
+      cp $B/moelora_bench /tmp/at_bin_$name
+      names="$names $name"
+      [ $(el) -gt 420 ] && { echo "stopping the builds at $(el) s"; break; }
+    done
+  fi
+  # ATTRIB_KNOBS="NAME:VAR=VALUE[,VAR=VALUE] ...": more columns, the 'all' build under each setting.
+  for k in ${ATTRIB_KNOBS:-}; do ln -sf /tmp/at_bin_all /tmp/at_bin_${k%%:*}; names="$names ${k%%:*}"; done
+  knob_env() { local k; for k in ${ATTRIB_KNOBS:-}; do [ "${k%%:*}" = "$1" ] && echo "${k#*:}" | tr , " "; done; }
+  rm -f /tmp/at_*_r*.json
+  for round in $(seq 1 ${ROUNDS:-2}); do
+    for name in $names; do
+      env $(knob_env $name) timeout 90 /tmp/at_bin_$name --device cuda --model all --tokens ${ATTRIB_TOKENS:-16,64,256,1024} \
+        --lora-rank ${ATTRIB_RANKS:-16} --adapters 4 --lora-share 1.0 --no-check --json /tmp/at_${name}_r$round.json \
+        > /tmp/at_$name.log 2>&1; echo "grid $name round $round rc $? at $(el) s"
+    done
   done
   export NAMES="$names"
   python3 - <<'PY' | tee $OUT/attrib.txt
-import json, os
+import glob, json, os
 names = os.environ["NAMES"].split()
-t = {n: {(r["model"], r["M"]): r["time_us"] for r in json.load(open(f"/tmp/at_{n}.json"))["rows"] if r.get("lora")} for n in names}
-print("## us, one run: every patch ('all'), then each named patch taken back in turn (the last column is main)")
-print(f"{'model':18s} {'M':>6s} " + " ".join(f"{n:>9s}" for n in names))
+rank = lambda r: (r.get("lora") or {}).get("rank", 0)
+def best(name):  # each cell's minimum over the rounds
+    t = {}
+    for f in glob.glob(f"/tmp/at_{name}_r*.json"):
+        for r in json.load(open(f))["rows"]:
+            k = (r["model"], r["M"], rank(r)); t[k] = min(t.get(k, 1e30), r["time_us"])
+    return t
+t = {n: best(n) for n in names}
+print("## us, one run, each cell's minimum over the rounds: every patch ('all'), then each named patch taken back in "
+      "turn (the last such column is main), then ATTRIB_KNOBS' columns; then each column / all (> 1: what was taken back "
+      "or switched off had gained)")
+print(f"{'model':18s} {'M':>6s} {'r':>3s} " + " ".join(f"{n:>9s}" for n in names) + " " +
+      " ".join(f"{'/' + n:>9s}" for n in names[1:]))
 for k in sorted(t["all"]):
-    print(f"{k[0]:18s} {k[1]:6d} " + " ".join(f"{t[n].get(k, 0):9.1f}" for n in names))
+    a = t["all"][k]
+    print(f"{k[0]:18s} {k[1]:6d} {k[2]:3d} " + " ".join(f"{t[n].get(k, 0):9.1f}" for n in names) + " " +
+          " ".join(f"{t[n].get(k, 0) / a:9.3f}" for n in names[1:]))
 PY
   ;;
 peer)
