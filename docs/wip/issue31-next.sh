@@ -149,7 +149,7 @@ attrib)
   done
   export NAMES="$names"
   python3 - <<'PY' | tee $OUT/attrib.txt
-import glob, json, os
+import glob, json, math, os
 names = os.environ["NAMES"].split()
 rank = lambda r: (r.get("lora") or {}).get("rank", 0)
 def best(name):  # each cell's minimum over the rounds
@@ -168,6 +168,11 @@ for k in sorted(t["all"]):
     a = t["all"][k]
     print(f"{k[0]:18s} {k[1]:6d} {k[2]:3d} " + " ".join(f"{t[n].get(k, 0):9.1f}" for n in names) + " " +
           " ".join(f"{t[n].get(k, 0) / a:9.3f}" for n in names[1:]))
+print("## per M and rank: the geomean of each column / all")
+for M, r in sorted({(k[1], k[2]) for k in t["all"]}):
+    cells = [k for k in t["all"] if k[1] == M and k[2] == r]
+    gm = lambda n: math.exp(sum(math.log(t[n][k] / t["all"][k]) for k in cells if t[n].get(k)) / len(cells))
+    print(f"{'geomean':18s} {M:6d} {r:3d} " + " ".join(f"{gm(n):9.3f}" for n in names[1:]))
 PY
   ;;
 peer)
