@@ -17,12 +17,7 @@ import json
 import math
 import sys
 
-
-def cell_key(row):
-    quant = row.get("quant") or {}
-    lora = row.get("lora")
-    lora = None if not lora else (int(lora["rank"]), int(lora["adapters"]), float(lora["share"]))
-    return row["model"], int(row["M"]), quant.get("scheme", "bf16"), lora
+from make_report import peer_key  # a cell's key, as make_report matches bench rows to the peer's
 
 
 def load_cells(path, scheme):
@@ -35,7 +30,7 @@ def load_cells(path, scheme):
     for row in rows:
         if row.get("op") != "fused_experts" or row.get("device") != "cuda" or not row.get("time_us"):
             continue
-        key = cell_key(row)
+        key = peer_key(row)
         if scheme == "all" or key[2] == scheme:
             cells[key] = row  # the last row of a key
     return cells

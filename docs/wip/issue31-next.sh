@@ -171,7 +171,8 @@ for k in sorted(t["all"]):
 print("## per M and rank: the geomean of each column / all")
 for M, r in sorted({(k[1], k[2]) for k in t["all"]}):
     cells = [k for k in t["all"] if k[1] == M and k[2] == r]
-    gm = lambda n: math.exp(sum(math.log(t[n][k] / t["all"][k]) for k in cells if t[n].get(k)) / len(cells))
+    gm = lambda n: math.exp(sum(math.log(t[n][k] / t["all"][k]) for k in cells if t[n].get(k)) /
+                            max(1, sum(1 for k in cells if t[n].get(k))))
     print(f"{'geomean':18s} {M:6d} {r:3d} " + " ".join(f"{gm(n):9.3f}" for n in names[1:]))
 PY
   ;;
